@@ -1,0 +1,1 @@
+"""Benchmarks: client-side metrics, workloads, reports, and the step-time simulator (``bench.sim``)."""

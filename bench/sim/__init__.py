@@ -1,0 +1,15 @@
+"""Step-time simulator: replays workloads through the real engine scheduler on a cost model.
+
+Entry points: ``simulate`` (one run), ``bench.sim.demo`` (the chunked-prefill demo),
+``bench.sim.experiments`` (chunk sweep, P:D search), ``bench.sim.calibrate`` (cpu-measured profile),
+``bench.sim.cli.main`` (``pdserve sim``).
+"""
+
+from __future__ import annotations
+
+from bench.sim.cost_model import LinearCostModel, RooflineCostModel, StepShape
+from bench.sim.profiles import HARDWARE, MODELS, get_hardware, get_model
+from bench.sim.simulator import SimConfig, SimResult, StepRecord, simulate
+
+__all__ = ["HARDWARE", "MODELS", "LinearCostModel", "RooflineCostModel", "SimConfig", "SimResult", "StepRecord",
+           "StepShape", "get_hardware", "get_model", "simulate"]

@@ -1,0 +1,163 @@
+"""Step-time cost models: how long one scheduled batch takes, from its shape alone.
+
+A step's shape (``StepShape``) is read off the real scheduler's ``SchedulerOutput``: for a chunk of
+``n`` tokens starting at absolute position ``s``, token ``i`` attends to ``s + i + 1`` keys, so the
+chunk contributes ``n*s + n*(n+1)/2`` *context tokens* (attention work), reads the ``s`` cached
+tokens' KV and writes ``n`` new ones.
+
+``RooflineCostModel`` (GPU profiles)::
+
+    step = fixed_overhead + max(compute, memory) + all_reduce
+    compute = (2 * matmul_params * tokens + 2 * lm_head_params * sampled_tokens
+               + 4 * layers * heads * head_dim * context_tokens) / tp / (peak_flops * mfu)
+    memory  = (weight_bytes / tp + kv_bytes_per_token * (cached_context_read + tokens_written) / tp)
+              / (mem_bw * bw_efficiency)
+    all_reduce = 2 * layers * (latency + 2 * (tp-1)/tp * tokens * hidden * dtype_bytes / interconnect_bw)
+
+We take the max, not the sum, of compute and memory: a step's matmuls stream the weights while they
+compute, so a decode-heavy step is bandwidth-bound and a prefill-heavy step compute-bound, and mixing
+decodes into a prefill step is nearly free (Sarathi's piggybacking). The all-reduce is added, not
+overlapped. The fixed overhead (scheduling, input prep, kernel launch, sampling) is paid every step,
+which is what makes very small chunks expensive.
+
+``LinearCostModel`` (the cpu-measured profile) is the least-squares fit from ``calibrate``::
+
+    step = c0 + a * prefill_tokens + b * decode_tokens + c * context_tokens
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple, Protocol
+
+from bench.sim.profiles import HardwareProfile, LinearProfile, ModelProfile
+
+
+def chunk_context_tokens(start: int, num_tokens: int) -> int:
+    """Keys attended by a chunk of ``num_tokens`` at absolute ``start``: ``Σ_i (start + i + 1)``."""
+    return num_tokens * start + num_tokens * (num_tokens + 1) // 2
+
+
+class StepShape(NamedTuple):
+    """What a step computes, as the cost models see it."""
+
+    prefill_tokens: int
+    decode_tokens: int
+    context_tokens: int  # Σ over scheduled tokens of keys attended
+    kv_read_tokens: int  # Σ over chunks of cached tokens whose KV is read (chunk start)
+    num_seqs: int
+    sampled_tokens: int  # chunks that produce a token (LM head work)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefill_tokens + self.decode_tokens
+
+    @staticmethod
+    def from_chunks(chunks: Iterable[tuple[int, int, bool]]) -> StepShape:
+        """From ``(start, num_tokens, samples)`` per chunk. A 1-token sampling chunk is a decode."""
+        prefill = decode = context = kv_read = seqs = sampled = 0
+        for start, n, samples in chunks:
+            if n == 1 and samples:
+                decode += 1
+            else:
+                prefill += n
+            context += chunk_context_tokens(start, n)
+            kv_read += start
+            seqs += 1
+            sampled += int(samples)
+        return StepShape(prefill, decode, context, kv_read, seqs, sampled)
+
+    @staticmethod
+    def from_output(output: object) -> StepShape:
+        """From an ``engine.scheduler.SchedulerOutput`` (anything with ``.chunks`` of ScheduledChunk)."""
+        return StepShape.from_chunks((c.start, len(c.token_ids), c.samples) for c in output.chunks)  # type: ignore[attr-defined]
+
+
+class CostModel(Protocol):
+    """Anything that prices a step. ``kv_bytes_per_token`` sizes KV transfers (whole model, all ranks)."""
+
+    name: str
+    kv_bytes_per_token: int
+
+    def step_time(self, shape: StepShape) -> float: ...
+
+    def kv_capacity_tokens(self) -> int: ...
+
+
+class StepCost(NamedTuple):
+    """A roofline step's parts (seconds); ``total`` is what the simulator advances the clock by."""
+
+    overhead: float
+    compute: float
+    memory: float
+    all_reduce: float
+    total: float
+
+
+class RooflineCostModel:
+    """Roofline step time of ``model`` on ``tp`` GPUs of ``hardware`` (see the module docstring)."""
+
+    def __init__(self, hardware: HardwareProfile, model: ModelProfile, tp: int = 1, combine: str = "max") -> None:
+        if tp < 1:
+            raise ValueError(f"tp must be >= 1, got {tp}")
+        if combine not in ("max", "sum"):
+            raise ValueError(f"combine must be 'max' or 'sum', got {combine!r}")
+        if model.num_heads % tp or model.num_kv_heads % tp and tp % model.num_kv_heads:
+            raise ValueError(f"tp={tp} does not divide {model.name}'s {model.num_heads} heads")
+        self.hardware = hardware
+        self.model = model
+        self.tp = tp
+        self.combine = combine
+        self.name = f"{hardware.name}x{tp}/{model.name}"
+        self.kv_bytes_per_token = model.kv_bytes_per_token
+        self._flops = hardware.peak_flops * hardware.mfu
+        self._bw = hardware.mem_bw * hardware.bw_efficiency
+
+    def breakdown(self, shape: StepShape) -> StepCost:
+        m, hw, tp = self.model, self.hardware, self.tp
+        tokens = shape.num_tokens
+        flops = (2 * m.matmul_params * tokens + 2 * m.lm_head_params * shape.sampled_tokens
+                 + m.attn_flops_per_context_token * shape.context_tokens)
+        compute = flops / tp / self._flops
+        mem_bytes = m.weight_bytes / tp + m.kv_bytes_per_token * (shape.kv_read_tokens + tokens) / tp
+        memory = mem_bytes / self._bw
+        all_reduce = 0.0
+        if tp > 1 and tokens:
+            payload = tokens * m.hidden_size * m.dtype_bytes
+            all_reduce = 2 * m.num_layers * (hw.allreduce_latency_s + 2 * (tp - 1) / tp * payload / hw.interconnect_bw)
+        body = max(compute, memory) if self.combine == "max" else compute + memory
+        total = hw.step_overhead_s + body + all_reduce if tokens else 0.0
+        return StepCost(hw.step_overhead_s, compute, memory, all_reduce, total)
+
+    def step_time(self, shape: StepShape) -> float:
+        return self.breakdown(shape).total
+
+    def kv_capacity_tokens(self) -> int:
+        """Tokens of KV that fit in one instance (``tp`` GPUs) after the weights. Raises ValueError if
+        the weights alone do not fit."""
+        hw, m = self.hardware, self.model
+        free = hw.mem_bytes * hw.gpu_memory_utilization * self.tp - m.weight_bytes
+        if free <= 0:
+            raise ValueError(f"{m.name} ({m.weight_bytes / 1e9:.0f} GB of weights) does not fit on {self.tp} x "
+                             f"{hw.name}; raise --tp")
+        return int(free // m.kv_bytes_per_token)
+
+
+class LinearCostModel:
+    """The calibrated linear step time (cpu-measured). ``model`` sizes KV; TP is not modelled."""
+
+    def __init__(self, profile: LinearProfile, model: ModelProfile) -> None:
+        self.profile = profile
+        self.model = model
+        self.name = f"{profile.name}/{model.name}"
+        self.kv_bytes_per_token = model.kv_bytes_per_token
+
+    def step_time(self, shape: StepShape) -> float:
+        if shape.num_tokens == 0:
+            return 0.0
+        p = self.profile
+        return (p.fixed_overhead_s + p.per_prefill_token_s * shape.prefill_tokens
+                + p.per_decode_token_s * shape.decode_tokens + p.per_context_token_s * shape.context_tokens)
+
+    def kv_capacity_tokens(self) -> int:
+        return int(self.profile.kv_memory_bytes // self.model.kv_bytes_per_token)

@@ -1,0 +1,190 @@
+"""Hardware and model profiles for the step-time cost model.
+
+Hardware figures are datasheet peaks (dense bf16 tensor FLOP/s without sparsity, HBM bandwidth,
+per-GPU NVLink bandwidth in one direction) times achievable fractions (``mfu`` for matmuls,
+``bw_efficiency`` for streaming reads) that are typical of tuned serving kernels, not measurements.
+``cpu-measured`` is not a roofline: it is a linear step-time fit (``bench.sim.calibrate``) of our
+own engine on this machine, loaded from a calibration JSON.
+
+Model profiles count parameters from the architecture (Llama family: GQA attention, SwiGLU MLP).
+The ``tiny`` and ``bench`` entries are the engine presets (``engine.config.ModelConfig.preset``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+GB = 1e9
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One accelerator (one tensor-parallel rank). Rates are peak; the fractions say how much is reached."""
+
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s
+    mem_bw: float  # HBM bytes/s
+    mem_bytes: float  # HBM capacity
+    mfu: float = 0.55  # achievable fraction of peak_flops for the model's matmuls
+    bw_efficiency: float = 0.8  # achievable fraction of mem_bw
+    step_overhead_s: float = 0.002  # fixed per-step cost: scheduling, input prep, launch, sampling
+    interconnect_bw: float = 300 * GB  # per-GPU, one direction (NVLink), for tensor-parallel all-reduce
+    allreduce_latency_s: float = 10e-6  # per all-reduce call
+    gpu_memory_utilization: float = 0.9  # fraction of mem_bytes for weights + KV cache
+    kv_link_bw: float = 25 * GB  # default KV link between a prefill and a decode instance (bytes/s)
+    kv_link_latency_s: float = 20e-6
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# Datasheet numbers: A100 SXM4 80GB (312 TFLOP/s bf16, 2.04 TB/s, NVLink3 600 GB/s both ways),
+# H100 SXM5 80GB (989 TFLOP/s, 3.35 TB/s, NVLink4 900 GB/s), H200 SXM 141GB (989 TFLOP/s, 4.8 TB/s).
+# kv_link_bw: one 200 Gb/s (A100) or 400 Gb/s (H100/H200) RDMA NIC per GPU.
+HARDWARE: dict[str, HardwareProfile] = {
+    "A100": HardwareProfile("A100", 312 * TFLOPS, 2.039e12, 80 * GB, interconnect_bw=300 * GB, kv_link_bw=25 * GB),
+    "H100": HardwareProfile("H100", 989 * TFLOPS, 3.35e12, 80 * GB, interconnect_bw=450 * GB, kv_link_bw=50 * GB),
+    "H200": HardwareProfile("H200", 989 * TFLOPS, 4.8e12, 141 * GB, interconnect_bw=450 * GB, kv_link_bw=50 * GB),
+}
+CPU_MEASURED = "cpu-measured"
+HARDWARE_NAMES = (*HARDWARE, CPU_MEASURED)
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """A Llama-family decoder's shape; parameter, FLOP and byte counts derive from it."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    dtype_bytes: int = 2
+    tie_word_embeddings: bool = False
+
+    @property
+    def params_per_layer(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        attn = h * self.num_heads * d + 2 * h * self.num_kv_heads * d + self.num_heads * d * h
+        mlp = 3 * h * self.intermediate_size
+        return attn + mlp + 2 * h  # + the two RMSNorm weights
+
+    @property
+    def num_params(self) -> int:
+        """All parameters (embedding counted once when tied)."""
+        emb = self.vocab_size * self.hidden_size
+        return self.num_layers * self.params_per_layer + emb * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters every token multiplies by (the decoder layers; not the embedding lookup or LM head)."""
+        return self.num_layers * self.params_per_layer
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def attn_flops_per_context_token(self) -> int:
+        """FLOPs one query spends per attended key: QK^T and PV, 2 FLOPs per multiply-add, all layers."""
+        return 4 * self.num_layers * self.num_heads * self.head_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(num_params=self.num_params, kv_bytes_per_token=self.kv_bytes_per_token)
+        return d
+
+
+MODELS: dict[str, ModelProfile] = {
+    "Llama-3-8B": ModelProfile("Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256),
+    "Llama-3-70B": ModelProfile("Llama-3-70B", 80, 8192, 64, 8, 128, 28672, 128256),
+    "tiny": ModelProfile("tiny", 4, 256, 8, 4, 32, 768, 260, dtype_bytes=4, tie_word_embeddings=True),
+    "bench": ModelProfile("bench", 8, 512, 8, 4, 64, 1536, 260, dtype_bytes=4, tie_word_embeddings=True),
+}
+
+
+def get_hardware(name: str) -> HardwareProfile:
+    """A GPU profile by name (case-insensitive). ``cpu-measured`` is a calibration file: use
+    ``load_linear_profile``. Raises ValueError for unknown names."""
+    for key, hw in HARDWARE.items():
+        if key.lower() == name.lower():
+            return hw
+    raise ValueError(f"hardware: unknown profile {name!r} (known: {', '.join(HARDWARE_NAMES)})")
+
+
+def get_model(name: str) -> ModelProfile:
+    """A model profile by name (case-insensitive). Raises ValueError for unknown names."""
+    for key, m in MODELS.items():
+        if key.lower() == name.lower():
+            return m
+    raise ValueError(f"model profile: unknown {name!r} (known: {', '.join(MODELS)})")
+
+
+@dataclass(frozen=True)
+class LinearProfile:
+    """A measured linear step-time model (``bench.sim.calibrate`` writes it as the cpu-measured JSON).
+
+    ``step_time = fixed_overhead_s + per_prefill_token_s * prefill_tokens + per_decode_token_s *
+    decode_tokens + per_context_token_s * context_tokens`` where ``context_tokens`` sums, over every
+    scheduled token, the number of keys it attends to. Valid for the model it was measured on.
+    """
+
+    model: str
+    fixed_overhead_s: float
+    per_prefill_token_s: float
+    per_decode_token_s: float
+    per_context_token_s: float
+    num_records: int = 0
+    rms_residual_s: float = 0.0
+    r2: float = 0.0
+    mean_abs_rel_error: float = 0.0
+    kv_link_bw: float = 2 * GB  # NIXL between two processes on one machine: 2–8 GB/s (FACTS.md)
+    kv_link_latency_s: float = 200e-6
+    kv_memory_bytes: float = 0.5 * 2**30  # the engine's default kv_cache_memory_gb
+    name: str = CPU_MEASURED
+    measured_at: str = ""
+    notes: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> LinearProfile:
+        known = {f.name for f in fields(LinearProfile)}
+        return LinearProfile(**{k: v for k, v in d.items() if k in known})
+
+
+def save_linear_profile(profile: LinearProfile, path: str) -> None:
+    import os
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(profile.to_dict(), f, indent=2)
+        f.write("\n")
+
+
+def load_linear_profile(path: str) -> LinearProfile:
+    """Read a calibration JSON. Raises ValueError (with the path) when it is missing or malformed."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return LinearProfile.from_dict(json.load(f))
+    except FileNotFoundError:
+        raise ValueError(f"hardware cpu-measured: no calibration file at {path} (run `pdserve sim "
+                         "--calibrate` first)") from None
+    except (json.JSONDecodeError, TypeError) as e:
+        raise ValueError(f"hardware cpu-measured: {path} is not a calibration JSON: {e}") from None

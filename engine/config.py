@@ -1,0 +1,163 @@
+"""Configuration: frozen dataclasses that validate themselves, passed down from the engine."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+PRESETS = ("tiny", "bench")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a Llama-family decoder (HF ``config.json`` field names where they exist)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    eos_token_id: int | None = None
+    bos_token_id: int | None = None
+    architecture: str = "LlamaForCausalLM"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"model config: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @staticmethod
+    def from_hf_config(raw: dict[str, Any]) -> ModelConfig:
+        """Read a Hugging Face ``config.json`` of a Llama or Qwen2 model."""
+        arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
+        if arch not in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"):
+            raise ValueError(f"model config: unsupported architecture {arch!r} (Llama, Qwen2, Mistral only)")
+        heads = raw["num_attention_heads"]
+        # transformers >= 5 folds rope_theta and rope_scaling into one "rope_parameters" dict
+        rope = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
+        rope_theta = raw.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0
+        if rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope = {}
+        eos = raw.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return ModelConfig(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope or None,
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            attention_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
+            eos_token_id=eos,
+            bos_token_id=raw.get("bos_token_id"),
+            architecture=arch,
+        )
+
+    @staticmethod
+    def preset(name: str) -> ModelConfig:
+        """Architectures of the built-in presets (weights are a seeded random initialisation)."""
+        from engine.tokenizer import ByteTokenizer
+
+        common = dict(vocab_size=ByteTokenizer.VOCAB_SIZE, eos_token_id=ByteTokenizer.EOS,
+                      bos_token_id=ByteTokenizer.BOS, tie_word_embeddings=True, rope_theta=10000.0)
+        if name == "tiny":  # ~3M parameters: demos and tests
+            return ModelConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                               num_key_value_heads=4, head_dim=32, max_position_embeddings=4096, **common)
+        if name == "bench":  # ~25M parameters: a 4k-token prefill takes seconds on a 2-core CPU
+            return ModelConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                               num_key_value_heads=4, head_dim=64, max_position_embeddings=8192, **common)
+        raise ValueError(f"model: unknown preset {name!r} (presets: {', '.join(PRESETS)})")
+
+    @staticmethod
+    def load(model: str) -> ModelConfig:
+        if model in PRESETS:
+            return ModelConfig.preset(model)
+        path = os.path.join(model, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"model: {model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory "
+                             "with a config.json")
+        with open(path) as f:
+            return ModelConfig.from_hf_config(json.load(f))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine needs. Unset sizes are derived from the model when the engine starts."""
+
+    model: str = "tiny"  # a preset name or a Hugging Face checkpoint directory
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto = cuda when present, else cpu
+    seed: int = 0  # seeds preset weights and requests that come without a seed
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None = as many as kv_cache_memory_gb allows
+    kv_cache_memory_gb: float = 0.5
+    max_num_batched_tokens: int = 2048  # token budget per step
+    max_num_seqs: int = 128
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    enable_chunked_prefill: bool = True
+    max_chunk_tokens: int | None = None  # per-request chunk cap within a step; None = the budget
+    enable_prefix_caching: bool = True
+    torch_threads: int | None = None  # None = torch's default
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a preset name or a directory, got {self.model!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("num_kv_blocks", "max_model_len", "max_chunk_tokens", "torch_threads"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when enable_chunked_prefill is off: a whole prompt must fit one step"
+            )
+
+    def with_model_defaults(self, model_config: ModelConfig) -> EngineConfig:
+        """Fill in the sizes that depend on the model and check them against it."""
+        max_model_len = self.max_model_len or model_config.max_position_embeddings
+        if max_model_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
+                             f"({model_config.max_position_embeddings})")
+        batched = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill:
+            batched = max(batched, max_model_len)
+        return replace(self, max_model_len=max_model_len, max_num_batched_tokens=batched)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,0 +1,109 @@
+"""Runs an LLMEngine continuously in its own thread; other threads talk to it through commands.
+
+The engine is not thread-safe and a step can take seconds (a long prefill chunk), so nothing else
+touches it: callers submit a function, the loop runs it between steps and resolves a future. This
+is the same shape as vLLM's engine core: inputs are applied between steps, never during one.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from engine.llm_engine import LLMEngine, RequestOutput
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    """``call(fn)`` runs ``fn(engine)`` on the loop thread; ``on_step`` sees every step's outputs.
+
+    ``on_step(engine, outputs)`` and ``on_tick(engine)`` run on the loop thread, after each step and
+    on every turn of the loop (also when idle, every ``idle_wait_s``), so they may use the engine.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
+        on_tick: Callable[[LLMEngine], None] | None = None,
+        idle_wait_s: float = 0.002,
+        name: str = "engine-loop",
+    ) -> None:
+        self.engine = engine
+        self._on_step = on_step
+        self._on_tick = on_tick
+        self._idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self.num_steps = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        """Run ``fn(engine)`` on the loop thread between steps; the future holds its result or error."""
+        future: Future[T] = Future()
+        if self._stop.is_set():
+            future.set_exception(RuntimeError(f"engine loop stopped: {self.error!r}"))
+            return future
+        self._commands.put((fn, future))
+        return future
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not engine.has_work())
+                if self._on_tick is not None:
+                    self._on_tick(engine)
+                if engine.has_work():
+                    outputs = engine.step()
+                    self.num_steps += 1
+                    if self._on_step is not None:
+                        self._on_step(engine, outputs)
+        except BaseException as e:  # the loop must not die silently: fail every waiter
+            log.exception("engine loop crashed")
+            self.error = e
+            self._stop.set()
+        finally:
+            self._fail_pending()
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as e:
+                    future.set_exception(e)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _fail_pending(self) -> None:
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not future.done():
+                future.set_exception(RuntimeError(f"engine loop stopped: {self.error!r}"))

@@ -1,0 +1,329 @@
+"""The step loop: schedule, run the model, sample, append, stop. Single process, single device."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections import deque
+from typing import NamedTuple
+
+import torch
+
+from engine.block_manager import BlockManager, BlockUsage
+from engine.config import EngineConfig, ModelConfig
+from engine.model_runner import ModelRunner, allocate_kv_cache, kv_block_bytes
+from engine.request import FinishReason, Request, RequestStatus, RequestTimes
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from engine.weights import build_model
+
+
+class RequestOutput(NamedTuple):
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+
+
+class Completion(NamedTuple):
+    """A finished request, as ``generate`` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: FinishReason
+    num_cached_tokens: int
+    times: RequestTimes
+
+
+class StepStats(NamedTuple):
+    started: float
+    duration_s: float
+    schedule_s: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_seqs: int
+    num_preempted: int
+
+
+class Reservation(NamedTuple):
+    """Blocks set aside on this engine for a prompt whose KV another worker computes."""
+
+    block_ids: list[int]
+    num_cached_tokens: int  # leading prompt tokens already in this engine's prefix cache
+
+
+class EngineStats(NamedTuple):
+    blocks: BlockUsage
+    num_running: int
+    num_waiting: int
+    num_remote_pending: int
+    num_held: int
+    tokens_in_flight: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.model_config = ModelConfig.load(config.model)
+        self.config = config.with_model_defaults(self.model_config)
+        if self.config.torch_threads:
+            torch.set_num_threads(self.config.torch_threads)
+        self.device = resolve_device(self.config.device)
+        self.dtype = resolve_dtype(self.config.dtype, self.device)
+        self.tokenizer = load_tokenizer(self.config.model, self.model_config.eos_token_id)
+        self.eos_token_id = self.model_config.eos_token_id
+        if self.eos_token_id is None and self.tokenizer is not None:
+            self.eos_token_id = self.tokenizer.eos_token_id
+        model = build_model(self.config.model, self.model_config, self.dtype, self.device, self.config.seed)
+
+        block_size = self.config.block_size
+        num_blocks = self.config.num_kv_blocks or max(
+            1, int(self.config.kv_cache_memory_gb * 2**30) // kv_block_bytes(self.model_config, block_size, self.dtype)
+        )
+        self.kv_cache = allocate_kv_cache(self.model_config, num_blocks, block_size, self.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                max_num_seqs=self.config.max_num_seqs,
+                max_model_len=self.config.max_model_len,  # type: ignore[arg-type]
+                enable_chunked_prefill=self.config.enable_chunked_prefill,
+                max_chunk_tokens=self.config.max_chunk_tokens,
+            ),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(model, self.kv_cache, block_size, self.device)
+        self._seed_source = random.Random(self.config.seed)
+        self._ids = itertools.count()
+        self._seeds: dict[str, int] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.held: dict[str, Request] = {}  # finished, blocks kept until release() (KV being pushed)
+        self._hold: set[str] = set()
+        self.step_history: deque[StepStats] = deque(maxlen=100_000)
+        self.last_output: SchedulerOutput | None = None
+        self.last_logits: dict[str, torch.Tensor] | None = None
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    hold_blocks: bool = False) -> str:
+        """Queue a request; returns its id. Raises ValueError, changing nothing, on bad input.
+
+        ``hold_blocks``: when it finishes, keep its KV blocks until ``release(request_id)``.
+        """
+        request = self._make_request(prompt, params, request_id, arrival_time)
+        self.scheduler.add(request)
+        if hold_blocks:
+            self._hold.add(request.request_id)
+        return request.request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks. False when the id is unknown."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return self.release(request_id)
+        self.scheduler.finish(request, FinishReason.ABORT)
+        self._forget(request_id)
+        return True
+
+    def release(self, request_id: str) -> bool:
+        """Free the blocks of a finished request that was added with ``hold_blocks``."""
+        request = self.held.pop(request_id, None)
+        if request is None:
+            return False
+        self.block_manager.free(request)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def has_work(self) -> bool:
+        """True when a step would compute something (remote-pending requests wait for their KV)."""
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    # ---- remote KV (the decode side of disaggregation) -----------------------------------------
+    def reserve_remote(self, prompt: list[int], params: SamplingParams, request_id: str) -> Reservation | None:
+        """Allocate blocks for a prompt whose KV will be written into them by another worker.
+
+        Leading full blocks found in the prefix cache are shared and need no transfer. Returns None,
+        changing nothing, when there are not enough free blocks now.
+        """
+        request = self._make_request(prompt, params, request_id, None)
+        hit = self.block_manager.find_prefix_hit(request)
+        if not self.block_manager.can_allocate(request, request.num_prompt_tokens - hit.num_tokens, hit):
+            self._forget(request_id)
+            return None
+        self.block_manager.take_prefix_hit(request, hit)
+        ok = self.block_manager.allocate_slots(request, request.num_prompt_tokens - hit.num_tokens)
+        assert ok
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.times.first_scheduled = time.time()
+        self.scheduler.add(request)
+        return Reservation(list(request.block_ids), hit.num_tokens)
+
+    def admit_remote(self, request_id: str, first_token: int) -> RequestOutput | None:
+        """All of the prompt's KV has arrived: decode from here. The first token is not re-emitted.
+
+        Returns the request's final output when the first token already ends it, else None.
+        """
+        request = self.scheduler.requests.get(request_id)
+        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise ValueError(f"request {request_id!r} is not waiting for remote KV")
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.block_manager.cache_full_blocks(request)
+        if self.tokenizer is not None:
+            self._detokenizers[request_id].push([first_token])
+        reason = self._append_token(request, first_token)
+        if reason is not None:
+            self.scheduler.finish(request, reason)
+            self._forget(request_id)
+            return RequestOutput(request_id, [], "", True, reason)
+        self.scheduler.admit_front(request)
+        return None
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self, keep_logits: bool = False) -> list[RequestOutput]:
+        """Run one scheduled batch. Returns outputs of requests that got a token or finished."""
+        t0 = time.perf_counter()
+        started = time.time()
+        output = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        self.last_output = output
+        if not output.chunks:
+            return []
+        requests = {c.request_id: self.scheduler.requests[c.request_id] for c in output.chunks}
+        params = {rid: r.params for rid, r in requests.items()}
+        seeds = {rid: self._seeds[rid] for rid in requests}
+        output_index = {rid: r.num_output_tokens for rid, r in requests.items()}
+        result = self.runner.run(output, params, seeds, output_index, keep_logits)
+        self.last_logits = result.logits
+        self.scheduler.update_after_step(output)
+
+        now = time.time()
+        outputs: list[RequestOutput] = []
+        for rid, token in result.tokens.items():
+            request = requests[rid]
+            if request.status != RequestStatus.RUNNING:
+                continue
+            reason = self._append_token(request, token, now)
+            text = self._detokenizers[rid].push([token]) if rid in self._detokenizers else ""
+            if reason is not None:
+                hold = rid in self._hold
+                self.scheduler.finish(request, reason, free_blocks=not hold)
+                if hold:
+                    self.held[rid] = request
+                self._forget(rid)
+            outputs.append(RequestOutput(rid, [token], text, reason is not None, reason))
+        self.step_history.append(StepStats(
+            started, time.perf_counter() - t0, t1 - t0, output.num_prefill_tokens, output.num_decode_tokens,
+            len(output.chunks), len(output.preempted),
+        ))
+        return outputs
+
+    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[Completion]:
+        """Run prompts to completion (alongside anything already queued); one Completion per prompt."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        requests = [self._make_request(p, sp, None, None) for p, sp in zip(prompts, params_list, strict=True)]
+        for request in requests:
+            self.scheduler.add(request)
+        pending = {r.request_id for r in requests}
+        texts = {r.request_id: [] for r in requests}
+        while pending:
+            for out in self.step():
+                if out.request_id in texts:
+                    texts[out.request_id].append(out.new_text)
+                if out.finished:
+                    pending.discard(out.request_id)
+        return [
+            Completion(r.request_id, r.prompt_token_ids, r.output_token_ids,
+                       "".join(texts[r.request_id]) if self.tokenizer else None,
+                       r.finish_reason, r.num_cached_tokens, r.times)  # type: ignore[arg-type]
+            for r in requests
+        ]
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        in_flight = sum(r.num_tokens for r in s.requests.values())
+        remote = sum(1 for r in s.requests.values() if r.status == RequestStatus.WAITING_FOR_REMOTE_KV)
+        return EngineStats(self.block_manager.usage(), len(s.running), len(s.waiting), remote, len(self.held),
+                           in_flight)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.scheduler.requests.get(request_id) or self.held.get(request_id)
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _make_request(self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
+                      arrival_time: float | None) -> Request:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab}), got {bad[:5]!r}")
+        max_len = self.config.max_model_len
+        assert max_len is not None
+        if len(token_ids) >= max_len:
+            raise ValueError(f"prompt: {len(token_ids)} tokens leaves no room to generate within "
+                             f"max_model_len={max_len}")
+        if self.block_manager.blocks_needed(len(token_ids) + 1) > self.block_manager.num_blocks:
+            raise ValueError(f"prompt: {len(token_ids)} tokens need more KV blocks than this engine has "
+                             f"({self.block_manager.num_blocks} of {self.config.block_size} tokens)")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.scheduler.requests or request_id in self.held:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        request = Request(request_id, token_ids, params, self.eos_token_id, arrival_time)
+        self._seeds[request_id] = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = self.tokenizer.detokenizer()
+        return request
+
+    def _append_token(self, request: Request, token: int, now: float | None = None) -> FinishReason | None:
+        now = time.time() if now is None else now
+        request.all_token_ids.append(token)
+        request.times.tokens.append(now)
+        if request.times.first_token is None:
+            request.times.first_token = now
+        p = request.params
+        if (token == request.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+            return FinishReason.STOP
+        if request.num_output_tokens >= p.max_tokens or request.num_tokens >= self.config.max_model_len:  # type: ignore[operator]
+            return FinishReason.LENGTH
+        return None
+
+    def _forget(self, request_id: str) -> None:
+        self._seeds.pop(request_id, None)
+        self._detokenizers.pop(request_id, None)
+        self._hold.discard(request_id)

@@ -1,0 +1,228 @@
+"""Llama-family decoder over a paged, block-major KV cache.
+
+RMSNorm, RoPE (with Llama-3 scaling), grouped-query attention, SwiGLU MLP, tied or untied embeddings,
+optional q/k/v bias (Qwen2). Module names follow Hugging Face's, so a checkpoint's state dict loads
+as it is. The batch is flat: ``T`` tokens from many requests, each at its absolute position.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+
+
+@dataclass
+class PrefillSpan:
+    """A run of ``hi - lo`` new tokens of one request, at absolute positions ``start ..``."""
+
+    lo: int  # index of the first token in the flat batch
+    hi: int
+    start: int  # tokens of this request already in the cache
+    block_ids: torch.Tensor  # the request's blocks, covering start + (hi - lo) slots
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each new token's K/V goes, and which cached keys each query may see."""
+
+    slot_blocks: torch.Tensor  # [T] block id of each new token
+    slot_offsets: torch.Tensor  # [T] offset inside that block
+    decode_index: torch.Tensor | None  # [B] flat index of each single-token query
+    decode_block_tables: torch.Tensor | None  # [B, max_blocks], padded with block 0
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size], True = may attend
+    prefills: list[PrefillSpan]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in ("default", None):
+        return inv_freq.float()
+    if kind == "linear":
+        return (inv_freq / scaling["factor"]).float()
+    if kind != "llama3":
+        raise ValueError(f"model config: unsupported rope scaling type {kind!r} (default, linear, llama3)")
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled).float()
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q and k by their absolute positions (the rotate-half convention of HF Llama)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        if not self.cos.is_meta:
+            self.reset_tables()
+
+    def reset_tables(self) -> None:
+        """(Re)compute the float32 cos/sin tables on the module's device (after a meta build or a cast)."""
+        device = self.cos.device
+        t = torch.arange(self.config.max_position_embeddings, dtype=torch.float64)
+        freqs = torch.outer(t, rope_inv_freq(self.config).double())
+        self.cos, self.sin = freqs.cos().float().to(device), freqs.sin().float().to(device)
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        out = []
+        for x in xs:
+            x1, x2 = x.float().chunk(2, dim=-1)
+            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            out.append(rotated.to(x.dtype))
+        return tuple(out)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+
+        k_cache = kv_cache[:, self.layer_index, 0]  # [num_blocks, block_size, kv_heads, head_dim]
+        v_cache = kv_cache[:, self.layer_index, 1]
+        k_cache[meta.slot_blocks, meta.slot_offsets] = k
+        v_cache[meta.slot_blocks, meta.slot_offsets] = v
+
+        out = torch.empty_like(q)
+        if meta.decode_index is not None:
+            out[meta.decode_index] = self._decode_attention(q[meta.decode_index], k_cache, v_cache, meta)
+        for span in meta.prefills:
+            out[span.lo : span.hi] = self._prefill_attention(q, k, v, k_cache, v_cache, span)
+        return self.o_proj(out.view(T, -1))
+
+    def _decode_attention(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        B = q.shape[0]
+        tables = meta.decode_block_tables
+        keys = k_cache[tables].view(B, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        values = v_cache[tables].view(B, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
+                                             enable_gqa=True)
+        return out.squeeze(2)
+
+    def _prefill_attention(self, q, k, v, k_cache, v_cache, span: PrefillSpan) -> torch.Tensor:
+        n = span.hi - span.lo
+        query = q[span.lo : span.hi].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if span.start == 0:  # nothing cached: the chunk's own keys, plain causal mask
+            keys = k[span.lo : span.hi].transpose(0, 1).unsqueeze(0)
+            values = v[span.lo : span.hi].transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
+        else:  # every cached key, plus the chunk's own keys under a causal mask
+            context = span.start + n
+            keys = k_cache[span.block_ids].view(-1, self.num_kv_heads, self.head_dim)[:context]
+            values = v_cache[span.block_ids].view(-1, self.num_kv_heads, self.head_dim)[:context]
+            key_pos = torch.arange(context, device=q.device)
+            query_pos = torch.arange(span.start, context, device=q.device)
+            mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # [n, context]
+            out = F.scaled_dot_product_attention(query, keys.transpose(0, 1).unsqueeze(0),
+                                                 values.transpose(0, 1).unsqueeze(0), attn_mask=mask,
+                                                 enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_index)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, positions, rope, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(self, input_ids, positions, kv_cache, meta) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary_emb, kv_cache, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward`` returns final hidden states of every token; ``logits`` projects the chosen ones."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_cache, meta)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

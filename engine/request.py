@@ -1,0 +1,93 @@
+"""A request is two counters over one token list: ``num_computed_tokens`` and ``num_tokens``.
+
+There is no prefill phase or decode phase. A step computes some of the tokens that are known but
+not yet computed; chunked prefill is just computing fewer than all of them.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # in the scheduler's waiting queue (new, preempted, or remote KV arrived)
+    RUNNING = "running"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks reserved, KV being pushed by a prefill worker
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"
+
+
+@dataclass
+class RequestTimes:
+    """Wall-clock timestamps (``time.time()``) of a request's life inside one engine."""
+
+    arrival: float = field(default_factory=time.time)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    tokens: list[float] = field(default_factory=list)  # one per output token
+    finished: float | None = None
+
+
+class Request:
+    """One sequence: prompt + outputs, how much of it is computed, and the KV blocks that hold it."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_id = eos_token_id
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first schedule
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of all_token_ids
+        self.num_preemptions = 0
+        self.times = RequestTimes() if arrival_time is None else RequestTimes(arrival=arrival_time)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens}, blocks={len(self.block_ids)})"
+        )

@@ -1,0 +1,336 @@
+"""The KV-transfer interface and the small typed values that cross process boundaries.
+
+Model
+-----
+Every worker owns ONE contiguous KV pool tensor whose first dimension is the block id
+(block-major layout): block ``i`` is ``pool[i]``, a single contiguous region of
+``pool[0].numel() * pool.element_size()`` bytes. The transport treats the pool generically:
+any dtype, any trailing shape, CPU or accelerator memory.
+
+A *receiver* (decode worker) registers its pool and publishes a :class:`TransferTarget`
+(``describe()``); the target is a small picklable value that travels to senders through Ray.
+A *sender* (prefill worker) registers its own pool and ``push``-es ``(source block, destination
+block)`` pairs into the receiver's pool, each push carrying one :class:`ChunkNotification`.
+The receiver learns that a push has landed from ``poll_notifications()``.
+
+One :class:`KVTransport` object may play both roles (it has one pool); a typical worker
+uses one role only.
+"""
+
+from __future__ import annotations
+
+import abc
+import operator
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+TRANSPORT_KINDS: tuple[str, ...] = ("nixl", "grpc")
+DEFAULT_WAIT_S = 30.0
+
+_NOTIF_MAGIC = b"PDKV1"
+_NOTIF_HEADER = struct.Struct("<IQB")  # chunk_index, tokens_done, is_last
+_U32_MAX = 2**32 - 1
+_U63_MAX = 2**63 - 1
+
+
+class KVTransferError(RuntimeError):
+    """A push was accepted but failed while in flight (peer gone, network error, rejected)."""
+
+
+@dataclass(frozen=True)
+class ChunkNotification:
+    """What the receiver learns when one push has fully landed in its pool.
+
+    Attributes:
+        request_id: the request whose KV this is (non-empty).
+        chunk_index: 0-based index of the prefill chunk that produced the KV (< 2**32).
+        tokens_done: prompt tokens whose KV is complete on the receiver after this push.
+        is_last: True on the request's final push.
+    """
+
+    request_id: str
+    chunk_index: int
+    tokens_done: int
+    is_last: bool
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {self.request_id!r}")
+        if isinstance(self.chunk_index, bool) or not isinstance(self.chunk_index, int):
+            raise ValueError(f"chunk_index must be an int, got {self.chunk_index!r}")
+        if not 0 <= self.chunk_index <= _U32_MAX:
+            raise ValueError(f"chunk_index must be in [0, 2**32), got {self.chunk_index}")
+        if isinstance(self.tokens_done, bool) or not isinstance(self.tokens_done, int):
+            raise ValueError(f"tokens_done must be an int, got {self.tokens_done!r}")
+        if not 0 <= self.tokens_done <= _U63_MAX:
+            raise ValueError(f"tokens_done must be in [0, 2**63), got {self.tokens_done}")
+        if not isinstance(self.is_last, bool):
+            raise ValueError(f"is_last must be a bool, got {self.is_last!r}")
+
+    def to_bytes(self) -> bytes:
+        """Compact binary form: magic, fixed header, UTF-8 request id."""
+        header = _NOTIF_HEADER.pack(self.chunk_index, self.tokens_done, int(self.is_last))
+        return _NOTIF_MAGIC + header + self.request_id.encode("utf-8")
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ChunkNotification:
+        """Inverse of :meth:`to_bytes`. Raises ``ValueError`` on anything else."""
+        data = bytes(data)
+        fixed = len(_NOTIF_MAGIC) + _NOTIF_HEADER.size
+        if len(data) <= fixed or not data.startswith(_NOTIF_MAGIC):
+            raise ValueError(f"not a ChunkNotification ({len(data)} bytes: {data[:16]!r}...)")
+        chunk_index, tokens_done, is_last = _NOTIF_HEADER.unpack_from(data, len(_NOTIF_MAGIC))
+        if is_last not in (0, 1):
+            raise ValueError(f"corrupt ChunkNotification: is_last byte {is_last}")
+        try:
+            request_id = data[fixed:].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"corrupt ChunkNotification: request id is not UTF-8 ({e})") from None
+        return cls(request_id, chunk_index, tokens_done, bool(is_last))
+
+
+@dataclass(frozen=True)
+class TransferTarget:
+    """Everything a sender needs to push into one receiver's pool. Picklable; travels through Ray.
+
+    Attributes:
+        kind: transport kind, ``"nixl"`` or ``"grpc"``; a transport rejects other kinds.
+        target_id: unique id of the receiving transport instance (senders cache per id).
+        num_blocks: blocks in the receiver's pool (destination ids must be below this).
+        block_bytes: bytes per block; the sender's pool must have the same block size.
+        device: the receiver pool's torch device, e.g. ``"cpu"`` or ``"cuda:0"``.
+        agent_name: NIXL only: the receiver's NIXL agent name.
+        agent_metadata: NIXL only: ``get_agent_metadata()`` of the receiver, taken after its
+            pool was registered.
+        base_address: NIXL only: address of block 0 of the receiver's pool.
+        address: gRPC only: ``host:port`` of the receiver's KVTransfer service.
+    """
+
+    kind: str
+    target_id: str
+    num_blocks: int
+    block_bytes: int
+    device: str = "cpu"
+    agent_name: str = ""
+    agent_metadata: bytes = b""
+    base_address: int = 0
+    address: str = ""
+
+    def __repr__(self) -> str:  # keep the metadata blob out of logs
+        extra = (
+            f"agent_name={self.agent_name!r}, metadata={len(self.agent_metadata)}B, "
+            f"base_address=0x{self.base_address:x}"
+            if self.kind == "nixl"
+            else f"address={self.address!r}"
+        )
+        return (
+            f"TransferTarget(kind={self.kind!r}, target_id={self.target_id!r}, "
+            f"num_blocks={self.num_blocks}, block_bytes={self.block_bytes}, "
+            f"device={self.device!r}, {extra})"
+        )
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Block geometry of a registered pool."""
+
+    num_blocks: int
+    block_bytes: int
+    device: torch.device
+
+
+def pool_layout(pool: Any) -> PoolLayout:
+    """Validate a block-major KV pool and return its geometry. Raises ``ValueError``."""
+    if not isinstance(pool, torch.Tensor):
+        raise ValueError(f"pool must be a torch.Tensor, got {type(pool).__name__}")
+    if pool.dim() < 1 or pool.shape[0] < 1:
+        raise ValueError(f"pool must have at least one block (dim 0), got shape {tuple(pool.shape)}")
+    if pool.numel() == 0:
+        raise ValueError(f"pool blocks are empty: shape {tuple(pool.shape)}")
+    if not pool.is_contiguous():
+        raise ValueError("pool must be contiguous (block-major: block i is pool[i], one region)")
+    block_bytes = (pool.numel() // pool.shape[0]) * pool.element_size()
+    return PoolLayout(num_blocks=int(pool.shape[0]), block_bytes=block_bytes, device=pool.device)
+
+
+def pool_bytes_view(pool: torch.Tensor) -> torch.Tensor:
+    """``[num_blocks, block_bytes]`` uint8 view of a contiguous pool (shares its memory)."""
+    return pool.reshape(pool.shape[0], -1).view(torch.uint8)
+
+
+def _normalize_ids(ids: Any, what: str) -> list[int]:
+    if isinstance(ids, torch.Tensor):
+        ids = ids.reshape(-1).tolist()
+    elif isinstance(ids, (str, bytes, dict, set, frozenset)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"{what} must be a sequence of ints, got {type(ids).__name__}")
+    out: list[int] = []
+    for x in ids:
+        if isinstance(x, bool):
+            raise ValueError(f"{what} must contain ints, got a bool")
+        try:
+            out.append(operator.index(x))
+        except TypeError:
+            raise ValueError(f"{what} must contain ints, got {x!r}") from None
+    return out
+
+
+def _check_range(ids: list[int], num_blocks: int, what: str) -> None:
+    bad = [i for i in ids if not 0 <= i < num_blocks]
+    if bad:
+        raise ValueError(f"{what} out of range [0, {num_blocks}): {bad[:8]}{' ...' if len(bad) > 8 else ''}")
+
+
+def validate_push(
+    kind: str,
+    local: PoolLayout | None,
+    target: Any,
+    src_block_ids: Any,
+    dst_block_ids: Any,
+    notification: Any,
+) -> tuple[list[int], list[int]]:
+    """Common checks for ``KVTransport.push``; returns the ids as lists of ints.
+
+    Raises ``ValueError`` for: no local pool, a target that is not a ``TransferTarget`` of this
+    kind, mismatched block sizes, lists of different lengths, ids out of range on either side,
+    duplicate destination ids, or a notification that is not a ``ChunkNotification``.
+    """
+    if local is None:
+        raise ValueError("push() before register_pool(): register the local KV pool first")
+    if not isinstance(target, TransferTarget):
+        raise ValueError(f"target must be a TransferTarget, got {type(target).__name__}")
+    if target.kind != kind:
+        raise ValueError(f"unknown target for a {kind} transport: target kind is {target.kind!r}")
+    if not target.target_id:
+        raise ValueError("unknown target: empty target_id")
+    if not isinstance(notification, ChunkNotification):
+        raise ValueError(f"notification must be a ChunkNotification, got {type(notification).__name__}")
+    if target.block_bytes != local.block_bytes:
+        raise ValueError(
+            f"block size mismatch: local blocks are {local.block_bytes} bytes, "
+            f"target {target.target_id} blocks are {target.block_bytes} bytes"
+        )
+    src = _normalize_ids(src_block_ids, "src_block_ids")
+    dst = _normalize_ids(dst_block_ids, "dst_block_ids")
+    if len(src) != len(dst):
+        raise ValueError(f"src_block_ids has {len(src)} ids but dst_block_ids has {len(dst)}")
+    _check_range(src, local.num_blocks, "src_block_ids (local pool)")
+    _check_range(dst, target.num_blocks, f"dst_block_ids (target {target.target_id})")
+    if len(set(dst)) != len(dst):
+        raise ValueError("dst_block_ids contains duplicates: each destination block may be written once")
+    return src, dst
+
+
+class PushHandle(abc.ABC):
+    """An in-flight push. Obtained from :meth:`KVTransport.push`.
+
+    Attributes:
+        notification: the notification this push delivers.
+        num_blocks: number of blocks carried.
+        num_bytes: payload bytes carried.
+    """
+
+    notification: ChunkNotification
+    num_blocks: int
+    num_bytes: int
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """Non-blocking. True once the data is in the receiver's pool and the notification has
+        been sent; False while in flight. Raises :class:`KVTransferError` if the push failed
+        (every later call raises again). Polling may drive the transfer's progress (NIXL
+        without a progress thread), so waiting code should call this or :meth:`wait`.
+        """
+
+    def wait(self, timeout_s: float = DEFAULT_WAIT_S) -> None:
+        """Block until :meth:`done` is True. Raises ``TimeoutError`` after ``timeout_s``
+        seconds (the push stays in flight and may still complete), or :class:`KVTransferError`.
+        """
+        deadline = time.monotonic() + timeout_s
+        spins = 0
+        while not self.done():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"push {self.notification} not done after {timeout_s:.3g} s")
+            spins += 1
+            if spins > 1000:  # long transfer: stop burning a core on the poll itself
+                time.sleep(50e-6)
+
+
+class KVTransport(abc.ABC):
+    """Moves KV blocks from a sender's pool into a receiver's pool, one notification per push.
+
+    Contract (both transports):
+
+    - ``register_pool`` once, before ``describe`` or ``push``; the pool must stay alive and must
+      not be reallocated until ``close``.
+    - ``push`` is asynchronous: it validates its input (``ValueError`` on bad input, before
+      anything is sent), starts the transfer and returns a :class:`PushHandle`. The source blocks
+      must not be modified until the handle reports done.
+    - A notification is delivered to the receiver (``poll_notifications``) only after every
+      block of its push is in the receiver's pool. A failed push delivers no notification (its
+      destination blocks may hold partial data). No ordering between different pushes is promised:
+      use ``chunk_index`` / ``tokens_done`` / ``is_last``.
+    - Nothing blocks without a deadline; ``close`` is idempotent and releases every resource.
+    """
+
+    kind: str = ""
+
+    @abc.abstractmethod
+    def register_pool(self, pool: torch.Tensor) -> None:
+        """Register this worker's KV pool (contiguous, block-major; see module docstring).
+
+        Raises ``ValueError`` if the tensor is not a valid pool or a pool is already registered.
+        """
+
+    @property
+    @abc.abstractmethod
+    def layout(self) -> PoolLayout | None:
+        """Geometry of the registered pool, or None before ``register_pool``."""
+
+    @abc.abstractmethod
+    def describe(self) -> TransferTarget:
+        """Receiver side: a :class:`TransferTarget` through which senders push into this pool.
+
+        Makes the transport ready to receive (the gRPC transport starts its server here).
+        Raises ``ValueError`` before ``register_pool``.
+        """
+
+    @abc.abstractmethod
+    def poll_notifications(self) -> list[ChunkNotification]:
+        """Receiver side, non-blocking: notifications of pushes that fully landed since the last
+        call, each returned exactly once. Also drives receive progress where the transport needs
+        it, so a receiver waiting for KV should call it regularly.
+        """
+
+    @abc.abstractmethod
+    def push(
+        self,
+        target: TransferTarget,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        notification: ChunkNotification,
+    ) -> PushHandle:
+        """Sender side: copy ``pool[src_block_ids[k]]`` into the target's block
+        ``dst_block_ids[k]`` for every k, then deliver ``notification`` to the target.
+
+        Empty id lists are allowed (a notification-only push). Raises ``ValueError`` (nothing
+        sent) for: no registered pool, a target of another kind or unusable, block-size
+        mismatch, lists of different lengths, ids out of range on either side, duplicate
+        destination ids, a notification that is not a :class:`ChunkNotification`.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release everything (connections, servers, registrations). Idempotent. Pushes still in
+        flight are cancelled where possible; their handles then report failure.
+        """
+
+    def __enter__(self) -> KVTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""Prefill worker: a Ray actor that runs chunked prefill and streams KV per chunk to decode workers."""

@@ -1,0 +1,130 @@
+"""Python clients for a pdserve router: ``Client`` (blocking) and ``AsyncClient`` (asyncio). Both stream.
+
+    with Client("127.0.0.1:50051") as client:
+        for chunk in client.generate("Hello", SamplingParams(max_tokens=32)):
+            print(chunk.text, end="")
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, NamedTuple
+
+import grpc
+
+from engine.sampling_params import SamplingParams
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from router.server import GRPC_OPTIONS, MODE_ENUMS, MODE_NAMES
+
+
+class GenerateChunk(NamedTuple):
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    metadata: dict[str, Any] | None  # on the last chunk
+
+
+def _request(prompt: str | list[int], params: SamplingParams | None, mode: str | None,
+             request_id: str | None) -> pb.GenerateRequest:
+    params = params or SamplingParams()
+    sampling = pb.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k,
+                                 top_p=params.top_p, stop_token_ids=list(params.stop_token_ids),
+                                 ignore_eos=params.ignore_eos)
+    if params.seed is not None:
+        sampling.seed = params.seed
+    if mode is not None and mode not in MODE_ENUMS:
+        raise ValueError(f"mode must be one of {', '.join(MODE_ENUMS)}, got {mode!r}")
+    req = pb.GenerateRequest(request_id=request_id or "", sampling=sampling,
+                             mode=MODE_ENUMS[mode] if mode else pb.MODE_UNSPECIFIED)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+def _chunk(resp: pb.GenerateResponse) -> GenerateChunk:
+    meta = None
+    if resp.HasField("metadata"):
+        m = resp.metadata
+        meta = {f.name: getattr(m, f.name) for f in m.DESCRIPTOR.fields}
+        meta["mode"] = MODE_NAMES.get(m.mode)
+    return GenerateChunk(list(resp.token_ids), resp.text, resp.finished, resp.finish_reason or None, meta)
+
+
+def stats_to_dicts(resp: pb.StatsResponse) -> list[dict[str, Any]]:
+    out = []
+    for w in resp.workers:
+        d = {f.name: getattr(w, f.name) for f in w.DESCRIPTOR.fields if f.name != "steps"}
+        d["steps"] = [(s.started, s.duration_s, s.num_prefill_tokens, s.num_decode_tokens, s.num_seqs) for s in w.steps]
+        out.append(d)
+    return out
+
+
+class Client:
+    def __init__(self, target: str, timeout_s: float = 600.0) -> None:
+        self._channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
+        self._stub = pb_grpc.PDServeStub(self._channel)
+        self.timeout_s = timeout_s
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, mode: str | None = None,
+                 request_id: str | None = None) -> Iterator[GenerateChunk]:
+        """Stream chunks; raises ``grpc.RpcError`` (with the server's status and message) on failure."""
+        for resp in self._stub.Generate(_request(prompt, params, mode, request_id), timeout=self.timeout_s):
+            yield _chunk(resp)
+
+    def abort(self, request_id: str) -> bool:
+        return self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=30).found
+
+    def health(self) -> pb.HealthResponse:
+        return self._stub.Health(pb.HealthRequest(), timeout=30)
+
+    def stats(self, steps_since: float | None = None) -> list[dict[str, Any]]:
+        req = pb.StatsRequest(include_steps=steps_since is not None, steps_since=steps_since or 0.0)
+        return stats_to_dicts(self._stub.Stats(req, timeout=30))
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    def __init__(self, target: str, timeout_s: float = 600.0) -> None:
+        self._channel = grpc.aio.insecure_channel(target, options=GRPC_OPTIONS)
+        self._stub = pb_grpc.PDServeStub(self._channel)
+        self.timeout_s = timeout_s
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, mode: str | None = None,
+                       request_id: str | None = None) -> AsyncIterator[GenerateChunk]:
+        call = self._stub.Generate(_request(prompt, params, mode, request_id), timeout=self.timeout_s)
+        try:
+            async for resp in call:
+                yield _chunk(resp)
+        finally:
+            call.cancel()  # no-op when the stream completed; tells the server when we stop early
+
+    async def abort(self, request_id: str) -> bool:
+        return (await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=30)).found
+
+    async def health(self) -> pb.HealthResponse:
+        return await self._stub.Health(pb.HealthRequest(), timeout=30)
+
+    async def stats(self, steps_since: float | None = None) -> list[dict[str, Any]]:
+        req = pb.StatsRequest(include_steps=steps_since is not None, steps_since=steps_since or 0.0)
+        return stats_to_dicts(await self._stub.Stats(req, timeout=30))
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,128 @@
+"""Routing decisions: which decode worker, which prefill worker, and local or remote prefill.
+
+Pure Python and synchronous, so it is tested without a cluster. The router keeps an approximate
+view of each worker: the tokens it has outstanding, and (for decode workers) the chained hashes of
+prompt blocks recently sent there — the blocks most likely to sit in its prefix cache. The view is
+a hint; the worker's own prefix cache has the final word when it reserves or schedules.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from engine.block_manager import compute_block_hashes
+
+MODES = ("colocated", "disaggregated", "auto")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    default_mode: str = "colocated"
+    block_size: int = 16
+    auto_min_remote_tokens: int = 512  # auto: prefill remotely when more uncached prompt tokens than this...
+    auto_max_prefill_queue_tokens: int = 16384  # ...and some prefill worker has fewer tokens queued than this
+    max_active_requests: int = 4096  # beyond this, RESOURCE_EXHAUSTED
+    reserve_timeout_s: float = 60.0  # how long a request may wait for a decode worker to have room
+    prefix_index_blocks: int = 65536  # per decode worker
+
+    def __post_init__(self) -> None:
+        if self.default_mode not in MODES:
+            raise ValueError(f"default_mode must be one of {', '.join(MODES)}, got {self.default_mode!r}")
+        for name in ("block_size", "max_active_requests", "prefix_index_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.auto_min_remote_tokens < 0 or self.auto_max_prefill_queue_tokens < 0:
+            raise ValueError("auto thresholds must be >= 0")
+        if not self.reserve_timeout_s > 0:
+            raise ValueError(f"reserve_timeout_s must be > 0, got {self.reserve_timeout_s!r}")
+
+
+@dataclass
+class WorkerView:
+    worker_id: str
+    outstanding_tokens: int = 0
+    num_requests: int = 0
+    prefix_blocks: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+
+    def matched_tokens(self, hashes: list[bytes], block_size: int) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self.prefix_blocks:
+                break
+            n += 1
+        return n * block_size
+
+    def remember(self, hashes: list[bytes], capacity: int) -> None:
+        for h in hashes:
+            self.prefix_blocks[h] = None
+            self.prefix_blocks.move_to_end(h)
+        while len(self.prefix_blocks) > capacity:
+            self.prefix_blocks.popitem(last=False)
+
+
+class Route(NamedTuple):
+    mode: str  # "colocated" or "disaggregated" (auto resolved)
+    decode_worker: str
+    prefill_worker: str | None
+    expected_cached_tokens: int
+
+
+class RoutingPolicy:
+    def __init__(self, config: RouterConfig, decode_workers: list[str], prefill_workers: list[str]) -> None:
+        if not decode_workers:
+            raise ValueError("a deployment needs at least one decode worker")
+        if config.default_mode != "colocated" and not prefill_workers:
+            raise ValueError(f"default mode {config.default_mode!r} needs at least one prefill worker")
+        self.config = config
+        self.decode = {w: WorkerView(w) for w in decode_workers}
+        self.prefill = {w: WorkerView(w) for w in prefill_workers}
+
+    def route(self, prompt: list[int], max_tokens: int, mode: str | None) -> Route:
+        """Choose workers and resolve ``auto``; does not change the view (see ``start``)."""
+        mode = mode or self.config.default_mode
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode != "colocated" and not self.prefill:
+            raise ValueError(f"mode {mode!r} needs a prefill worker; this deployment has none")
+        hashes = compute_block_hashes(prompt, self.config.block_size)[: (len(prompt) - 1) // self.config.block_size]
+
+        def decode_cost(view: WorkerView) -> tuple[int, int]:
+            # the work this request adds there (its uncached prompt and its outputs) on top of what is queued
+            cached = view.matched_tokens(hashes, self.config.block_size)
+            return view.outstanding_tokens + len(prompt) - cached + max_tokens, view.num_requests
+
+        decode = min(self.decode.values(), key=decode_cost)
+        cached = decode.matched_tokens(hashes, self.config.block_size)
+        prefill = min(self.prefill.values(), key=lambda v: (v.outstanding_tokens, v.num_requests), default=None)
+        if mode == "auto":
+            uncached = len(prompt) - cached
+            remote = (prefill is not None and uncached > self.config.auto_min_remote_tokens
+                      and prefill.outstanding_tokens < self.config.auto_max_prefill_queue_tokens)
+            mode = "disaggregated" if remote else "colocated"
+        return Route(mode, decode.worker_id, prefill.worker_id if mode == "disaggregated" and prefill else None,
+                     cached)
+
+    # ---- bookkeeping: the router calls these as requests move ----------------------------------
+    def start(self, route: Route, prompt: list[int], max_tokens: int) -> None:
+        decode = self.decode[route.decode_worker]
+        decode.outstanding_tokens += len(prompt) - route.expected_cached_tokens + max_tokens
+        decode.num_requests += 1
+        hashes = compute_block_hashes(prompt, self.config.block_size)
+        decode.remember(hashes, self.config.prefix_index_blocks)
+        if route.prefill_worker is not None:
+            prefill = self.prefill[route.prefill_worker]
+            prefill.outstanding_tokens += len(prompt) - route.expected_cached_tokens
+            prefill.num_requests += 1
+
+    def prefill_done(self, route: Route, prompt: list[int]) -> None:
+        if route.prefill_worker is not None:
+            prefill = self.prefill[route.prefill_worker]
+            prefill.outstanding_tokens -= len(prompt) - route.expected_cached_tokens
+            prefill.num_requests -= 1
+
+    def finish(self, route: Route, prompt: list[int], max_tokens: int) -> None:
+        decode = self.decode[route.decode_worker]
+        decode.outstanding_tokens -= len(prompt) - route.expected_cached_tokens + max_tokens
+        decode.num_requests -= 1
