@@ -1,1 +1,3 @@
 """Benchmarks: client-side metrics, workloads, reports, and the step-time simulator (``bench.sim``)."""
+
+from __future__ import annotations

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -60,7 +61,7 @@ class RequestRecord:
             object.__setattr__(self, "num_output_tokens", len(self.token_times))
         if self.num_prompt_tokens < 0 or self.num_output_tokens < 0:  # type: ignore[operator]
             raise ValueError(f"{self.request_id}: token counts must be >= 0")
-        if any(b < a for a, b in zip(self.token_times, self.token_times[1:])):
+        if any(b < a for a, b in pairwise(self.token_times)):
             raise ValueError(f"{self.request_id}: token_times must be non-decreasing")
 
     @property
@@ -90,7 +91,7 @@ class RequestRecord:
     @property
     def itls(self) -> list[float]:
         t = self.token_times
-        return [b - a for a, b in zip(t, t[1:])]
+        return [b - a for a, b in pairwise(t)]
 
     @property
     def last_time(self) -> float:
@@ -147,12 +148,26 @@ class LatencyStats:
         """Stats of a sample given in seconds (numpy defaults: population std, linear percentiles)."""
         x = np.asarray(values_s if len(values_s) else [0.0], dtype=float) * 1000.0
         p50, p90, p99 = np.percentile(x, [50, 90, 99])
-        return LatencyStats(len(values_s), float(np.mean(x)), float(np.std(x)), float(p50), float(p90),
-                            float(p99), float(np.max(x)))
+        return LatencyStats(
+            len(values_s),
+            float(np.mean(x)),
+            float(np.std(x)),
+            float(p50),
+            float(p90),
+            float(p99),
+            float(np.max(x)),
+        )
 
     def to_dict(self) -> dict[str, float]:
-        return {"count": self.count, "mean_ms": self.mean_ms, "std_ms": self.std_ms, "p50_ms": self.p50_ms,
-                "p90_ms": self.p90_ms, "p99_ms": self.p99_ms, "max_ms": self.max_ms}
+        return {
+            "count": self.count,
+            "mean_ms": self.mean_ms,
+            "std_ms": self.std_ms,
+            "p50_ms": self.p50_ms,
+            "p90_ms": self.p90_ms,
+            "p99_ms": self.p99_ms,
+            "max_ms": self.max_ms,
+        }
 
 
 @dataclass(frozen=True)
@@ -219,7 +234,9 @@ def parse_slo(text: str | None) -> dict[str, float]:
         key, sep, value = part.partition("=")
         key = key.strip().lower()
         if not sep or key not in SLO_KEYS:
-            raise ValueError(f"slo: expected key=milliseconds with key in {', '.join(SLO_KEYS)}, got {part!r}")
+            raise ValueError(
+                f"slo: expected key=milliseconds with key in {', '.join(SLO_KEYS)}, got {part!r}"
+            )
         try:
             ms = float(value)
         except ValueError:
@@ -246,8 +263,11 @@ def benchmark_duration(records: Iterable[RequestRecord]) -> float:
     return max(r.last_time for r in records) - min(r.send_time for r in records)
 
 
-def compute_metrics(records: Sequence[RequestRecord], slo_ms: Mapping[str, float] | str | None = None,
-                    duration_s: float | None = None) -> BenchmarkMetrics:
+def compute_metrics(
+    records: Sequence[RequestRecord],
+    slo_ms: Mapping[str, float] | str | None = None,
+    duration_s: float | None = None,
+) -> BenchmarkMetrics:
     """Compute every metric of one run. ``duration_s`` overrides the first-send-to-last-token span.
 
     Raises ValueError for an unknown SLO key.
@@ -320,18 +340,42 @@ def as_timeline_steps(steps: Iterable[Any]) -> list[TimelineStep]:
         if isinstance(s, TimelineStep):
             out.append(s)
         elif hasattr(s, "duration_s") and hasattr(s, "num_prefill_tokens"):
-            out.append(TimelineStep(float(s.started), float(s.duration_s), int(s.num_prefill_tokens),
-                                    int(s.num_decode_tokens), str(getattr(s, "instance", ""))))
+            out.append(
+                TimelineStep(
+                    float(s.started),
+                    float(s.duration_s),
+                    int(s.num_prefill_tokens),
+                    int(s.num_decode_tokens),
+                    str(getattr(s, "instance", "")),
+                )
+            )
         elif hasattr(s, "prefill_tokens") and hasattr(s, "duration"):
-            out.append(TimelineStep(float(s.start), float(s.duration), int(s.prefill_tokens), int(s.decode_tokens),
-                                    str(getattr(s, "instance", ""))))
+            out.append(
+                TimelineStep(
+                    float(s.start),
+                    float(s.duration),
+                    int(s.prefill_tokens),
+                    int(s.decode_tokens),
+                    str(getattr(s, "instance", "")),
+                )
+            )
         elif isinstance(s, Mapping):
-            out.append(TimelineStep(float(s["start"]), float(s["duration"]), int(s["prefill_tokens"]),
-                                    int(s["decode_tokens"]), str(s.get("instance", ""))))
+            out.append(
+                TimelineStep(
+                    float(s["start"]),
+                    float(s["duration"]),
+                    int(s["prefill_tokens"]),
+                    int(s["decode_tokens"]),
+                    str(s.get("instance", "")),
+                )
+            )
         else:
             start, duration, prefill, decode, *rest = s
-            out.append(TimelineStep(float(start), float(duration), int(prefill), int(decode),
-                                    str(rest[0]) if rest else ""))
+            out.append(
+                TimelineStep(
+                    float(start), float(duration), int(prefill), int(decode), str(rest[0]) if rest else ""
+                )
+            )
     return out
 
 
@@ -346,11 +390,12 @@ def prefill_throughput(steps: Iterable[Any]) -> float:
 
 
 class SweepPoint(NamedTuple):
-    """One chunk size's outcome in a chunk-size sweep (simulated or measured)."""
+    """One chunk size's outcome in a chunk-size sweep (simulated or measured). See ``sweep_point``."""
 
     chunk_size: int
-    p99_itl_ms: float
+    p99_itl_ms: float  # P99 of the stream ITLs during long prefills (all ITLs when unlabelled)
     max_itl_ms: float
+    p99_itl_all_ms: float  # P99 over every stream ITL of the run
     prefill_throughput_tok_s: float
     mean_ttft_ms: float
     p99_ttft_ms: float
@@ -359,12 +404,42 @@ class SweepPoint(NamedTuple):
         return self._asdict()
 
 
+def interference_itls(records: Sequence[RequestRecord]) -> list[float] | None:
+    """ITL gaps of the ``"stream"`` records that end while a ``"long"`` record is being prefilled
+    (between its send time and its first token): the stalls the long prompts cause. None when the
+    records carry no such labels."""
+    windows = [(r.send_time, r.token_times[0]) for r in records if r.label == "long" and r.token_times]
+    streams = [r for r in records if r.label == "stream" and r.succeeded]
+    if not windows or not streams:
+        return None
+    return [
+        b - a for r in streams for a, b in pairwise(r.token_times) if any(lo < b <= hi for lo, hi in windows)
+    ]
+
+
 def sweep_point(chunk_size: int, records: Sequence[RequestRecord], steps: Iterable[Any]) -> SweepPoint:
-    """Summarise one run of a chunk sweep: ITL of the ``"stream"`` records (all records when none is
-    labelled so), TTFT of the ``"long"`` records (likewise), prefill throughput of the steps."""
-    itl = compute_metrics([r for r in records if r.label == "stream"] or list(records)).itl
+    """Summarise one run of a chunk sweep.
+
+    ``p99_itl_ms`` is the P99 of ``interference_itls`` when the run has ``"stream"``/``"long"``
+    labels (a P99 over the whole run would dilute a stall that hits only a few steps below 1% of
+    the gaps, so a prefill done in one giant step could look better than a chunked one), else the
+    P99 of all ITLs; ``p99_itl_all_ms`` is always over the whole run. TTFT is of the ``"long"``
+    records (all records when unlabelled); prefill throughput is ``prefill_throughput(steps)``.
+    """
+    streams = [r for r in records if r.label == "stream"] or list(records)
+    all_itl = compute_metrics(streams).itl
+    window = interference_itls(records)
+    focus = LatencyStats.of(window) if window is not None else all_itl
     ttft = compute_metrics([r for r in records if r.label == "long"] or list(records)).ttft
-    return SweepPoint(chunk_size, itl.p99_ms, itl.max_ms, prefill_throughput(steps), ttft.mean_ms, ttft.p99_ms)
+    return SweepPoint(
+        chunk_size,
+        focus.p99_ms,
+        all_itl.max_ms,
+        all_itl.p99_ms,
+        prefill_throughput(steps),
+        ttft.mean_ms,
+        ttft.p99_ms,
+    )
 
 
 def find_knee(points: Sequence[SweepPoint], itl_target_ms: float) -> SweepPoint | None:

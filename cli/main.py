@@ -58,6 +58,89 @@ def _generate_offline(args: argparse.Namespace, params) -> int:
     return 0
 
 
+def _add_engine_args(p: argparse.ArgumentParser, model_default: str = "tiny") -> None:
+    p.add_argument("--model", default=model_default, help="preset (tiny, bench) or HF checkpoint directory")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=0.5)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-chunk-tokens", type=int, default=None, help="per-request chunk cap")
+    p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from engine import EngineConfig
+
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_chunk_tokens=args.max_chunk_tokens, enable_chunked_prefill=not args.no_chunked_prefill,
+        enable_prefix_caching=not args.no_prefix_caching, torch_threads=args.torch_threads,
+    )
+
+
+def _add_deployment_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", default="colocated", choices=["colocated", "disaggregated", "auto"],
+                   help="default mode (requests may override it)")
+    p.add_argument("--prefill-workers", type=int, default=None, help="default: 0 colocated, else 1")
+    p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--transport", default="nixl", choices=["nixl", "grpc"], help="KV transport")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--address", default=None, help="Ray cluster to join ('auto' or host:port); default: local")
+    p.add_argument("--auto-min-remote-tokens", type=int, default=512)
+    p.add_argument("--auto-max-prefill-queue-tokens", type=int, default=16384)
+
+
+def deployment_config_from_args(args: argparse.Namespace):
+    from router.deployment import DeploymentConfig
+    from router.policy import RouterConfig
+
+    prefill = args.prefill_workers if args.prefill_workers is not None else (0 if args.mode == "colocated" else 1)
+    return DeploymentConfig(
+        engine=engine_config_from_args(args), mode=args.mode, num_prefill_workers=prefill,
+        num_decode_workers=args.decode_workers, transport=args.transport, host=args.host, port=args.port,
+        address=args.address,
+        router=RouterConfig(auto_min_remote_tokens=args.auto_min_remote_tokens,
+                            auto_max_prefill_queue_tokens=args.auto_max_prefill_queue_tokens),
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from router.deployment import Deployment
+
+    deployment = Deployment(deployment_config_from_args(args)).start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    workers = ", ".join(w.worker_id for w in deployment.workers)
+    print(f"pdserve listening on {deployment.address} (mode={args.mode}, transport={args.transport}, "
+          f"workers: {workers}); Ctrl-C stops", flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("stopping ...", flush=True)
+        deployment.stop()
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from cli.demo import run_demo
+
+    return run_demo(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +153,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mode", default=None, choices=["colocated", "disaggregated", "auto"])
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="start (or join) a Ray cluster, place the workers, serve gRPC")
+    _add_engine_args(s)
+    _add_deployment_args(s)
+    s.set_defaults(func=cmd_serve)
+
+    d = sub.add_parser("demo", help="the main job: a local deployment, requests in every mode, a short A/B bench")
+    d.add_argument("--model", default="tiny")
+    d.add_argument("--transport", default="nixl", choices=["nixl", "grpc"])
+    d.add_argument("--out", default="results/demo", help="where the benchmark writes its report")
+    d.add_argument("--skip-bench", action="store_true")
+    d.set_defaults(func=cmd_demo)
     return parser
 
 

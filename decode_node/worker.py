@@ -184,6 +184,8 @@ class DecodeWorker:
                                                                  "num_prompt_tokens": request.num_prompt_tokens,
                                                                  "num_output_tokens": request.num_output_tokens})
             meta.update(extra)
+            if len(request.times.tokens) > 1:
+                meta["second_token_time"] = request.times.tokens[1]
         reason = out.finish_reason.value if out.finish_reason else None
         self.aengine.emit(out.request_id, TokenEvent(out.new_token_ids, out.new_text, True, reason, meta))
 

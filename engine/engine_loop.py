@@ -65,13 +65,17 @@ class EngineLoop:
 
     def _run(self) -> None:
         engine = self.engine
+        stalled = False  # the last step scheduled nothing (e.g. waiting for blocks): don't spin
         try:
             while not self._stop.is_set():
-                self._drain_commands(block=not engine.has_work())
+                self._drain_commands(block=stalled or not engine.has_work())
                 if self._on_tick is not None:
                     self._on_tick(engine)
                 if engine.has_work():
                     outputs = engine.step()
+                    stalled = engine.last_output is None or not engine.last_output.chunks
+                    if stalled:
+                        continue
                     self.num_steps += 1
                     if self._on_step is not None:
                         self._on_step(engine, outputs)

@@ -320,7 +320,9 @@ class KVTransport(abc.ABC):
         Empty id lists are allowed (a notification-only push). Raises ``ValueError`` (nothing
         sent) for: no registered pool, a target of another kind or unusable, block-size
         mismatch, lists of different lengths, ids out of range on either side, duplicate
-        destination ids, a notification that is not a :class:`ChunkNotification`.
+        destination ids, a notification that is not a :class:`ChunkNotification`, a closed
+        transport. Raises :class:`KVTransferError` if the transfer cannot even be started;
+        later failures are reported by the handle.
         """
 
     @abc.abstractmethod

@@ -8,7 +8,7 @@ is queued for ``poll_notifications``.
 
 Sender: one cached channel and a single-thread executor per target (pushes to one target run in
 order, each in the background). A push streams ``BlockPayload`` messages of whole blocks, packed
-up to ``message_bytes`` (~4 MiB) each, with the notification on the last message. Payloads are raw
+up to ``message_bytes`` (2 MiB by default) each, with the notification on the last message. Payloads are raw
 ``bytes``; both sides raise gRPC's 4 MiB message limit to ``max_message_bytes``.
 
 Wire format: every message is a valid ``pdserve.kv.BlockPayload`` (the generated stub and
@@ -51,10 +51,11 @@ from proto import kv_transfer_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-# torch.frombuffer over an immutable protobuf `bytes` warns once; we only ever read from it.
+# torch.frombuffer over received (immutable) bytes warns once; we only ever read from it.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 _MIB = 1 << 20
+_HEADROOM = 64 * 1024  # protobuf framing and the other fields of a message
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,8 @@ class GrpcConfig:
         host: interface the receiver's server binds to and advertises.
         port: server port; 0 binds any free port (reported by ``describe()``).
         message_bytes: senders pack whole blocks into messages of up to this many payload bytes
-            (at least one block per message).
+            (at least one block per message). 1-4 MiB all work; 2 MiB measured best on the
+            2-core machine (bench/kv_transfer_bench.py --grpc-message-mib).
         max_message_bytes: gRPC send/receive message limit on both sides (raised from gRPC's
             4 MiB default); a block must fit in one message.
         server_threads: receiver thread pool size (concurrent incoming pushes).
@@ -74,7 +76,7 @@ class GrpcConfig:
 
     host: str = "127.0.0.1"
     port: int = 0
-    message_bytes: int = 4 * _MIB
+    message_bytes: int = 2 * _MIB
     max_message_bytes: int = 64 * _MIB
     server_threads: int = 4
     push_timeout_s: float = 120.0
@@ -82,8 +84,8 @@ class GrpcConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
-        if self.message_bytes < 1 or self.max_message_bytes < self.message_bytes:
-            raise ValueError("need 1 <= message_bytes <= max_message_bytes")
+        if self.message_bytes < 1 or self.message_bytes > self.max_message_bytes - _HEADROOM:
+            raise ValueError("need 1 <= message_bytes <= max_message_bytes - 64 KiB")
         if self.server_threads < 1:
             raise ValueError("server_threads must be >= 1")
         if self.push_timeout_s <= 0:
@@ -96,7 +98,6 @@ class GrpcConfig:
         ]
 
 
-_HEADROOM = 64 * 1024  # protobuf framing and the other fields of a message
 _SERVICE = pb.DESCRIPTOR.services_by_name["KVTransfer"]
 _METHOD = f"/{_SERVICE.full_name}/PushBlocks"
 _DATA_FIELD = pb.BlockPayload.DESCRIPTOR.fields_by_name["data"].number
@@ -219,6 +220,7 @@ class _Servicer:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "receiver has no registered pool")
         assert pool is not None and layout is not None
         view = pool_bytes_view(pool)
+        host = view.numpy() if view.device.type == "cpu" else None  # [num_blocks, block_bytes] uint8
         notice: pb.ChunkNotice | None = None
         blocks = 0
         for payload in request_iterator:
@@ -248,13 +250,16 @@ class _Servicer:
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"dst block id {max(ids)} out of range [0, {layout.num_blocks})",
                     )
-                src = torch.frombuffer(data, dtype=torch.uint8).view(n, layout.block_bytes)
-                if view.device.type != "cpu":
-                    src = src.to(view.device)
-                # One copy_ per block: a plain memcpy on CPU. (index_copy_ on a uint8 view runs
-                # an element-wise kernel and is 10-100x slower here.)
-                for k, d in enumerate(ids):
-                    view[d].copy_(src[k])
+                bb = layout.block_bytes
+                if host is not None:  # CPU pool: one memcpy per block, no torch dispatch
+                    for k, d in enumerate(ids):
+                        host[d] = data[k * bb : (k + 1) * bb]
+                else:
+                    src = torch.frombuffer(data, dtype=torch.uint8).view(n, bb).to(view.device)
+                    # one copy_ per block (index_copy_ would work too on accelerators; on CPU it
+                    # runs an element-wise kernel and is 10-100x slower than memcpy)
+                    for k, d in enumerate(ids):
+                        view[d].copy_(src[k])
                 blocks += n
             if msg.HasField("notification"):
                 notice = msg.notification

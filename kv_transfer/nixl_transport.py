@@ -208,6 +208,11 @@ class NixlTransport(KVTransport):
                 )
                 self._metadata = self._agent.get_agent_metadata()
             except Exception as e:
+                if self._local_dlist is not None:
+                    _quiet(self._local_dlist.release)
+                if self._reg_descs is not None:
+                    _quiet(self._agent.deregister_memory, self._reg_descs)
+                self._local_dlist = self._reg_descs = None
                 raise RuntimeError(f"NIXL could not register the KV pool ({layout}): {e}") from e
             self._pool = pool
             self._layout = layout
@@ -324,7 +329,10 @@ class NixlTransport(KVTransport):
             try:
                 remote_name = self._agent.add_remote_agent(target.agent_metadata)
             except Exception as e:
-                raise ValueError(f"unknown target: cannot load NIXL metadata of {target!r}: {e}") from e
+                raise ValueError(
+                    f"unknown target: cannot load the NIXL metadata of {target!r}: {e} (corrupt or foreign "
+                    f"metadata, or no UCX transport reaches it; UCX_TLS={os.environ.get('UCX_TLS')!r})"
+                ) from e
             loaded = True
             if isinstance(remote_name, bytes):
                 remote_name = remote_name.decode()

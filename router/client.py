@@ -71,9 +71,16 @@ class Client:
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, mode: str | None = None,
                  request_id: str | None = None) -> Iterator[GenerateChunk]:
-        """Stream chunks; raises ``grpc.RpcError`` (with the server's status and message) on failure."""
-        for resp in self._stub.Generate(_request(prompt, params, mode, request_id), timeout=self.timeout_s):
-            yield _chunk(resp)
+        """Stream chunks; raises ``grpc.RpcError`` (with the server's status and message) on failure.
+
+        Closing the iterator early cancels the request on the server.
+        """
+        call = self._stub.Generate(_request(prompt, params, mode, request_id), timeout=self.timeout_s)
+        try:
+            for resp in call:
+                yield _chunk(resp)
+        finally:
+            call.cancel()
 
     def abort(self, request_id: str) -> bool:
         return self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=30).found

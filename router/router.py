@@ -252,7 +252,8 @@ class Router:
         return True, "serving"
 
 
-_META_KEYS = {"queue_s", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "num_cached_tokens", "decode_worker"}
+_META_KEYS = {"queue_s", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "num_cached_tokens", "decode_worker",
+              "second_token_time"}
 
 
 def _cause(e: BaseException) -> str:

@@ -46,6 +46,7 @@ def metadata_to_proto(meta: dict) -> pb.RequestMetadata:
         num_prompt_tokens=meta.get("num_prompt_tokens", 0),
         num_output_tokens=meta.get("num_output_tokens", 0),
         num_cached_tokens=meta.get("num_cached_tokens", 0),
+        second_token_time=meta.get("second_token_time", 0.0),
     )
 
 

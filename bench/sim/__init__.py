@@ -11,5 +11,16 @@ from bench.sim.cost_model import LinearCostModel, RooflineCostModel, StepShape
 from bench.sim.profiles import HARDWARE, MODELS, get_hardware, get_model
 from bench.sim.simulator import SimConfig, SimResult, StepRecord, simulate
 
-__all__ = ["HARDWARE", "MODELS", "LinearCostModel", "RooflineCostModel", "SimConfig", "SimResult", "StepRecord",
-           "StepShape", "get_hardware", "get_model", "simulate"]
+__all__ = [
+    "HARDWARE",
+    "MODELS",
+    "LinearCostModel",
+    "RooflineCostModel",
+    "SimConfig",
+    "SimResult",
+    "StepRecord",
+    "StepShape",
+    "get_hardware",
+    "get_model",
+    "simulate",
+]

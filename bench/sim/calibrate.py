@@ -6,9 +6,10 @@ Model (seconds)::
                + per_context_token * context_tokens
 
 where ``context_tokens`` sums, over every token of the step, the keys it attends to
-(``bench.sim.cost_model.chunk_context_tokens``). ``fit_linear_profile`` solves it by least squares
-(numpy) with every constant kept >= 0 (a coefficient that comes out negative is fixed at 0 and the
-rest refitted), trimming steps slowed down by other load on the machine. ``measure_step_records`` produces the records by driving a real
+(``bench.sim.cost_model.chunk_context_tokens``). ``fit_linear_profile`` solves it by least
+squares (numpy, on relative errors) with every constant kept >= 0 (a coefficient that comes out
+negative is fixed at 0 and the rest refitted), trimming steps slowed down by other load on the
+machine. ``measure_step_records`` produces the records by driving a real
 ``engine.LLMEngine`` through a grid of batch shapes with ``engine.step()``, reading
 ``engine.step_history`` (duration) and ``engine.last_output.chunks`` (the shape) after every step.
 """
@@ -40,11 +41,14 @@ COEFFICIENTS = ("fixed_overhead_s", "per_prefill_token_s", "per_decode_token_s",
 
 
 def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with every coefficient >= 0: drop the most negative one and refit, until none is."""
+    """Least squares of the *relative* error (rows weighted by 1/y: timing noise is proportional to
+    the step time), every coefficient >= 0: drop the most negative one and refit until none is."""
+    w = 1.0 / np.maximum(y, 1e-12)
+    xw, yw = x * w[:, None], y * w
     active = list(range(x.shape[1]))
     coef = np.zeros(x.shape[1])
     while active:
-        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        sol, *_ = np.linalg.lstsq(xw[:, active], yw, rcond=None)
         coef = np.zeros(x.shape[1])
         coef[active] = sol
         negative = [i for i in active if coef[i] < 0]
@@ -54,9 +58,13 @@ def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.maximum(coef, 0.0)
 
 
-def fit_linear_profile(records: Sequence[MeasuredStep | tuple[int, int, int, float]], model: str = "bench",
-                       trim_slow: float | None = 0.5, **extra: object) -> LinearProfile:
-    """Least-squares fit of the four non-negative constants. Needs at least 4 records.
+def fit_linear_profile(
+    records: Sequence[MeasuredStep | tuple[int, int, int, float]],
+    model: str = "bench",
+    trim_slow: float | None = 0.5,
+    **extra: object,
+) -> LinearProfile:
+    """Fit the four non-negative constants by least squares on relative errors. Needs >= 4 records.
 
     ``trim_slow``: noise on a shared CPU only ever makes a step slower, so records more than this
     fraction slower than the current fit are dropped and the fit repeated (a few rounds, keeping at
@@ -73,8 +81,7 @@ def fit_linear_profile(records: Sequence[MeasuredStep | tuple[int, int, int, flo
     coef = _nonneg_lstsq(x_all, y_all)
     for _ in range(5 if trim_slow is not None else 0):
         pred = x_all @ coef
-        slow = (y_all - pred) > trim_slow * np.maximum(pred, 1e-12)  # type: ignore[operator]
-        new_keep = ~slow
+        new_keep = (y_all - pred) <= trim_slow * np.maximum(pred, 1e-12)  # type: ignore[operator]
         if new_keep.sum() < max(4, len(data) // 2) or np.array_equal(new_keep, keep):
             break
         keep = new_keep
@@ -84,21 +91,31 @@ def fit_linear_profile(records: Sequence[MeasuredStep | tuple[int, int, int, flo
     ss_tot = float(np.sum((y - y.mean()) ** 2))
     r2 = 1.0 - float(np.sum(resid**2)) / ss_tot if ss_tot > 0 else 1.0
     rel = float(np.mean(np.abs(resid) / np.maximum(y, 1e-12)))
-    return LinearProfile(model=model, **dict(zip(COEFFICIENTS, (float(c) for c in coef), strict=True)),
-                         num_records=int(keep.sum()), rms_residual_s=float(np.sqrt(np.mean(resid**2))), r2=r2,
-                         mean_abs_rel_error=rel, **extra)  # type: ignore[arg-type]
+    return LinearProfile(
+        model=model,
+        **dict(zip(COEFFICIENTS, (float(c) for c in coef), strict=True)),
+        num_records=int(keep.sum()),
+        rms_residual_s=float(np.sqrt(np.mean(resid**2))),
+        r2=r2,
+        mean_abs_rel_error=rel,
+        **extra,
+    )  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
 class CalibrationGrid:
     """Batch shapes to measure: for every decode context length and decode batch size, bring that
     many requests into decode, then run one step per prefill size next to them (``repeats`` times),
-    plus ``repeats`` decode-only steps. The ramp-up prefills are measured too. ``time_budget_s``
-    stops the measurement early (the records gathered so far are kept)."""
+    plus ``repeats`` decode-only steps. The ramp-up prefills are measured too. First, each of
+    ``long_prompts`` is prefilled alone in budget-sized chunks, which spreads chunk start positions
+    over long contexts (the attention term). Cover the contexts you will simulate: the fit is
+    linear and extrapolates poorly. ``time_budget_s`` stops the measurement early (the records
+    gathered so far are kept)."""
 
     prefill_sizes: tuple[int, ...] = (32, 128, 384)
     decode_batches: tuple[int, ...] = (0, 4, 16)
     decode_contexts: tuple[int, ...] = (64, 512)
+    long_prompts: tuple[int, ...] = (2048,)
     repeats: int = 2
     warmup_steps: int = 2
     time_budget_s: float = 40.0
@@ -106,13 +123,24 @@ class CalibrationGrid:
     @staticmethod
     def quick() -> CalibrationGrid:
         """A few seconds on the tiny preset: for tests and smoke runs."""
-        return CalibrationGrid(prefill_sizes=(16, 64), decode_batches=(0, 4), decode_contexts=(32,), repeats=1,
-                               warmup_steps=1, time_budget_s=20.0)
+        return CalibrationGrid(
+            prefill_sizes=(16, 64),
+            decode_batches=(0, 4),
+            decode_contexts=(32,),
+            long_prompts=(),
+            repeats=1,
+            warmup_steps=1,
+            time_budget_s=20.0,
+        )
 
 
-def measure_step_records(model: str = "bench", grid: CalibrationGrid | None = None, seed: int = 0,
-                         torch_threads: int | None = None,
-                         progress: Callable[[str], None] | None = None) -> list[MeasuredStep]:
+def measure_step_records(
+    model: str = "bench",
+    grid: CalibrationGrid | None = None,
+    seed: int = 0,
+    torch_threads: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[MeasuredStep]:
     """Run a real ``engine.LLMEngine(EngineConfig(model=...))`` through ``grid``; one record per step."""
     from engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -121,12 +149,24 @@ def measure_step_records(model: str = "bench", grid: CalibrationGrid | None = No
     max_ctx = max(grid.decode_contexts, default=0)
     max_d = max(grid.decode_batches, default=0)
     max_p = max(grid.prefill_sizes, default=1)
+    max_long = max(grid.long_prompts, default=0)
     block = 16
-    blocks = (max_d * (max_ctx + 64 + grid.repeats * (len(grid.prefill_sizes) + 2)) + max_p + 64) // block + 64
-    engine = LLMEngine(EngineConfig(model=model, seed=seed, num_kv_blocks=blocks, block_size=block,
-                                    max_num_batched_tokens=max(max_p + max_d, 256), max_num_seqs=max(max_d + 2, 8),
-                                    enable_prefix_caching=False, torch_threads=torch_threads,
-                                    max_model_len=max(max_ctx, max_p) + 1024))
+    blocks = (
+        max_d * (max_ctx + 64 + grid.repeats * (len(grid.prefill_sizes) + 2)) + max(max_p, max_long) + 64
+    ) // block + 64
+    engine = LLMEngine(
+        EngineConfig(
+            model=model,
+            seed=seed,
+            num_kv_blocks=blocks,
+            block_size=block,
+            max_num_batched_tokens=max(max_p + max_d, 256),
+            max_num_seqs=max(max_d + 2, 8),
+            enable_prefix_caching=False,
+            torch_threads=torch_threads,
+            max_model_len=max(max_ctx, max_p, max_long) + 1024,
+        )
+    )
     records: list[MeasuredStep] = []
     deadline = time.monotonic() + grid.time_budget_s
 
@@ -140,21 +180,34 @@ def measure_step_records(model: str = "bench", grid: CalibrationGrid | None = No
             return
         stats = engine.step_history[-1]
         shape = StepShape.from_output(out)
-        records.append(MeasuredStep(shape.prefill_tokens, shape.decode_tokens, shape.context_tokens,
-                                    stats.duration_s))
+        records.append(
+            MeasuredStep(shape.prefill_tokens, shape.decode_tokens, shape.context_tokens, stats.duration_s)
+        )
 
     for _ in range(grid.warmup_steps):  # first steps pay for allocator and kernel warm-up
         engine.add_request(prompt(max(16, min(grid.prefill_sizes, default=16))), SamplingParams(max_tokens=1))
         step(keep=False)
+    for n in grid.long_prompts:  # chunked prefill alone: chunk starts from 0 up to n
+        rid = engine.add_request(prompt(n), SamplingParams(max_tokens=1, ignore_eos=True))
+        while engine.get_request(rid) is not None and time.monotonic() <= deadline:
+            step()
+        if progress:
+            progress(f"calibration: {n}-token prompt in chunks: {len(records)} steps measured")
     for ctx in grid.decode_contexts:
         for d in grid.decode_batches:
             if time.monotonic() > deadline:
                 return records
-            streams = [engine.add_request(prompt(ctx), SamplingParams(max_tokens=100_000, ignore_eos=True))
-                       for _ in range(d)]
+            streams = [
+                engine.add_request(prompt(ctx), SamplingParams(max_tokens=100_000, ignore_eos=True))
+                for _ in range(d)
+            ]
             for _ in range(10_000):  # ramp-up: prefill the streams until each has its first token
-                if not any((r := engine.get_request(s)) is not None and r.num_output_tokens == 0 for s in streams):
+                if not any(
+                    (r := engine.get_request(s)) is not None and r.num_output_tokens == 0 for s in streams
+                ):
                     break
+                if time.monotonic() > deadline:
+                    return records
                 step()
             for _ in range(grid.repeats):
                 for p in grid.prefill_sizes:
@@ -171,17 +224,25 @@ def measure_step_records(model: str = "bench", grid: CalibrationGrid | None = No
     return records
 
 
-def calibrate(model: str = "bench", grid: CalibrationGrid | None = None, out_path: str | None = None,
-              seed: int = 0, torch_threads: int | None = None,
-              progress: Callable[[str], None] | None = None) -> LinearProfile:
+def calibrate(
+    model: str = "bench",
+    grid: CalibrationGrid | None = None,
+    out_path: str | None = None,
+    seed: int = 0,
+    torch_threads: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> LinearProfile:
     """Measure, fit, and (when ``out_path`` is given) write the cpu-measured profile JSON."""
     from bench.sim.profiles import save_linear_profile
 
     t0 = time.monotonic()
     records = measure_step_records(model, grid, seed, torch_threads, progress)
     profile = fit_linear_profile(
-        records, model=model, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
-        notes=f"{len(records)} steps of engine preset {model!r} measured in {time.monotonic() - t0:.1f} s")
+        records,
+        model=model,
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        notes=f"{len(records)} steps of engine preset {model!r} measured in {time.monotonic() - t0:.1f} s",
+    )
     if out_path:
         save_linear_profile(profile, out_path)
     return profile

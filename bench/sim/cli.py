@@ -16,11 +16,12 @@ Exit status: 0 on success, 2 on bad arguments or configuration (message on stder
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from dataclasses import replace
 from typing import Any
+
+from bench.workloads import add_workload_arguments, workload_spec_from_args
 
 DEFAULT_CALIBRATION = os.path.join("results", "cpu-profile.json")
 DEFAULT_OUT = os.path.join("results", "sim")
@@ -28,23 +29,33 @@ DEFAULT_OUT = os.path.join("results", "sim")
 
 def build_parser() -> argparse.ArgumentParser:
     from bench.sim.profiles import HARDWARE_NAMES, MODELS
-    from bench.workloads import WORKLOAD_KINDS
 
-    p = argparse.ArgumentParser(prog="pdserve sim", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pdserve sim",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     g = p.add_argument_group("hardware and model")
     g.add_argument("--hardware", default="H100", help=f"one of {', '.join(HARDWARE_NAMES)}")
-    g.add_argument("--model-profile", default=None,
-                   help=f"one of {', '.join(MODELS)} (default Llama-3-8B; cpu-measured: the calibrated model)")
+    g.add_argument(
+        "--model-profile",
+        default=None,
+        help=f"one of {', '.join(MODELS)} (default Llama-3-8B; cpu-measured: the calibrated model)",
+    )
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per instance")
     g.add_argument("--calibration", default=DEFAULT_CALIBRATION, help="cpu-measured profile JSON to read")
-    g.add_argument("--combine", choices=("max", "sum"), default="max",
-                   help="roofline: max(compute, memory) or their sum")
+    g.add_argument(
+        "--combine", choices=("max", "sum"), default="max", help="roofline: max(compute, memory) or their sum"
+    )
 
     g = p.add_argument_group("architecture")
     g.add_argument("--mode", choices=("colocated", "disaggregated", "both"), default="both")
-    g.add_argument("--instances", type=int, default=None,
-                   help="colocated instances (default: prefill + decode, so A/B runs use the same GPUs)")
+    g.add_argument(
+        "--instances",
+        type=int,
+        default=None,
+        help="colocated instances (default: prefill + decode, so A/B runs use the same GPUs)",
+    )
     g.add_argument("--prefill", type=int, default=1, help="disaggregated: prefill instances")
     g.add_argument("--decode", type=int, default=1, help="disaggregated: decode instances")
     g.add_argument("--kv-bandwidth", type=float, default=None, help="KV link GB/s (default: the hardware's)")
@@ -53,40 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("engine")
     g.add_argument("--chunk-size", type=int, default=None, help="per-request chunk cap (max_chunk_tokens)")
     g.add_argument("--no-chunking", action="store_true", help="prefill whole prompts in one step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget per step (default: chunk + max-num-seqs, or 2048)")
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget per step (default: chunk + max-num-seqs, or 2048)",
+    )
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None, help="default: what fits next to the weights")
     g.add_argument("--no-prefix-caching", action="store_true")
 
-    g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=WORKLOAD_KINDS, default=None,
-                   help="default: random (interference for --sweep)")
-    g.add_argument("--num-requests", type=int, default=100, help="requests (interference: long prompts)")
-    g.add_argument("--rate", type=float, default=math.inf, help="requests/s (inf = all at once)")
-    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-concurrency", type=int, default=None)
-    g.add_argument("--prompt-len-mean", type=float, default=512.0)
-    g.add_argument("--prompt-len-sigma", type=float, default=0.5)
-    g.add_argument("--prompt-len-min", type=int, default=16)
-    g.add_argument("--prompt-len-max", type=int, default=4096)
-    g.add_argument("--output-len-mean", type=float, default=128.0)
-    g.add_argument("--output-len-sigma", type=float, default=0.5)
-    g.add_argument("--output-len-min", type=int, default=1)
-    g.add_argument("--output-len-max", type=int, default=1024)
-    g.add_argument("--num-streams", type=int, default=24, help="interference: steady decode streams")
-    g.add_argument("--stream-prompt-len", type=int, default=256)
-    g.add_argument("--stream-output-len", type=int, default=1024)
-    g.add_argument("--long-prompt-len", type=int, default=8192)
-    g.add_argument("--long-output-len", type=int, default=16)
-    g.add_argument("--long-period", type=float, default=2.0, help="interference: seconds between long prompts")
-    g.add_argument("--long-start", type=float, default=0.5)
-    g.add_argument("--num-prefixes", type=int, default=4)
-    g.add_argument("--prefix-len", type=int, default=2048)
-    g.add_argument("--suffix-len", type=int, default=64)
-    g.add_argument("--dataset", default=None, help="ShareGPT-format JSON (byte tokenizer)")
+    add_workload_arguments(p)
 
     g = p.add_argument_group("targets and output")
     g.add_argument("--slo", default="", help="e.g. ttft=200,tpot=50 (ms)")
@@ -102,8 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pd-search", type=int, default=None, metavar="N", help="P:D search over N GPUs")
     g.add_argument("--attainment", type=float, default=0.9, help="pd search: SLO attainment target")
     g.add_argument("--no-rate-search", action="store_true", help="pd search: only the workload's own rate")
-    g.add_argument("--calibrate", nargs="?", const=DEFAULT_CALIBRATION, default=None, metavar="PATH",
-                   help=f"measure the engine, write the cpu-measured JSON (default {DEFAULT_CALIBRATION})")
+    g.add_argument(
+        "--pd-min-duration",
+        type=float,
+        default=5.0,
+        help="pd search: each rate-search run spans at least this many seconds of arrivals",
+    )
+    g.add_argument(
+        "--calibrate",
+        nargs="?",
+        const=DEFAULT_CALIBRATION,
+        default=None,
+        metavar="PATH",
+        help=f"measure the engine, write the cpu-measured JSON (default {DEFAULT_CALIBRATION})",
+    )
     g.add_argument("--calibrate-model", default="bench", choices=("tiny", "bench"))
     g.add_argument("--calibrate-quick", action="store_true", help="a tiny grid (seconds)")
     g.add_argument("--calibrate-budget-s", type=float, default=40.0)
@@ -127,8 +128,13 @@ def parse_sweep(text: str) -> list[int]:
     return sizes
 
 
-def make_cost_model(hardware: str, model_profile: str | None, tp: int = 1, calibration: str = DEFAULT_CALIBRATION,
-                    combine: str = "max") -> tuple[Any, float, float]:
+def make_cost_model(
+    hardware: str,
+    model_profile: str | None,
+    tp: int = 1,
+    calibration: str = DEFAULT_CALIBRATION,
+    combine: str = "max",
+) -> tuple[Any, float, float]:
     """``(cost model, default KV link bytes/s, default KV link latency s)`` for the named profiles."""
     from bench.sim.cost_model import LinearCostModel, RooflineCostModel
     from bench.sim.profiles import CPU_MEASURED, get_hardware, get_model, load_linear_profile
@@ -137,30 +143,22 @@ def make_cost_model(hardware: str, model_profile: str | None, tp: int = 1, calib
         prof = load_linear_profile(calibration)
         name = model_profile or prof.model
         if name.lower() != prof.model.lower():
-            raise ValueError(f"hardware cpu-measured: {calibration} was measured on model {prof.model!r}, "
-                             f"not {name!r}")
+            raise ValueError(
+                f"hardware cpu-measured: {calibration} was measured on model {prof.model!r}, not {name!r}"
+            )
         if tp != 1:
             raise ValueError("hardware cpu-measured: --tp is not modelled (measured on one process)")
         return LinearCostModel(prof, get_model(name)), prof.kv_link_bw, prof.kv_link_latency_s
     hw = get_hardware(hardware)
-    return (RooflineCostModel(hw, get_model(model_profile or "Llama-3-8B"), tp, combine), hw.kv_link_bw,
-            hw.kv_link_latency_s)
+    return (
+        RooflineCostModel(hw, get_model(model_profile or "Llama-3-8B"), tp, combine),
+        hw.kv_link_bw,
+        hw.kv_link_latency_s,
+    )
 
 
-def _spec(args: argparse.Namespace, kind: str) -> Any:
-    from bench.workloads import WorkloadSpec
-
-    return WorkloadSpec(
-        kind=kind, num_requests=args.num_requests, rate=args.rate, burstiness=args.burstiness, seed=args.seed,
-        max_concurrency=args.max_concurrency, prompt_len_mean=args.prompt_len_mean,
-        prompt_len_sigma=args.prompt_len_sigma, prompt_len_min=args.prompt_len_min,
-        prompt_len_max=args.prompt_len_max, output_len_mean=args.output_len_mean,
-        output_len_sigma=args.output_len_sigma, output_len_min=args.output_len_min,
-        output_len_max=args.output_len_max, num_streams=args.num_streams,
-        stream_prompt_len=args.stream_prompt_len, stream_output_len=args.stream_output_len,
-        long_prompt_len=args.long_prompt_len, long_output_len=args.long_output_len,
-        long_period_s=args.long_period, long_start_s=args.long_start, num_prefixes=args.num_prefixes,
-        prefix_len=args.prefix_len, suffix_len=args.suffix_len, dataset_path=args.dataset)
+def _spec(args: argparse.Namespace, kind: str, default_requests: int = 100) -> Any:
+    return workload_spec_from_args(args, kind, default_requests)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -175,38 +173,67 @@ def run(args: argparse.Namespace) -> int:
 
         grid = CalibrationGrid.quick() if args.calibrate_quick else CalibrationGrid()
         grid = replace(grid, time_budget_s=args.calibrate_budget_s)
-        prof = calibrate(args.calibrate_model, grid, args.calibrate, seed=args.seed,
-                         torch_threads=args.torch_threads, progress=None if args.quiet else say)
-        say(f"cpu-measured profile for {prof.model!r} -> {args.calibrate}\n"
-            f"  step = {prof.fixed_overhead_s * 1e3:.3f} ms + {prof.per_prefill_token_s * 1e6:.2f} us/prefill token"
+        prof = calibrate(
+            args.calibrate_model,
+            grid,
+            args.calibrate,
+            seed=args.seed,
+            torch_threads=args.torch_threads,
+            progress=None if args.quiet else say,
+        )
+        say(
+            f"cpu-measured profile for {prof.model!r} -> {args.calibrate}\n"
+            f"  step = {prof.fixed_overhead_s * 1e3:.3f} ms"
+            f" + {prof.per_prefill_token_s * 1e6:.2f} us/prefill token"
             f" + {prof.per_decode_token_s * 1e6:.2f} us/decode token"
             f" + {prof.per_context_token_s * 1e9:.3f} ns/context token\n"
-            f"  fit over {prof.num_records} steps: R^2 {prof.r2:.3f}, RMS residual {prof.rms_residual_s * 1e3:.2f} ms, "
-            f"mean |relative error| {100 * prof.mean_abs_rel_error:.1f}%")
+            f"  fit over {prof.num_records} steps: R^2 {prof.r2:.3f}, "
+            f"RMS residual {prof.rms_residual_s * 1e3:.2f} ms, "
+            f"mean |relative error| {100 * prof.mean_abs_rel_error:.1f}%"
+        )
+        if prof.mean_abs_rel_error > 0.2:
+            print(
+                "pdserve sim: warning: the fit is poor (steps vary a lot at the same shape); other load on "
+                "this machine? Measure again when it is idle, or with --torch-threads 1.",
+                file=sys.stderr,
+            )
         if not (args.demo or args.sweep or args.pd_search):
             return 0
 
     for name in ("tp", "prefill", "decode", "num_requests", "max_num_seqs", "block_size"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     slo = parse_slo(args.slo)
-    cost_model, link_bw, link_latency = make_cost_model(args.hardware, args.model_profile, args.tp,
-                                                        args.calibration, args.combine)
+    cost_model, link_bw, link_latency = make_cost_model(
+        args.hardware, args.model_profile, args.tp, args.calibration, args.combine
+    )
     if args.kv_bandwidth is not None:
         link_bw = args.kv_bandwidth * 1e9
     if args.kv_latency_us is not None:
         link_latency = args.kv_latency_us * 1e-6
-    config = SimConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens,
-                       chunk_size=None if args.no_chunking else args.chunk_size,
-                       enable_chunked_prefill=not args.no_chunking,
-                       enable_prefix_caching=not args.no_prefix_caching, num_kv_blocks=args.num_kv_blocks,
-                       kv_link_bw=link_bw, kv_link_latency_s=link_latency)
-    cfg_dict: dict[str, Any] = {"hardware": args.hardware, "model_profile": cost_model.model.name, "tp": args.tp,
-                                "cost_model": cost_model.name, "sim": config.to_dict(), "seed": args.seed}
+    config = SimConfig(
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        chunk_size=None if args.no_chunking else args.chunk_size,
+        enable_chunked_prefill=not args.no_chunking,
+        enable_prefix_caching=not args.no_prefix_caching,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_link_bw=link_bw,
+        kv_link_latency_s=link_latency,
+    )
+    cfg_dict: dict[str, Any] = {
+        "hardware": args.hardware,
+        "model_profile": cost_model.model.name,
+        "tp": args.tp,
+        "cost_model": cost_model.name,
+        "sim": config.to_dict(),
+        "seed": args.seed,
+    }
     os.makedirs(args.out, exist_ok=True)
     runs: list[RunData] = []
     extra: dict[str, Any] = {}
+    extra_plots: dict[str, str] = {}
     notes: list[str] = []
     sweep = pd_rows = None
     special = args.demo or args.sweep or args.pd_search
@@ -214,46 +241,92 @@ def run(args: argparse.Namespace) -> int:
     if args.demo:
         from bench.sim.demo import compare_chunking, run_chunked_prefill_demo
 
-        kw = dict(num_decodes=args.demo_decodes, itl_target_ms=args.itl_target_ms, block_size=args.block_size,
-                  max_num_seqs=args.max_num_seqs, seed=args.seed)
+        kw = dict(
+            num_decodes=args.demo_decodes,
+            itl_target_ms=args.itl_target_ms,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            seed=args.seed,
+        )
         main_on = run_chunked_prefill_demo(cost_model, args.demo_prompt_len, args.demo_chunk, **kw)
         main_off = run_chunked_prefill_demo(cost_model, args.demo_prompt_len, None, **kw)
         cmp = compare_chunking(cost_model, args.demo_long_prompt_len, args.demo_chunk, **kw)
         say(main_on.summary())
-        say(f"{args.demo_long_prompt_len}-token prompt: worst decode stall {cmp.off.worst_decode_stall_ms:.1f} ms "
+        say(
+            f"{args.demo_long_prompt_len}-token prompt: worst decode stall "
+            f"{cmp.off.worst_decode_stall_ms:.1f} ms "
             f"unchunked vs {cmp.on.worst_decode_stall_ms:.1f} ms with chunk {args.demo_chunk}: "
             f"{cmp.worst_itl_ratio:.1f}x better with chunking (TTFT {cmp.off.long_prompt_ttft_ms:.0f} -> "
-            f"{cmp.on.long_prompt_ttft_ms:.0f} ms)")
-        extra["demo"] = {"main": main_on.to_dict(), "main_chunking_off": main_off.to_dict(),
-                         "long": cmp.to_dict()}
+            f"{cmp.on.long_prompt_ttft_ms:.0f} ms)"
+        )
+        extra["demo"] = {
+            "main": main_on.to_dict(),
+            "main_chunking_off": main_off.to_dict(),
+            "long": cmp.to_dict(),
+        }
         notes.append("Demo: " + main_on.summary().replace("\n", ";").replace("  ", " "))
-        notes.append(f"Demo, {args.demo_long_prompt_len}-token prompt: worst ITL off/on = {cmp.worst_itl_ratio:.1f}x")
-        for tag, res in (("demo_on", main_on), ("demo_off", main_off), ("demo_long_off", cmp.off),
-                         ("demo_long_on", cmp.on)):
+        notes.append(
+            f"Demo, {args.demo_long_prompt_len}-token prompt: worst ITL off/on = {cmp.worst_itl_ratio:.1f}x"
+        )
+        for tag, res in (
+            ("demo_on", main_on),
+            ("demo_off", main_off),
+            ("demo_long_off", cmp.off),
+            ("demo_long_on", cmp.on),
+        ):
             mode = f"chunk {res.chunk_size}" if res.chunk_size else "chunking off"
-            plot_step_timeline(res.window_steps, os.path.join(args.out, f"timeline_{tag}.png"), args.itl_target_ms,
-                               f"{res.prompt_len}-token prompt, {mode}, {res.num_decodes} decodes ({cost_model.name})")
+            extra_plots[f"timeline_{tag}"] = plot_step_timeline(
+                res.window_steps,
+                os.path.join(args.out, f"timeline_{tag}.png"),
+                args.itl_target_ms,
+                f"{res.prompt_len}-token prompt, {mode}, {res.num_decodes} decodes ({cost_model.name})",
+            )
 
     if args.sweep:
         from bench.sim.experiments import chunk_sweep
 
         sizes = parse_sweep(args.sweep)
         wl = build_workload(_spec(args, args.workload or "interference"))
-        sweep = chunk_sweep(wl.requests, cost_model, sizes, config, num_instances=args.instances or 1,
-                            max_concurrency=args.max_concurrency)
+        sweep = chunk_sweep(
+            wl.requests,
+            cost_model,
+            sizes,
+            config,
+            num_instances=args.instances or 1,
+            max_concurrency=args.max_concurrency,
+        )
         knee = find_knee(sweep, args.itl_target_ms)
-        say("chunk  P99 ITL ms  prefill tok/s  mean TTFT ms")
+        say("chunk  P99 ITL ms  (whole run)  prefill tok/s  mean TTFT ms")
         for pt in sweep:
-            say(f"{pt.chunk_size:5d}  {pt.p99_itl_ms:10.1f}  {pt.prefill_throughput_tok_s:13.0f}  {pt.mean_ttft_ms:12.1f}")
-        say(f"knee for {args.itl_target_ms:g} ms: " + (f"chunk {knee.chunk_size}" if knee else "none meets it"))
+            say(
+                f"{pt.chunk_size:5d}  {pt.p99_itl_ms:10.1f}  {pt.p99_itl_all_ms:11.1f}  "
+                f"{pt.prefill_throughput_tok_s:13.0f}  {pt.mean_ttft_ms:12.1f}"
+            )
+        say(
+            f"knee for {args.itl_target_ms:g} ms: "
+            + (f"chunk {knee.chunk_size}" if knee else "none meets it")
+        )
         cfg_dict["sweep_workload"] = wl.spec.to_dict()
 
     if args.pd_search:
         from bench.sim.experiments import best_row, pd_search
 
-        spec = _spec(args, args.workload or "random")
-        pd_rows = pd_search(spec, cost_model, args.pd_search, slo, config, tp=args.tp, attainment=args.attainment,
-                            search_rate=not args.no_rate_search)
+        spec = _spec(args, args.workload or "random", default_requests=400)
+        pd_rows = pd_search(
+            spec,
+            cost_model,
+            args.pd_search,
+            slo,
+            config,
+            tp=args.tp,
+            attainment=args.attainment,
+            search_rate=not args.no_rate_search,
+            min_duration_s=args.pd_min_duration,
+        )
+        notes.append(
+            f"P:D search: SLO attainment target {100 * args.attainment:.0f}%; rate-search runs use at least "
+            f"{spec.num_requests} requests and {args.pd_min_duration:g} s of arrivals."
+        )
         say(f"{'config':<16} goodput/GPU  SLO met  max rate/GPU")
         for r in pd_rows:
             rate = "-" if r.max_rate_per_gpu is None else f"{r.max_rate_per_gpu:.3f}"
@@ -268,17 +341,44 @@ def run(args: argparse.Namespace) -> int:
         modes = ["colocated", "disaggregated"] if args.mode == "both" else [args.mode]
         for mode in modes:
             n = args.instances or (args.prefill + args.decode if args.mode == "both" else 1)
-            res = simulate(wl.requests, cost_model, config, mode=mode, num_instances=n, num_prefill=args.prefill,
-                           num_decode=args.decode, tp=args.tp, max_concurrency=args.max_concurrency)
-            name = f"colocated x{n}" if mode == "colocated" else f"disaggregated {args.prefill}P:{args.decode}D"
-            runs.append(RunData(name, res.records, res.steps,
-                                res.kv_bytes_moved if mode == "disaggregated" else None,
-                                meta={**res.config, "num_gpus": res.num_gpus}))
+            res = simulate(
+                wl.requests,
+                cost_model,
+                config,
+                mode=mode,
+                num_instances=n,
+                num_prefill=args.prefill,
+                num_decode=args.decode,
+                tp=args.tp,
+                max_concurrency=args.max_concurrency,
+            )
+            name = (
+                f"colocated x{n}" if mode == "colocated" else f"disaggregated {args.prefill}P:{args.decode}D"
+            )
+            runs.append(
+                RunData(
+                    name,
+                    res.records,
+                    res.steps,
+                    res.kv_bytes_moved if mode == "disaggregated" else None,
+                    meta={**res.config, "num_gpus": res.num_gpus},
+                )
+            )
         say(markdown_table([(r.name, r.metrics(slo), r.kv_bytes_moved) for r in runs]))
 
-    files = write_report(args.out, runs, config=cfg_dict, slo_ms=slo, itl_target_ms=args.itl_target_ms,
-                         title=f"pdserve sim: {cost_model.name}", sweep=sweep, pd_rows=pd_rows, extra=extra,
-                         notes=notes)
+    files = write_report(
+        args.out,
+        runs,
+        config=cfg_dict,
+        slo_ms=slo,
+        itl_target_ms=args.itl_target_ms,
+        title=f"pdserve sim: {cost_model.name}",
+        sweep=sweep,
+        pd_rows=pd_rows,
+        extra=extra,
+        notes=notes,
+        extra_plots=extra_plots,
+    )
     say(f"wrote {files.report_md} and {len(files.all_paths()) - 1} other files in {args.out}")
     return 0
 

@@ -97,12 +97,14 @@ class StepCost(NamedTuple):
 class RooflineCostModel:
     """Roofline step time of ``model`` on ``tp`` GPUs of ``hardware`` (see the module docstring)."""
 
-    def __init__(self, hardware: HardwareProfile, model: ModelProfile, tp: int = 1, combine: str = "max") -> None:
+    def __init__(
+        self, hardware: HardwareProfile, model: ModelProfile, tp: int = 1, combine: str = "max"
+    ) -> None:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
         if combine not in ("max", "sum"):
             raise ValueError(f"combine must be 'max' or 'sum', got {combine!r}")
-        if model.num_heads % tp or model.num_kv_heads % tp and tp % model.num_kv_heads:
+        if model.num_heads % tp or (model.num_kv_heads % tp and tp % model.num_kv_heads):
             raise ValueError(f"tp={tp} does not divide {model.name}'s {model.num_heads} heads")
         self.hardware = hardware
         self.model = model
@@ -116,15 +118,20 @@ class RooflineCostModel:
     def breakdown(self, shape: StepShape) -> StepCost:
         m, hw, tp = self.model, self.hardware, self.tp
         tokens = shape.num_tokens
-        flops = (2 * m.matmul_params * tokens + 2 * m.lm_head_params * shape.sampled_tokens
-                 + m.attn_flops_per_context_token * shape.context_tokens)
+        flops = (
+            2 * m.matmul_params * tokens
+            + 2 * m.lm_head_params * shape.sampled_tokens
+            + m.attn_flops_per_context_token * shape.context_tokens
+        )
         compute = flops / tp / self._flops
         mem_bytes = m.weight_bytes / tp + m.kv_bytes_per_token * (shape.kv_read_tokens + tokens) / tp
         memory = mem_bytes / self._bw
         all_reduce = 0.0
         if tp > 1 and tokens:
             payload = tokens * m.hidden_size * m.dtype_bytes
-            all_reduce = 2 * m.num_layers * (hw.allreduce_latency_s + 2 * (tp - 1) / tp * payload / hw.interconnect_bw)
+            all_reduce = (
+                2 * m.num_layers * (hw.allreduce_latency_s + 2 * (tp - 1) / tp * payload / hw.interconnect_bw)
+            )
         body = max(compute, memory) if self.combine == "max" else compute + memory
         total = hw.step_overhead_s + body + all_reduce if tokens else 0.0
         return StepCost(hw.step_overhead_s, compute, memory, all_reduce, total)
@@ -138,8 +145,10 @@ class RooflineCostModel:
         hw, m = self.hardware, self.model
         free = hw.mem_bytes * hw.gpu_memory_utilization * self.tp - m.weight_bytes
         if free <= 0:
-            raise ValueError(f"{m.name} ({m.weight_bytes / 1e9:.0f} GB of weights) does not fit on {self.tp} x "
-                             f"{hw.name}; raise --tp")
+            raise ValueError(
+                f"{m.name} ({m.weight_bytes / 1e9:.0f} GB of weights) does not fit on {self.tp} x "
+                f"{hw.name}; raise --tp"
+            )
         return int(free // m.kv_bytes_per_token)
 
 
@@ -156,8 +165,12 @@ class LinearCostModel:
         if shape.num_tokens == 0:
             return 0.0
         p = self.profile
-        return (p.fixed_overhead_s + p.per_prefill_token_s * shape.prefill_tokens
-                + p.per_decode_token_s * shape.decode_tokens + p.per_context_token_s * shape.context_tokens)
+        return (
+            p.fixed_overhead_s
+            + p.per_prefill_token_s * shape.prefill_tokens
+            + p.per_decode_token_s * shape.decode_tokens
+            + p.per_context_token_s * shape.context_tokens
+        )
 
     def kv_capacity_tokens(self) -> int:
         return int(self.profile.kv_memory_bytes // self.model.kv_bytes_per_token)

@@ -18,6 +18,7 @@ Everything runs through the real engine scheduler via ``bench.sim.simulator``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 from bench.sim.cost_model import CostModel
@@ -51,16 +52,19 @@ class DemoResult:
 
     def summary(self) -> str:
         mode = f"chunk {self.chunk_size}" if self.chunk_size else "chunking off"
-        return (f"{self.prompt_len}-token prompt, {mode}, {self.num_decodes} decodes, ITL target "
-                f"{self.itl_target_ms:g} ms on {self.cost_model}:\n"
-                f"  worst decode stall:      {self.worst_decode_stall_ms:8.1f} ms\n"
-                f"  long-prompt TTFT:        {self.long_prompt_ttft_ms:8.1f} ms\n"
-                f"  steps over ITL target:   {self.steps_over_target:8d} of {self.steps_in_window}\n"
-                f"  decode throughput:       {self.decode_throughput_tok_s:8.0f} tok/s")
+        return (
+            f"{self.prompt_len}-token prompt, {mode}, {self.num_decodes} decodes, ITL target "
+            f"{self.itl_target_ms:g} ms on {self.cost_model}:\n"
+            f"  worst decode stall:      {self.worst_decode_stall_ms:8.1f} ms\n"
+            f"  long-prompt TTFT:        {self.long_prompt_ttft_ms:8.1f} ms\n"
+            f"  steps over ITL target:   {self.steps_over_target:8d} of {self.steps_in_window}\n"
+            f"  decode throughput:       {self.decode_throughput_tok_s:8.0f} tok/s"
+        )
 
 
-def _run_until(requests: list[WorkloadRequest], cost_model: CostModel, config: SimConfig,
-               done: Any, start_s: float) -> SimResult:
+def _run_until(
+    requests: list[WorkloadRequest], cost_model: CostModel, config: SimConfig, done: Any, start_s: float
+) -> SimResult:
     """Simulate with a stop time that doubles until ``done(result)`` holds (at most 40 doublings)."""
     horizon = start_s
     for _ in range(40):
@@ -71,15 +75,31 @@ def _run_until(requests: list[WorkloadRequest], cost_model: CostModel, config: S
     raise RuntimeError("demo: the simulation did not reach the end of the window")
 
 
-def run_chunked_prefill_demo(cost_model: CostModel, prompt_len: int = 8192, chunk_size: int | None = 1024,
-                             num_decodes: int = 24, itl_target_ms: float = 50.0, stream_prompt_len: int = 512,
-                             block_size: int = 16, max_num_seqs: int = 256, seed: int = 0) -> DemoResult:
+def run_chunked_prefill_demo(
+    cost_model: CostModel,
+    prompt_len: int = 8192,
+    chunk_size: int | None = 1024,
+    num_decodes: int = 24,
+    itl_target_ms: float = 50.0,
+    stream_prompt_len: int = 512,
+    block_size: int = 16,
+    max_num_seqs: int = 256,
+    seed: int = 0,
+) -> DemoResult:
     """Run the scenario once; ``chunk_size=None`` turns chunking off."""
-    streams = [WorkloadRequest(f"stream-{i}", random_tokens(stream_prompt_len, _rng(seed, i)), STREAM_MAX_TOKENS,
-                               0.0, "stream") for i in range(num_decodes)]
-    config = SimConfig(block_size=block_size, max_num_seqs=max_num_seqs, chunk_size=chunk_size,
-                       enable_chunked_prefill=chunk_size is not None,
-                       max_num_batched_tokens=None if chunk_size else prompt_len + max_num_seqs)
+    streams = [
+        WorkloadRequest(
+            f"stream-{i}", random_tokens(stream_prompt_len, _rng(seed, i)), STREAM_MAX_TOKENS, 0.0, "stream"
+        )
+        for i in range(num_decodes)
+    ]
+    config = SimConfig(
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        chunk_size=chunk_size,
+        enable_chunked_prefill=chunk_size is not None,
+        max_num_batched_tokens=None if chunk_size else prompt_len + max_num_seqs,
+    )
 
     def all_streaming(result: SimResult) -> bool:
         return all(len(r.token_times) >= 2 for r in result.records)
@@ -95,16 +115,32 @@ def run_chunked_prefill_demo(cost_model: CostModel, prompt_len: int = 8192, chun
     # 2) the same run with the long prompt, until its first token. Identical to (1) before `arrival`.
     result = _run_until([*streams, long_req], cost_model, config, long_done, max(2 * arrival, 0.05))
     first = result.record("long").token_times[0]
-    gaps = [b - a for r in result.records if r.label == "stream"
-            for a, b in zip(r.token_times, r.token_times[1:]) if arrival < b <= first]
-    tokens = sum(1 for r in result.records if r.label == "stream" for t in r.token_times if arrival < t <= first)
+    gaps = [
+        b - a
+        for r in result.records
+        if r.label == "stream"
+        for a, b in pairwise(r.token_times)
+        if arrival < b <= first
+    ]
+    tokens = sum(
+        1 for r in result.records if r.label == "stream" for t in r.token_times if arrival < t <= first
+    )
     window = [s for s in result.steps if s.start >= arrival and s.end <= first + 1e-12]
     over = sum(1 for s in window if s.duration * 1000.0 > itl_target_ms)
     return DemoResult(
-        cost_model=cost_model.name, prompt_len=prompt_len, chunk_size=chunk_size, num_decodes=num_decodes,
-        itl_target_ms=itl_target_ms, arrival_s=arrival, worst_decode_stall_ms=max(gaps, default=0.0) * 1000.0,
-        long_prompt_ttft_ms=(first - arrival) * 1000.0, steps_over_target=over, steps_in_window=len(window),
-        decode_throughput_tok_s=tokens / (first - arrival) if first > arrival else 0.0, window_steps=tuple(window))
+        cost_model=cost_model.name,
+        prompt_len=prompt_len,
+        chunk_size=chunk_size,
+        num_decodes=num_decodes,
+        itl_target_ms=itl_target_ms,
+        arrival_s=arrival,
+        worst_decode_stall_ms=max(gaps, default=0.0) * 1000.0,
+        long_prompt_ttft_ms=(first - arrival) * 1000.0,
+        steps_over_target=over,
+        steps_in_window=len(window),
+        decode_throughput_tok_s=tokens / (first - arrival) if first > arrival else 0.0,
+        window_steps=tuple(window),
+    )
 
 
 @dataclass(frozen=True)
@@ -116,14 +152,24 @@ class ChunkingComparison:
 
     @property
     def worst_itl_ratio(self) -> float:
-        return self.off.worst_decode_stall_ms / self.on.worst_decode_stall_ms if self.on.worst_decode_stall_ms else 0.0
+        return (
+            self.off.worst_decode_stall_ms / self.on.worst_decode_stall_ms
+            if self.on.worst_decode_stall_ms
+            else 0.0
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {"off": self.off.to_dict(), "on": self.on.to_dict(), "worst_itl_ratio": self.worst_itl_ratio}
 
 
-def compare_chunking(cost_model: CostModel, prompt_len: int = 32768, chunk_size: int = 1024,
-                     num_decodes: int = 24, itl_target_ms: float = 50.0, **kwargs: Any) -> ChunkingComparison:
+def compare_chunking(
+    cost_model: CostModel,
+    prompt_len: int = 32768,
+    chunk_size: int = 1024,
+    num_decodes: int = 24,
+    itl_target_ms: float = 50.0,
+    **kwargs: Any,
+) -> ChunkingComparison:
     """The same scenario with chunking off and on (default: the 32k prompt)."""
     off = run_chunked_prefill_demo(cost_model, prompt_len, None, num_decodes, itl_target_ms, **kwargs)
     on = run_chunked_prefill_demo(cost_model, prompt_len, chunk_size, num_decodes, itl_target_ms, **kwargs)

@@ -27,19 +27,36 @@ from bench.sim.cost_model import CostModel
 from bench.sim.simulator import SimConfig, SimResult, simulate
 from bench.workloads import WorkloadRequest, WorkloadSpec, build_workload
 
-__all__ = ["PDRow", "SweepPoint", "best_row", "chunk_sweep", "find_knee", "max_rate_meeting_slo", "pd_configs",
-           "pd_search", "prefill_throughput", "sweep_point"]
+__all__ = [
+    "PDRow",
+    "SweepPoint",
+    "best_row",
+    "chunk_sweep",
+    "find_knee",
+    "max_rate_meeting_slo",
+    "pd_configs",
+    "pd_search",
+    "prefill_throughput",
+    "sweep_point",
+]
 
 
-def chunk_sweep(requests: Sequence[WorkloadRequest], cost_model: CostModel, chunk_sizes: Sequence[int],
-                config: SimConfig | None = None, num_instances: int = 1,
-                max_concurrency: int | None = None) -> list[SweepPoint]:
+def chunk_sweep(
+    requests: Sequence[WorkloadRequest],
+    cost_model: CostModel,
+    chunk_sizes: Sequence[int],
+    config: SimConfig | None = None,
+    num_instances: int = 1,
+    max_concurrency: int | None = None,
+) -> list[SweepPoint]:
     """Colocated runs of ``requests`` at every chunk size (token budget = chunk + max_num_seqs)."""
     base = config or SimConfig()
     points = []
     for chunk in chunk_sizes:
         cfg = replace(base, chunk_size=chunk, enable_chunked_prefill=True, max_num_batched_tokens=None)
-        result = simulate(requests, cost_model, cfg, num_instances=num_instances, max_concurrency=max_concurrency)
+        result = simulate(
+            requests, cost_model, cfg, num_instances=num_instances, max_concurrency=max_concurrency
+        )
         points.append(sweep_point(chunk, result.records, result.steps))
     return points
 
@@ -70,18 +87,43 @@ class PDRow:
 def pd_configs(num_instances: int) -> list[tuple[str, str, int, int]]:
     """``(name, mode, P, D)`` for colocated and every split of ``num_instances`` (P, D >= 1)."""
     rows = [(f"colocated x{num_instances}", "colocated", 0, 0)]
-    rows += [(f"{p}P:{num_instances - p}D", "disaggregated", p, num_instances - p) for p in range(1, num_instances)]
+    rows += [
+        (f"{p}P:{num_instances - p}D", "disaggregated", p, num_instances - p) for p in range(1, num_instances)
+    ]
     return rows
 
 
-def _run(mode: str, p: int, d: int, n: int, requests: Sequence[WorkloadRequest], cost_model: CostModel,
-         config: SimConfig, tp: int, max_concurrency: int | None) -> SimResult:
-    return simulate(requests, cost_model, config, mode=mode, num_instances=n, num_prefill=max(p, 1),
-                    num_decode=max(d, 1), tp=tp, max_concurrency=max_concurrency)
+def _run(
+    mode: str,
+    p: int,
+    d: int,
+    n: int,
+    requests: Sequence[WorkloadRequest],
+    cost_model: CostModel,
+    config: SimConfig,
+    tp: int,
+    max_concurrency: int | None,
+) -> SimResult:
+    return simulate(
+        requests,
+        cost_model,
+        config,
+        mode=mode,
+        num_instances=n,
+        num_prefill=max(p, 1),
+        num_decode=max(d, 1),
+        tp=tp,
+        max_concurrency=max_concurrency,
+    )
 
 
-def max_rate_meeting_slo(run_at: Callable[[float], float], attainment: float, start_rate: float,
-                         iterations: int = 6, max_doublings: int = 12) -> float:
+def max_rate_meeting_slo(
+    run_at: Callable[[float], float],
+    attainment: float,
+    start_rate: float,
+    iterations: int = 6,
+    max_doublings: int = 12,
+) -> float:
     """Largest rate with ``run_at(rate) >= attainment``: double from ``start_rate`` until it fails (or
     halve until it holds), then bisect ``iterations`` times. 0.0 when even ``start_rate / 2**12`` fails."""
     lo, hi = 0.0, start_rate
@@ -112,14 +154,26 @@ def max_rate_meeting_slo(run_at: Callable[[float], float], attainment: float, st
     return lo
 
 
-def pd_search(spec: WorkloadSpec, cost_model: CostModel, num_gpus: int, slo_ms: Mapping[str, float],
-              config: SimConfig | None = None, tp: int = 1, attainment: float = 0.9, search_rate: bool = True,
-              iterations: int = 6, requests: Sequence[WorkloadRequest] | None = None) -> list[PDRow]:
+def pd_search(
+    spec: WorkloadSpec,
+    cost_model: CostModel,
+    num_gpus: int,
+    slo_ms: Mapping[str, float],
+    config: SimConfig | None = None,
+    tp: int = 1,
+    attainment: float = 0.9,
+    search_rate: bool = True,
+    iterations: int = 6,
+    requests: Sequence[WorkloadRequest] | None = None,
+    min_duration_s: float = 0.0,
+) -> list[PDRow]:
     """Colocated vs every P:D split of ``num_gpus // tp`` instances, on ``spec``'s workload and SLOs.
 
     ``search_rate`` (ignored for the interference workload, which has no rate) also finds each
-    config's highest SLO-meeting rate. ``requests`` overrides the generated workload at the base rate.
-    Raises ValueError without SLOs or with fewer than 2 instances.
+    config's highest SLO-meeting rate. A short trace at a high rate is a burst the system can absorb
+    and then drain, which overstates the sustainable rate: each search run therefore uses
+    ``max(spec.num_requests, rate * min_duration_s)`` requests. ``requests`` overrides the generated
+    workload at the base rate. Raises ValueError without SLOs or with fewer than 2 instances.
     """
     if not slo_ms:
         raise ValueError("pd search: give SLOs, e.g. --slo ttft=200,tpot=50")
@@ -137,26 +191,45 @@ def pd_search(spec: WorkloadSpec, cost_model: CostModel, num_gpus: int, slo_ms: 
         if rate_search:
             cache: dict[float, float] = {}
 
-            def attain(rate: float, mode: str = mode, p: int = p, d: int = d, cache: dict[float, float] = cache) -> float:
+            def attain(
+                rate: float, mode: str = mode, p: int = p, d: int = d, cache: dict[float, float] = cache
+            ) -> float:
                 if rate not in cache:
-                    reqs = build_workload(replace(spec, rate=rate)).requests
+                    num = max(spec.num_requests, math.ceil(rate * min_duration_s))
+                    reqs = build_workload(replace(spec, rate=rate, num_requests=num)).requests
                     res = _run(mode, p, d, n, reqs, cost_model, cfg, tp, spec.max_concurrency)
                     cache[rate] = res.metrics(dict(slo_ms)).slo_attainment or 0.0
                 return cache[rate]
 
             start = spec.rate if math.isfinite(spec.rate) else 1.0
             max_rate = max_rate_meeting_slo(attain, attainment, start, iterations)
-        rows.append(PDRow(
-            name=name, mode=mode, num_prefill=p, num_decode=d, num_instances=n, num_gpus=n * tp,
-            goodput=m.request_goodput or 0.0, goodput_per_gpu=(m.request_goodput or 0.0) / (n * tp),
-            slo_attainment=m.slo_attainment or 0.0, max_rate=max_rate,
-            max_rate_per_gpu=None if max_rate is None else max_rate / (n * tp),
-            p99_ttft_ms=m.ttft.p99_ms, p99_tpot_ms=m.tpot.p99_ms, kv_bytes_moved=result.kv_bytes_moved))
+        rows.append(
+            PDRow(
+                name=name,
+                mode=mode,
+                num_prefill=p,
+                num_decode=d,
+                num_instances=n,
+                num_gpus=n * tp,
+                goodput=m.request_goodput or 0.0,
+                goodput_per_gpu=(m.request_goodput or 0.0) / (n * tp),
+                slo_attainment=m.slo_attainment or 0.0,
+                max_rate=max_rate,
+                max_rate_per_gpu=None if max_rate is None else max_rate / (n * tp),
+                p99_ttft_ms=m.ttft.p99_ms,
+                p99_tpot_ms=m.tpot.p99_ms,
+                kv_bytes_moved=result.kv_bytes_moved,
+            )
+        )
     return rows
 
 
 def best_row(rows: Sequence[PDRow]) -> PDRow:
     """The config with the highest per-GPU figure of merit (max SLO rate when searched, else goodput)."""
-    return max(rows, key=lambda r: (r.max_rate_per_gpu if r.max_rate_per_gpu is not None else r.goodput_per_gpu,
-                                    r.goodput_per_gpu))
-
+    return max(
+        rows,
+        key=lambda r: (
+            r.max_rate_per_gpu if r.max_rate_per_gpu is not None else r.goodput_per_gpu,
+            r.goodput_per_gpu,
+        ),
+    )

@@ -142,7 +142,9 @@ class SimResult:
 
 
 class _Instance:
-    def __init__(self, name: str, role: str, scheduler: Scheduler, link_bw: float, link_latency: float) -> None:
+    def __init__(
+        self, name: str, role: str, scheduler: Scheduler, link_bw: float, link_latency: float
+    ) -> None:
         self.name = name
         self.role = role
         self.scheduler = scheduler
@@ -188,9 +190,18 @@ _ARRIVAL, _STEP_DONE, _KV_ARRIVED = 0, 1, 2
 class Simulator:
     """One run of one architecture. Use ``simulate(...)`` unless you need the internals."""
 
-    def __init__(self, cost_model: CostModel, config: SimConfig, mode: str = "colocated", num_instances: int = 1,
-                 num_prefill: int = 1, num_decode: int = 1, tp: int = 1, kv_link_bw: float = 25e9,
-                 kv_link_latency_s: float = 20e-6) -> None:
+    def __init__(
+        self,
+        cost_model: CostModel,
+        config: SimConfig,
+        mode: str = "colocated",
+        num_instances: int = 1,
+        num_prefill: int = 1,
+        num_decode: int = 1,
+        tp: int = 1,
+        kv_link_bw: float = 25e9,
+        kv_link_latency_s: float = 20e-6,
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"sim: mode must be one of {', '.join(MODES)}, got {mode!r}")
         if min(num_instances, num_prefill, num_decode) < 1:
@@ -202,7 +213,9 @@ class Simulator:
         self.now = 0.0
         self.num_blocks = config.num_kv_blocks or max(1, cost_model.kv_capacity_tokens() // config.block_size)
         self.link_bw = config.kv_link_bw or kv_link_bw
-        self.link_latency = config.kv_link_latency_s if config.kv_link_latency_s is not None else kv_link_latency_s
+        self.link_latency = (
+            config.kv_link_latency_s if config.kv_link_latency_s is not None else kv_link_latency_s
+        )
         self._counts = (num_instances, num_prefill, num_decode)
         self.instances: list[_Instance] = []
         self.steps: list[StepRecord] = []
@@ -214,8 +227,13 @@ class Simulator:
     def _make_instance(self, name: str, role: str, budget: int, max_model_len: int) -> _Instance:
         c = self.config
         sched = Scheduler(
-            SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=c.max_num_seqs, max_model_len=max_model_len,
-                            enable_chunked_prefill=c.enable_chunked_prefill, max_chunk_tokens=c.chunk_size),
+            SchedulerConfig(
+                max_num_batched_tokens=budget,
+                max_num_seqs=c.max_num_seqs,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=c.enable_chunked_prefill,
+                max_chunk_tokens=c.chunk_size,
+            ),
             BlockManager(self.num_blocks, c.block_size, c.enable_prefix_caching),
         )
         sched.clock = self._clock
@@ -240,10 +258,13 @@ class Simulator:
         budget = self.config.token_budget(longest)
         n, p, d = self._counts
         if self.mode == "colocated":
-            self.instances = [self._make_instance(f"colo-{i}", "colocated", budget, max_model_len) for i in range(n)]
+            self.instances = [
+                self._make_instance(f"colo-{i}", "colocated", budget, max_model_len) for i in range(n)
+            ]
         else:
-            self.instances = ([self._make_instance(f"prefill-{i}", "prefill", budget, max_model_len) for i in range(p)]
-                              + [self._make_instance(f"decode-{i}", "decode", budget, max_model_len) for i in range(d)])
+            self.instances = [
+                self._make_instance(f"prefill-{i}", "prefill", budget, max_model_len) for i in range(p)
+            ] + [self._make_instance(f"decode-{i}", "decode", budget, max_model_len) for i in range(d)]
         self._budget = budget
         self._clients = {r.request_id: _Client(r) for r in requests}
         self._max_concurrency = max_concurrency
@@ -287,8 +308,11 @@ class Simulator:
         client.send_time = self.now
         w = client.wreq
         if -(-(w.num_prompt_tokens + 1) // self.config.block_size) > self.num_blocks:
-            self._complete(client, error=f"prompt of {w.num_prompt_tokens} tokens needs more KV blocks than an "
-                                         f"instance has ({self.num_blocks} x {self.config.block_size})")
+            self._complete(
+                client,
+                error=f"prompt of {w.num_prompt_tokens} tokens needs more KV blocks than an "
+                f"instance has ({self.num_blocks} x {self.config.block_size})",
+            )
             return
         if self.mode == "colocated":
             inst = min((i for i in self.instances), key=lambda i: i.load())
@@ -320,8 +344,18 @@ class Simulator:
         shape = StepShape.from_output(output)
         duration = max(self.cost_model.step_time(shape), 1e-9)
         inst.busy, inst.output = True, output
-        self.steps.append(StepRecord(inst.name, self.now, duration, shape.prefill_tokens, shape.decode_tokens,
-                                     shape.context_tokens, shape.num_seqs, len(output.preempted)))
+        self.steps.append(
+            StepRecord(
+                inst.name,
+                self.now,
+                duration,
+                shape.prefill_tokens,
+                shape.decode_tokens,
+                shape.context_tokens,
+                shape.num_seqs,
+                len(output.preempted),
+            )
+        )
         self._push(self.now + duration, _STEP_DONE, inst)
 
     def _on_step_done(self, inst: _Instance) -> None:
@@ -336,7 +370,9 @@ class Simulator:
                 continue
             client = self._clients[chunk.request_id]
             if inst.role == "prefill":
-                self._after_prefill_chunk(inst, client, request, chunk.start + len(chunk.token_ids), chunk.samples)
+                self._after_prefill_chunk(
+                    inst, client, request, chunk.start + len(chunk.token_ids), chunk.samples
+                )
                 continue
             if not chunk.samples:
                 continue
@@ -381,12 +417,17 @@ class Simulator:
         client.prefill = prefill
         client.prefill_req = self._new_request(w, 1)
         prefill.scheduler.add(client.prefill_req)
-        client.meta.update(prefill_instance=prefill.name, decode_instance=client.decode.name,  # type: ignore[union-attr]
-                           decode_cached_tokens=client.sent_upto, kv_bytes=0)
+        client.meta.update(
+            prefill_instance=prefill.name,
+            decode_instance=client.decode.name,  # type: ignore[union-attr]
+            decode_cached_tokens=client.sent_upto,
+            kv_bytes=0,
+        )
         return True
 
-    def _after_prefill_chunk(self, inst: _Instance, client: _Client, request: Request, computed: int,
-                             samples: bool) -> None:
+    def _after_prefill_chunk(
+        self, inst: _Instance, client: _Client, request: Request, computed: int, samples: bool
+    ) -> None:
         nbytes = max(0, computed - client.sent_upto) * self.cost_model.kv_bytes_per_token
         if nbytes:
             start = max(self.now, inst.link_free_at)
@@ -434,36 +475,83 @@ class Simulator:
             ok, error = client.ok, client.error
             if not client.done:
                 ok = False
-                error = error or ("unfinished at stop time" if self.config.stop_time_s is not None
-                                  else "stalled: no instance could make progress")
+                error = error or (
+                    "unfinished at stop time"
+                    if self.config.stop_time_s is not None
+                    else "stalled: no instance could make progress"
+                )
             send = client.send_time if not math.isnan(client.send_time) else self.now
-            records.append(RequestRecord(
-                request_id=w.request_id, send_time=send, token_times=tuple(client.token_times),
-                num_prompt_tokens=w.num_prompt_tokens, num_output_tokens=len(client.token_times), ok=ok, error=error,
-                end_time=client.end_time, label=w.label, meta=dict(client.meta)))
+            records.append(
+                RequestRecord(
+                    request_id=w.request_id,
+                    send_time=send,
+                    token_times=tuple(client.token_times),
+                    num_prompt_tokens=w.num_prompt_tokens,
+                    num_output_tokens=len(client.token_times),
+                    ok=ok,
+                    error=error,
+                    end_time=client.end_time,
+                    label=w.label,
+                    meta=dict(client.meta),
+                )
+            )
         n, p, d = self._counts
         instances = n if self.mode == "colocated" else p + d
-        config = {"mode": self.mode, "cost_model": self.cost_model.name, "num_kv_blocks": self.num_blocks,
-                  "max_num_batched_tokens": self._budget, "tp": self.tp, "sim": self.config.to_dict()}
+        config = {
+            "mode": self.mode,
+            "cost_model": self.cost_model.name,
+            "num_kv_blocks": self.num_blocks,
+            "max_num_batched_tokens": self._budget,
+            "tp": self.tp,
+            "sim": self.config.to_dict(),
+        }
         if self.mode == "colocated":
             config["num_instances"] = n
         else:
-            config.update(num_prefill=p, num_decode=d, kv_link_bw=self.link_bw, kv_link_latency_s=self.link_latency)
-        return SimResult(self.mode, tuple(records), tuple(self.steps), tuple(i.name for i in self.instances),
-                         self.kv_bytes_moved, instances * self.tp, config)
+            config.update(
+                num_prefill=p, num_decode=d, kv_link_bw=self.link_bw, kv_link_latency_s=self.link_latency
+            )
+        return SimResult(
+            self.mode,
+            tuple(records),
+            tuple(self.steps),
+            tuple(i.name for i in self.instances),
+            self.kv_bytes_moved,
+            instances * self.tp,
+            config,
+        )
 
 
-def simulate(requests: Sequence[WorkloadRequest], cost_model: CostModel, config: SimConfig | None = None, *,
-             mode: str = "colocated", num_instances: int = 1, num_prefill: int = 1, num_decode: int = 1,
-             tp: int = 1, max_concurrency: int | None = None, kv_link_bw: float = 25e9,
-             kv_link_latency_s: float = 20e-6) -> SimResult:
+def simulate(
+    requests: Sequence[WorkloadRequest],
+    cost_model: CostModel,
+    config: SimConfig | None = None,
+    *,
+    mode: str = "colocated",
+    num_instances: int = 1,
+    num_prefill: int = 1,
+    num_decode: int = 1,
+    tp: int = 1,
+    max_concurrency: int | None = None,
+    kv_link_bw: float = 25e9,
+    kv_link_latency_s: float = 20e-6,
+) -> SimResult:
     """Replay ``requests`` on ``cost_model``: the simulator's main entry point.
 
     ``tp`` only labels the result (GPUs per instance, for per-GPU figures); the cost model already
     prices tensor parallelism. ``kv_link_bw``/``kv_link_latency_s`` apply unless ``config`` sets them.
     """
-    sim = Simulator(cost_model, config or SimConfig(), mode, num_instances, num_prefill, num_decode, tp,
-                    kv_link_bw, kv_link_latency_s)
+    sim = Simulator(
+        cost_model,
+        config or SimConfig(),
+        mode,
+        num_instances,
+        num_prefill,
+        num_decode,
+        tp,
+        kv_link_bw,
+        kv_link_latency_s,
+    )
     return sim.run(requests, max_concurrency)
 
 

@@ -1,0 +1,54 @@
+"""The engine loop thread: commands run between steps, errors reach the caller, nothing hangs."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.engine_loop import EngineLoop
+
+
+@pytest.fixture
+def engine():
+    return LLMEngine(EngineConfig(model="tiny", device="cpu", num_kv_blocks=64, max_model_len=512))
+
+
+def test_commands_and_step_callbacks(engine):
+    finished = threading.Event()
+    tokens: list[int] = []
+
+    def on_step(e, outputs):
+        for out in outputs:
+            tokens.extend(out.new_token_ids)
+            if out.finished:
+                finished.set()
+
+    loop = EngineLoop(engine, on_step=on_step)
+    try:
+        rid = loop.call(lambda e: e.add_request([1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0,
+                                                                          ignore_eos=True))).result(10)
+        assert finished.wait(30)
+        assert len(tokens) == 5 and rid.startswith("req-")
+        with pytest.raises(ValueError, match="prompt: must not be empty"):
+            loop.call(lambda e: e.add_request([])).result(10)
+        assert loop.alive  # a failing command does not kill the loop
+        loop.call(lambda e: e.block_manager.check_integrity()).result(10)
+    finally:
+        loop.stop()
+    assert not loop.alive
+    with pytest.raises(RuntimeError, match="engine loop stopped"):
+        loop.call(lambda e: None).result(1)
+
+
+def test_a_crashing_step_fails_waiters_instead_of_hanging(engine):
+    def explode(e, outputs):
+        raise RuntimeError("boom")
+
+    loop = EngineLoop(engine, on_step=explode)
+    loop.call(lambda e: e.add_request([1, 2, 3], SamplingParams(max_tokens=50))).result(10)
+    loop._thread.join(30)
+    assert isinstance(loop.error, RuntimeError) and not loop.alive
+    with pytest.raises(RuntimeError, match="boom"):
+        loop.call(lambda e: None).result(1)

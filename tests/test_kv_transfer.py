@@ -1,0 +1,391 @@
+"""KV transfer: both transports between two real processes (Ray actors), plus input validation.
+
+The cross-process tests start one local Ray cluster for the module and stop it afterwards;
+every wait in them is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from kv_transfer import (
+    ChunkNotification,
+    KVTransferError,
+    KVTransport,
+    TransferTarget,
+    make_transport,
+)
+from kv_transfer.base import pool_bytes_view
+from kv_transfer.grpc_transport import GrpcConfig, _parse_payload, _serialize_payload
+from kv_transfer.nixl_transport import NixlConfig
+from kv_transfer.peer import TransferPeer
+from proto import kv_transfer_pb2 as pb
+from proto import kv_transfer_pb2_grpc as pb_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+KINDS = ["nixl", "grpc"]
+# [num_blocks, layers, K/V, block_size, kv_heads, head_dim]: block-major like the engine's pool.
+BLOCK_SHAPE = (2, 2, 4, 2, 8)
+NUM_BLOCKS = 32
+
+
+def _pool(num_blocks: int = NUM_BLOCKS, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.zeros((num_blocks, *BLOCK_SHAPE), dtype=dtype)
+
+
+def _notif(chunk: int = 0, last: bool = False, rid: str = "req-1") -> ChunkNotification:
+    return ChunkNotification(rid, chunk, 16 * (chunk + 1), last)
+
+
+@dataclass
+class Pair:
+    sender: KVTransport
+    receiver: KVTransport
+    target: TransferTarget
+    src_pool: torch.Tensor
+    dst_pool: torch.Tensor
+
+
+@pytest.fixture
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """An in-process sender and receiver of the parametrized kind, pools registered."""
+    kind = request.param
+    sender, receiver = make_transport(kind), make_transport(kind)
+    src_pool, dst_pool = torch.randn((NUM_BLOCKS, *BLOCK_SHAPE)), _pool()
+    try:
+        sender.register_pool(src_pool)
+        receiver.register_pool(dst_pool)
+        yield Pair(sender, receiver, receiver.describe(), src_pool, dst_pool)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def _poll_until(transport: KVTransport, count: int, timeout_s: float = 10.0) -> list[ChunkNotification]:
+    out: list[ChunkNotification] = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) < count and time.monotonic() < deadline:
+        out += transport.poll_notifications()
+        time.sleep(0.001)
+    return out
+
+
+# --------------------------------------------------------------------------- values
+
+
+@pytest.mark.parametrize(
+    "notif",
+    [
+        ChunkNotification("req-1", 0, 0, False),
+        ChunkNotification("r", 7, 4096, True),
+        ChunkNotification("リクエスト/ünïcode:42", 2**32 - 1, 2**63 - 1, True),
+    ],
+)
+def test_chunk_notification_round_trip(notif: ChunkNotification) -> None:
+    data = notif.to_bytes()
+    assert isinstance(data, bytes)
+    back = ChunkNotification.from_bytes(data)
+    assert back == notif
+    assert type(back.is_last) is bool
+
+
+@pytest.mark.parametrize(
+    "data", [b"", b"PDKV1", b"garbage that is long enough to parse", b"PDKV1" + bytes(13)]
+)
+def test_chunk_notification_rejects_garbage(data: bytes) -> None:
+    with pytest.raises(ValueError):
+        ChunkNotification.from_bytes(data)
+
+
+def test_chunk_notification_rejects_bad_corrupt_flag() -> None:
+    data = bytearray(ChunkNotification("r", 1, 2, True).to_bytes())
+    data[len(b"PDKV1") + 12] = 7  # the is_last byte
+    with pytest.raises(ValueError, match="is_last"):
+        ChunkNotification.from_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("", 0, 0, False), ("r", -1, 0, False), ("r", 0, -5, False), ("r", 0, 0, 1), ("r", 2**32, 0, False)],
+)
+def test_chunk_notification_validates_fields(args: tuple[Any, ...]) -> None:
+    with pytest.raises(ValueError):
+        ChunkNotification(*args)
+
+
+def test_transfer_target_is_frozen_and_picklable() -> None:
+    t = TransferTarget("nixl", "abc", 8, 1024, "cpu", "agent", b"\x00SECRET", 0x1000, "")
+    assert pickle.loads(pickle.dumps(t)) == t
+    with pytest.raises(AttributeError):
+        t.num_blocks = 9  # type: ignore[misc]
+    assert "SECRET" not in repr(t) and "metadata=7B" in repr(t)  # blob stays out of logs
+
+
+def test_make_transport_rejects_unknown_kind_and_wrong_config() -> None:
+    with pytest.raises(ValueError, match="unknown KV transport kind 'rdma'"):
+        make_transport("rdma")
+    with pytest.raises(ValueError, match="NixlConfig"):
+        make_transport("nixl", GrpcConfig())
+    with pytest.raises(ValueError, match="GrpcConfig"):
+        make_transport("grpc", NixlConfig())
+
+
+def test_nixl_config_rejects_empty_ucx_tls_and_unknown_error_mode() -> None:
+    assert NixlConfig() == NixlConfig(False, "none", None, None)
+    with pytest.raises(ValueError, match="empty UCX_TLS"):
+        NixlConfig(ucx_tls="")
+    with pytest.raises(ValueError, match="ucx_error_handling_mode"):
+        NixlConfig(ucx_error_handling_mode="loud")
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bad_pools_and_order_of_calls(kind: str) -> None:
+    t = make_transport(kind)
+    other = make_transport(kind)
+    try:
+        with pytest.raises(ValueError, match="describe\\(\\) before register_pool"):
+            t.describe()
+        other.register_pool(_pool())
+        with pytest.raises(ValueError, match="push\\(\\) before register_pool"):
+            t.push(other.describe(), [0], [0], _notif())
+        with pytest.raises(ValueError, match=r"torch\.Tensor"):
+            t.register_pool([1, 2, 3])  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="contiguous"):
+            t.register_pool(_pool().transpose(0, 1))
+        with pytest.raises(ValueError, match="at least one block"):
+            t.register_pool(torch.zeros(0, 4))
+        t.register_pool(_pool())
+        with pytest.raises(ValueError, match="already registered"):
+            t.register_pool(_pool())
+    finally:
+        t.close()
+        other.close()
+    t.close()  # idempotent
+    with pytest.raises(ValueError, match="closed"):
+        t.describe()
+
+
+@pytest.mark.parametrize("pair", KINDS, indirect=True)
+@pytest.mark.parametrize(
+    ("src", "dst", "match"),
+    [
+        ([0, 1], [2], "src_block_ids has 2 ids but dst_block_ids has 1"),
+        ([NUM_BLOCKS], [0], "src_block_ids \\(local pool\\) out of range"),
+        ([-1], [0], "src_block_ids \\(local pool\\) out of range"),
+        ([0], [NUM_BLOCKS + 3], "dst_block_ids \\(target .*\\) out of range"),
+        ([0, 1], [5, 5], "duplicates"),
+        ([0.5], [1], "must contain ints"),
+        ("ab", [1, 2], "sequence of ints"),
+    ],
+)
+def test_push_rejects_bad_ids(pair: Pair, src: Any, dst: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        pair.sender.push(pair.target, src, dst, _notif())
+    assert _poll_until(pair.receiver, 1, timeout_s=0.2) == []
+
+
+@pytest.mark.parametrize("pair", KINDS, indirect=True)
+def test_push_rejects_unknown_targets(pair: Pair) -> None:
+    sender, target = pair.sender, pair.target
+    other_kind = "grpc" if target.kind == "nixl" else "nixl"
+    cases = [
+        (TransferTarget(other_kind, "x", NUM_BLOCKS, target.block_bytes), "unknown target"),
+        (
+            TransferTarget(
+                target.kind, "x", NUM_BLOCKS, target.block_bytes, agent_name="a", agent_metadata=b""
+            ),
+            "unknown target",
+        ),
+        (TransferTarget(target.kind, "", NUM_BLOCKS, target.block_bytes), "unknown target"),
+        ("not a target", "TransferTarget"),
+    ]
+    if target.kind == "nixl":
+        cases.append(
+            (
+                TransferTarget(
+                    "nixl", "y", NUM_BLOCKS, target.block_bytes, agent_name="a", agent_metadata=b"junk"
+                ),
+                "unknown target",
+            )
+        )
+    for bad, match in cases:
+        with pytest.raises(ValueError, match=match):
+            sender.push(bad, [0], [0], _notif())  # type: ignore[arg-type]
+    mismatch = TransferTarget(**{**target.__dict__, "block_bytes": target.block_bytes * 2})
+    with pytest.raises(ValueError, match="block size mismatch"):
+        sender.push(mismatch, [0], [0], _notif())
+    with pytest.raises(ValueError, match="ChunkNotification"):
+        sender.push(target, [0], [0], ("req", 0, 1, True))  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------- in-process paths
+
+
+@pytest.mark.parametrize("pair", KINDS, indirect=True)
+def test_in_process_push_and_notification_only_push(pair: Pair) -> None:
+    sender, receiver, target = pair.sender, pair.receiver, pair.target
+    src_pool, dst_pool = pair.src_pool, pair.dst_pool
+    h = sender.push(target, torch.tensor([4, 2]), (7, 30), _notif(0))
+    h.wait(10.0)
+    assert h.done() and h.num_blocks == 2 and h.num_bytes == 2 * target.block_bytes
+    h2 = sender.push(target, [], [], _notif(1, last=True))
+    h2.wait(10.0)
+    got = _poll_until(receiver, 2)
+    assert sorted(got, key=lambda n: n.chunk_index) == [_notif(0), _notif(1, last=True)]
+    assert torch.equal(dst_pool[7], src_pool[4]) and torch.equal(dst_pool[30], src_pool[2])
+    untouched = [i for i in range(NUM_BLOCKS) if i not in (7, 30)]
+    assert not dst_pool[untouched].any()
+    assert receiver.poll_notifications() == []  # each notification is returned once
+
+
+def test_grpc_push_to_a_closed_receiver_fails_within_its_deadline() -> None:
+    sender = make_transport("grpc", GrpcConfig(push_timeout_s=5.0))
+    receiver = make_transport("grpc")
+    try:
+        sender.register_pool(_pool())
+        receiver.register_pool(_pool())
+        target = receiver.describe()
+        receiver.close()
+        h = sender.push(target, [1], [2], _notif())
+        t0 = time.monotonic()
+        with pytest.raises(KVTransferError, match=r"UNAVAILABLE|DEADLINE"):
+            h.wait(10.0)
+        assert time.monotonic() - t0 < 9.0
+        with pytest.raises(KVTransferError):
+            h.done()  # keeps reporting the failure
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_grpc_wire_format_is_plain_block_payload() -> None:
+    header = pb.BlockPayload(target_id="t", block_bytes=3, dst_block_ids=[5, 1])
+    header.notification.CopyFrom(pb.ChunkNotice(request_id="r", chunk_index=2, tokens_done=9, is_last=True))
+    raw = _serialize_payload(header, [b"abc", memoryview(b"xyz")], 6)
+    standard = pb.BlockPayload.FromString(raw)
+    assert standard.data == b"abcxyz" and list(standard.dst_block_ids) == [5, 1]
+    parsed = _parse_payload(raw)
+    assert bytes(parsed.data) == b"abcxyz"
+    assert parsed.header.notification.request_id == "r" and list(parsed.header.dst_block_ids) == [5, 1]
+    # and the other way round: a payload serialized by protobuf itself
+    full = pb.BlockPayload(target_id="t", block_bytes=3, dst_block_ids=[1], data=b"qrs")
+    parsed = _parse_payload(full.SerializeToString())
+    assert bytes(parsed.data) == b"qrs" and parsed.header.target_id == "t"
+    with pytest.raises(ValueError):
+        _parse_payload(raw[:-2])
+
+
+def test_grpc_receiver_validates_streams_from_the_generated_stub() -> None:
+    receiver = make_transport("grpc")
+    pool = _pool()
+    try:
+        receiver.register_pool(pool)
+        target = receiver.describe()
+        bb = target.block_bytes
+        block = torch.arange(bb, dtype=torch.int64).remainder(251).to(torch.uint8)
+        with grpc.insecure_channel(target.address, options=GrpcConfig().channel_options()) as ch:
+            stub = pb_grpc.KVTransferStub(ch)
+            notice = pb.ChunkNotice(request_id="std", chunk_index=0, tokens_done=4, is_last=True)
+
+            def msg(**kw: Any) -> pb.BlockPayload:
+                base: dict[str, Any] = {
+                    "target_id": target.target_id,
+                    "block_bytes": bb,
+                    "dst_block_ids": [3],
+                    "data": block.numpy().tobytes(),
+                }
+                base.update(kw)
+                return pb.BlockPayload(**base)
+
+            ack = stub.PushBlocks(iter([msg(notification=notice)]), timeout=10)
+            assert ack.blocks_written == 1 and ack.bytes_written == bb
+            assert torch.equal(pool_bytes_view(pool)[3], block)
+            assert _poll_until(receiver, 1) == [ChunkNotification("std", 0, 4, True)]
+
+            bad_streams = {
+                "unknown target id": [msg(target_id="nope", notification=notice)],
+                "block size mismatch": [msg(block_bytes=bb + 1, notification=notice)],
+                "out of range": [msg(dst_block_ids=[NUM_BLOCKS], notification=notice)],
+                "payload has": [msg(data=b"short", notification=notice)],
+                "without a notification": [msg()],
+            }
+            for match, stream in bad_streams.items():
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.PushBlocks(iter(stream), timeout=10)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert match in info.value.details()
+            assert receiver.poll_notifications() == []  # failed pushes deliver nothing
+    finally:
+        receiver.close()
+
+
+# ------------------------------------------------------- across two processes
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[Any]:
+    import ray
+
+    pythonpath = [str(REPO_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(pythonpath)}},
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("kind", KINDS)
+def test_push_between_two_ray_actors(ray_cluster: Any, kind: str) -> None:
+    ray = ray_cluster
+    Peer = ray.remote(num_cpus=0)(TransferPeer)
+    # bfloat16 with random bytes: compare as bytes (NaN != NaN as floats)
+    receiver = Peer.remote(kind, NUM_BLOCKS, BLOCK_SHAPE, "bfloat16")
+    sender = Peer.remote(kind, NUM_BLOCKS + 8, BLOCK_SHAPE, "bfloat16")
+    try:
+        ray.get(sender.fill_random.remote(1234), timeout=60)
+        target = ray.get(receiver.describe.remote(), timeout=60)
+        assert target.kind == kind and target.num_blocks == NUM_BLOCKS
+        pushes = [
+            ([3, 17, 5, 39], [20, 1, 9, 31], ChunkNotification("req-A", 0, 64, False)),
+            ([0, 36], [30, 12], ChunkNotification("req-A", 1, 96, False)),
+            ([8], [4], ChunkNotification("req-A", 2, 101, True)),
+        ]
+        notes_ref = receiver.collect_notifications.remote(len(pushes), 30.0)
+        times = ray.get(sender.push_all.remote(target, pushes, 30.0), timeout=60)
+        assert len(times) == len(pushes) + 1
+        notes = ray.get(notes_ref, timeout=60)
+        got = sorted((n for n, _ in notes), key=lambda n: n.chunk_index)
+        assert got == [p[2] for p in pushes]
+
+        src_pool = pool_bytes_view(ray.get(sender.pool_copy.remote(), timeout=60))
+        dst_pool = pool_bytes_view(ray.get(receiver.pool_copy.remote(), timeout=60))
+        moved = {d: s for src, dst, _ in pushes for s, d in zip(src, dst, strict=True)}
+        for d, s in moved.items():
+            assert torch.equal(dst_pool[d], src_pool[s]), f"block {s} -> {d} differs"
+        untouched = [i for i in range(NUM_BLOCKS) if i not in moved]
+        assert not dst_pool[untouched].any(), "blocks outside the pushes were written"
+        assert src_pool.any()  # the comparison above was not between zeros
+    finally:
+        for actor in (sender, receiver):
+            try:
+                ray.get(actor.close.remote(), timeout=30)
+            finally:
+                ray.kill(actor)

@@ -1,0 +1,68 @@
+"""Routing decisions without a cluster: modes, auto thresholds, least outstanding tokens, prefix affinity."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.policy import RouterConfig, RoutingPolicy
+
+
+def policy(prefill=("p0",), decode=("d0", "d1"), **cfg) -> RoutingPolicy:
+    return RoutingPolicy(RouterConfig(**{"auto_min_remote_tokens": 100, **cfg}), list(decode), list(prefill))
+
+
+def test_auto_sends_long_uncached_prompts_remote_and_short_ones_local():
+    p = policy(default_mode="auto")
+    assert p.route(list(range(50)), 8, None).mode == "colocated"
+    route = p.route(list(range(300)), 8, None)
+    assert route.mode == "disaggregated" and route.prefill_worker == "p0"
+
+
+def test_auto_counts_only_uncached_tokens():
+    p = policy(default_mode="auto", decode=("d0",))
+    prompt = [7] * 16 * 20 + [1, 2, 3]  # 323 tokens
+    first = p.route(prompt, 8, None)
+    assert first.mode == "disaggregated"
+    p.start(first, prompt, 8)
+    p.finish(first, prompt, 8)
+    p.prefill_done(first, prompt)
+    again = p.route(prompt, 8, None)  # 320 tokens now likely cached on d0: only 3 uncached
+    assert again.mode == "colocated" and again.expected_cached_tokens == 320
+
+
+def test_auto_stays_local_when_the_prefill_pool_is_busy():
+    p = policy(default_mode="auto", auto_max_prefill_queue_tokens=500)
+    busy = p.route(list(range(400)), 8, "disaggregated")
+    p.start(busy, list(range(400)), 8)
+    assert p.route([5] * 300, 8, None).mode == "disaggregated"  # 400 queued < 500
+    busy2 = p.route(list(range(100, 400)), 8, "disaggregated")
+    p.start(busy2, list(range(100, 400)), 8)
+    assert p.route([6] * 300, 8, None).mode == "colocated"  # 700 queued >= 500
+
+
+def test_least_outstanding_tokens_and_prefix_affinity():
+    p = policy(prefill=())
+    a = p.route(list(range(200)), 10, None)
+    p.start(a, list(range(200)), 10)
+    b = p.route(list(range(500, 700)), 10, None)
+    assert b.decode_worker != a.decode_worker  # the other one is idle
+    p.start(b, list(range(500, 700)), 10)
+    p.finish(a, list(range(200)), 10)
+    p.finish(b, list(range(500, 700)), 10)
+    # both idle again: the worker that saw this prefix is preferred
+    again = p.route(list(range(200)) + [9, 9], 10, None)
+    assert again.decode_worker == a.decode_worker and again.expected_cached_tokens == 192
+
+
+def test_explicit_modes_and_errors():
+    p = policy()
+    assert p.route([1, 2, 3], 4, "disaggregated").mode == "disaggregated"
+    assert p.route(list(range(999)), 4, "colocated").prefill_worker is None
+    with pytest.raises(ValueError, match="mode must be one of"):
+        p.route([1], 1, "sideways")
+    with pytest.raises(ValueError, match="needs a prefill worker"):
+        policy(prefill=()).route([1, 2], 1, "auto")
+    with pytest.raises(ValueError, match="needs at least one prefill worker"):
+        policy(prefill=(), default_mode="disaggregated")
+    with pytest.raises(ValueError, match="default_mode"):
+        RouterConfig(default_mode="fast")

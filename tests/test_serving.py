@@ -1,0 +1,229 @@
+"""Distributed serving on a local Ray cluster: every mode and transport gives the engine's tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import grpc
+import pytest
+import ray
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.model_runner import gather_kv
+from router.client import AsyncClient, Client
+from router.deployment import Deployment, DeploymentConfig
+from router.policy import RouterConfig
+
+pytestmark = pytest.mark.cluster
+
+ENGINE = EngineConfig(model="tiny", device="cpu", num_kv_blocks=400, max_num_batched_tokens=48, torch_threads=1,
+                      max_model_len=1024)
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _prompts() -> list[list[int]]:
+    """Longer than the chunk budget (48), not multiples of the block size; two pairs share a prefix."""
+    rng = random.Random(11)
+    shared_a = [rng.randrange(256) for _ in range(70)]
+    shared_b = [rng.randrange(256) for _ in range(37)]
+    prompts = [shared_a + [rng.randrange(256) for _ in range(n)] for n in (5, 41)]
+    prompts += [shared_b + [rng.randrange(256) for _ in range(n)] for n in (90, 13)]
+    prompts += [[rng.randrange(256) for _ in range(n)] for n in (9, 130, 61, 203)]
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[list[int]]:
+    engine = LLMEngine(ENGINE)
+    return [c.token_ids for c in engine.generate(_prompts(), GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _deployment(transport: str) -> Deployment:
+    return Deployment(DeploymentConfig(
+        engine=ENGINE, mode="auto", num_prefill_workers=1, num_decode_workers=1, transport=transport, port=0,
+        router=RouterConfig(auto_min_remote_tokens=64),
+    )).start()
+
+
+@pytest.fixture(scope="module", params=["nixl", "grpc"])
+def deployment(request, ray_cluster):
+    d = _deployment(request.param)
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def client(deployment):
+    with Client(deployment.address) as c:
+        yield c
+    assert_no_leaks(deployment)
+
+
+def assert_no_leaks(deployment: Deployment) -> None:
+    """Every worker ends with all its KV blocks free or cached (read through the Stats RPC)."""
+    deadline = time.monotonic() + 10
+    with Client(deployment.address) as c:
+        while True:
+            stats = c.stats()
+            if all(w["blocks_free"] + w["blocks_cached"] == w["blocks_total"] for w in stats):
+                break
+            assert time.monotonic() < deadline, f"KV blocks still in use: {stats}"
+            time.sleep(0.05)
+    deployment.check_integrity()
+
+
+def _run_concurrently(address: str, prompts: list[list[int]], mode: str | None, params=GREEDY):
+    async def one(client: AsyncClient, prompt: list[int]):
+        tokens, meta = [], None
+        async for chunk in client.generate(prompt, params, mode=mode):
+            tokens += chunk.token_ids
+            meta = chunk.metadata or meta
+        return tokens, meta
+
+    async def main():
+        async with AsyncClient(address) as client:
+            return await asyncio.gather(*[one(client, p) for p in prompts])
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated", "auto"])
+def test_every_mode_gives_the_engines_greedy_tokens(deployment, client, expected, mode):
+    results = _run_concurrently(deployment.address, _prompts(), mode)
+    assert [tokens for tokens, _ in results] == expected
+    for (_, meta), prompt in zip(results, _prompts(), strict=True):
+        assert meta["num_prompt_tokens"] == len(prompt) and meta["num_output_tokens"] == 12
+        assert meta["decode_worker"] == "decode-0"
+        if mode == "auto":  # long uncached prompts went remote, short ones stayed local
+            remote = len(prompt) - meta["num_cached_tokens"] > 64
+            assert meta["mode"] == ("disaggregated" if remote else "colocated"), (len(prompt), meta)
+        else:
+            assert meta["mode"] == mode
+        assert meta["prefill_worker"] == ("prefill-0" if meta["mode"] == "disaggregated" else "")
+
+
+def test_decode_worker_receives_exactly_the_locally_computed_kv(deployment, client):
+    prompt = [random.Random(5).randrange(256) for _ in range(157)]  # fresh: nothing cached anywhere
+    [chunks] = [list(client.generate(prompt, GREEDY, mode="disaggregated"))]
+    meta = chunks[-1].metadata
+    assert meta["mode"] == "disaggregated" and meta["num_cached_tokens"] == 0
+    assert meta["kv_transfer_bytes"] > 0
+    decode = deployment.decode_workers[0].actor
+    received = ray.get(decode.cached_prompt_kv.remote(prompt))  # the 9 full prompt blocks (144 tokens)
+    local = LLMEngine(ENGINE)
+    rid = local.add_request(prompt, SamplingParams(max_tokens=1), hold_blocks=True)
+    while local.has_unfinished_requests():
+        local.step()
+    reference = gather_kv(local.kv_cache, local.held[rid].block_ids, 144)
+    assert received is not None and received.shape == reference.shape
+    torch.testing.assert_close(received, reference, rtol=1e-4, atol=1e-5)
+
+
+def test_first_token_reaches_the_client_before_the_second_is_decoded(deployment, client):
+    prompt = [random.Random(6).randrange(256) for _ in range(180)]
+    arrivals = []
+    for chunk in client.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                                 mode="disaggregated"):
+        arrivals.append((time.time(), chunk))
+    first_time, first = arrivals[0]
+    assert len(first.token_ids) == 1  # the prefill worker's token, streamed on its own
+    meta = arrivals[-1][1].metadata
+    assert meta["mode"] == "disaggregated" and meta["prefill_worker"] == "prefill-0"
+    assert meta["second_token_time"] > 0 and first_time < meta["second_token_time"]
+    assert meta["ttft_s"] > 0 and meta["prefill_s"] > 0 and meta["kv_transfer_s"] >= 0
+
+
+def test_seeded_sampling_is_the_same_in_every_mode(deployment, client):
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_k=40, seed=77)
+    prompt = _prompts()[5]
+    runs = {mode: [t for c in client.generate(prompt, params, mode=mode) for t in c.token_ids]
+            for mode in ("colocated", "disaggregated")}
+    reference = LLMEngine(ENGINE).generate([prompt], params)[0].token_ids
+    assert runs["colocated"] == runs["disaggregated"] == reference
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "code", "match"),
+    [
+        (dict(prompt=[]), grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty"),
+        (dict(prompt=[1, 2, 5000]), grpc.StatusCode.INVALID_ARGUMENT, "token ids must be in"),
+        (dict(prompt=list(range(250)) * 5), grpc.StatusCode.INVALID_ARGUMENT, "max_model_len"),
+        (dict(prompt="", mode="colocated"), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    ],
+)
+def test_bad_input_gets_invalid_argument(deployment, client, kwargs, code, match):
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.generate(kwargs["prompt"], GREEDY, mode=kwargs.get("mode")))
+    assert err.value.code() == code and match in err.value.details()
+
+
+def test_bad_sampling_parameters_get_invalid_argument(deployment, client):
+    from proto import pdserve_pb2 as pb
+    from proto import pdserve_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(deployment.address) as channel:
+        stub = pb_grpc.PDServeStub(channel)
+        bad = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling=pb.SamplingParams(top_p=1.5))
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(bad, timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.value.details()
+        no_prompt = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=3))
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(no_prompt, timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_abort_and_client_cancel_free_every_block(deployment, client):
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    # abort by id, from a second connection, while the stream runs
+    stream = client.generate(_prompts()[3], long, mode="disaggregated", request_id="to-abort")
+    first = next(stream)
+    assert first.token_ids
+    def abort_from_elsewhere():
+        with Client(deployment.address) as other:
+            assert other.abort("to-abort")
+    threading.Timer(0.05, abort_from_elsewhere).start()
+    rest = list(stream)
+    assert rest[-1].finished and rest[-1].finish_reason == "abort"
+    assert sum(len(c.token_ids) for c in [first, *rest]) < 400
+    # duplicate id while it runs
+    stream = client.generate(_prompts()[4], long, mode="colocated", request_id="dup")
+    next(stream)
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.generate([1, 2, 3], GREEDY, request_id="dup"))
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    stream.close()  # cancels the call: the server stops the request
+
+    # the client walks away mid-stream: the server must stop the request on every worker
+    async def walk_away():
+        async with AsyncClient(deployment.address) as c:
+            async for chunk in c.generate(_prompts()[7], long, mode="disaggregated"):
+                if chunk.token_ids:
+                    break
+    asyncio.run(walk_away())
+    assert_no_leaks(deployment)
+    assert client.abort("no-such-request") is False
+
+
+def test_health_and_stats(deployment, client):
+    health = client.health()
+    assert health.ok and health.num_prefill_workers == 1 and health.num_decode_workers == 1
+    since = time.time()
+    list(client.generate(_prompts()[1], GREEDY, mode="colocated"))
+    stats = {w["worker_id"]: w for w in client.stats(steps_since=since)}
+    assert set(stats) == {"decode-0", "prefill-0"}
+    assert stats["decode-0"]["role"] == "decode" and stats["prefill-0"]["role"] == "prefill"
+    steps = stats["decode-0"]["steps"]
+    assert steps and all(s[0] >= since for s in steps)
+    assert sum(s[2] for s in steps) > 0 and sum(s[3] for s in steps) > 0  # prefill and decode tokens
