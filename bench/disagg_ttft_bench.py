@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                 prompt = [rng.randrange(256) for _ in range(args.prompt_len)]  # fresh: no prefix cache hit
                 results[mode].append(run_once(client, prompt, mode))
                 r = results[mode][-1]
-                print(f"run {i} {mode:>13}: TTFT {r['ttft_s'] * 1000:8.1f} ms  (prefill {r['prefill_s'] * 1000:7.1f} ms, "
+                print(f"run {i} {mode:>13}: TTFT {r['ttft_s'] * 1000:8.1f} ms  "
+                      f"(prefill {r['prefill_s'] * 1000:7.1f} ms, "
                       f"exposed KV transfer {r['kv_transfer_s'] * 1000:6.1f} ms, "
                       f"{r['kv_transfer_bytes'] / 2**20:6.1f} MiB moved)", flush=True)
 

@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `python bench/engine_bench.py` from anywhere

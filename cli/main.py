@@ -165,10 +165,23 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="results/demo", help="where the benchmark writes its report")
     d.add_argument("--skip-bench", action="store_true")
     d.set_defaults(func=cmd_demo)
+    for name, (_, help_text) in PASSTHROUGH.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
+PASSTHROUGH = {  # sub-commands with parsers of their own
+    "bench": ("bench.runner", "A/B benchmark of the real system (pdserve bench --help)"),
+    "sim": ("bench.sim.cli", "step-time simulator (pdserve sim --help)"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in PASSTHROUGH:
+        import importlib
+
+        return importlib.import_module(PASSTHROUGH[argv[0]][0]).main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -19,7 +19,7 @@ _EXPORTS = {
     "SamplingParams": "engine.sampling_params",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["Completion", "EngineConfig", "FinishReason", "LLMEngine", "ModelConfig", "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig, ModelConfig

@@ -238,8 +238,8 @@ class LLMEngine:
         ))
         return outputs
 
-    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 ) -> list[Completion]:
+    def generate(self, prompts: list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
         """Run prompts to completion (alongside anything already queued); one Completion per prompt."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
@@ -319,7 +319,8 @@ class LLMEngine:
         p = request.params
         if (token == request.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
             return FinishReason.STOP
-        if request.num_output_tokens >= p.max_tokens or request.num_tokens >= self.config.max_model_len:  # type: ignore[operator]
+        max_model_len: int = self.config.max_model_len  # type: ignore[assignment]
+        if request.num_output_tokens >= p.max_tokens or request.num_tokens >= max_model_len:
             return FinishReason.LENGTH
         return None
 

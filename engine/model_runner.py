@@ -7,8 +7,8 @@ import torch
 from engine.config import ModelConfig
 from engine.model import AttentionMetadata, LlamaForCausalLM, PrefillSpan
 from engine.sampler import sample
-from engine.scheduler import SchedulerOutput
 from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput
 
 
 def kv_block_shape(config: ModelConfig, block_size: int) -> tuple[int, ...]:
@@ -125,5 +125,5 @@ class ModelRunner:
 def gather_kv(kv_cache: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch.Tensor:
     """The K/V of a request's first ``num_tokens`` tokens: [layers, 2, num_tokens, kv_heads, head_dim]."""
     blocks = kv_cache[torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)]
-    layers, _, block_size, heads, dim = blocks.shape[1:]
+    layers, _, _, heads, dim = blocks.shape[1:]
     return blocks.permute(1, 2, 0, 3, 4, 5).reshape(layers, 2, -1, heads, dim)[:, :, :num_tokens].cpu()

@@ -12,7 +12,7 @@ up to ``message_bytes`` (2 MiB by default) each, with the notification on the la
 ``bytes``; both sides raise gRPC's 4 MiB message limit to ``max_message_bytes``.
 
 Wire format: every message is a valid ``pdserve.kv.BlockPayload`` (the generated stub and
-servicer in ``proto/kv_transfer_pb2_grpc.py`` interoperate with this code), but the payload never
+servicer in ``pdserve_proto/kv_transfer_pb2_grpc.py`` interoperate with this code), but the payload never
 goes through protobuf objects, which would copy it three more times: the sender serializes the
 small fields with protobuf and appends field 4 (``data``) by hand, gathering the blocks straight
 from the pool into the wire bytes; the receiver splits field 4 off as a zero-copy memoryview and
@@ -47,7 +47,7 @@ from kv_transfer.base import (
     pool_layout,
     validate_push,
 )
-from proto import kv_transfer_pb2 as pb
+from pdserve_proto import kv_transfer_pb2 as pb
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from typing import Any, NamedTuple
 import grpc
 
 from engine.sampling_params import SamplingParams
-from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc as pb_grpc
+from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from router.server import GRPC_OPTIONS, MODE_ENUMS, MODE_NAMES
 
 

@@ -7,8 +7,8 @@ import logging
 import grpc
 
 from engine.sampling_params import SamplingParams
-from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc as pb_grpc
+from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from router.router import GenerateInput, RequestError, Router
 
 log = logging.getLogger(__name__)

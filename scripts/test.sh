@@ -5,5 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 ruff check .
-python proto/generate.py --check
+python pdserve_proto/generate.py --check
 python -m pytest -q "$@"

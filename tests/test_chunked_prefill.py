@@ -66,7 +66,7 @@ class ChunkRelativePositions(ModelRunner):
     """The reference lesson's exercise 3: RoPE positions restart at 0 in every chunk (a bug)."""
 
     def _prepare(self, output):
-        input_ids, positions, meta = super()._prepare(output)
+        input_ids, _, meta = super()._prepare(output)
         relative = [p - c.start for c in output.chunks for p in range(c.start, c.start + len(c.token_ids))]
         return input_ids, torch.tensor(relative, dtype=torch.long), meta
 

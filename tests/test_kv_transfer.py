@@ -29,8 +29,8 @@ from kv_transfer.base import pool_bytes_view
 from kv_transfer.grpc_transport import GrpcConfig, _parse_payload, _serialize_payload
 from kv_transfer.nixl_transport import NixlConfig
 from kv_transfer.peer import TransferPeer
-from proto import kv_transfer_pb2 as pb
-from proto import kv_transfer_pb2_grpc as pb_grpc
+from pdserve_proto import kv_transfer_pb2 as pb
+from pdserve_proto import kv_transfer_pb2_grpc as pb_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KINDS = ["nixl", "grpc"]

@@ -169,8 +169,8 @@ def test_bad_input_gets_invalid_argument(deployment, client, kwargs, code, match
 
 
 def test_bad_sampling_parameters_get_invalid_argument(deployment, client):
-    from proto import pdserve_pb2 as pb
-    from proto import pdserve_pb2_grpc as pb_grpc
+    from pdserve_proto import pdserve_pb2 as pb
+    from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(deployment.address) as channel:
         stub = pb_grpc.PDServeStub(channel)

@@ -1,0 +1,293 @@
+"""``pdserve bench``: the A/B benchmark of the real system, one architecture after another.
+
+Each architecture gets a fresh deployment with the same number of workers (colocated: N decode
+workers; disaggregated and auto: P prefill + N-P decode), a warm-up that is left out of the figures,
+then the workload, sent on its arrival schedule from an asyncio client that timestamps every token.
+With ``--target HOST:PORT`` it runs against a router that is already serving (the architectures
+then name the per-request mode override). Writes results.json, report.md and PNG plots.
+
+    pdserve bench --architectures colocated,disaggregated,auto --workers 2 --workload random \
+        --num-requests 64 --rate 4 --slo ttft=2000,tpot=200 --out results/ab
+    pdserve bench --sweep chunk=128,256,512,1024 --workload interference --out results/sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from tqdm import tqdm
+
+from bench.metrics import RequestRecord, SweepPoint, TimelineStep, find_knee, parse_slo, sweep_point
+from bench.report import RunData, markdown_table, write_report
+from bench.workloads import WorkloadRequest, add_workload_arguments, build_workload, workload_spec_from_args
+from engine import EngineConfig, SamplingParams
+
+ARCHITECTURES = ("colocated", "disaggregated", "auto")
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    records: list[RequestRecord]
+    steps: list[TimelineStep]
+    kv_bytes_moved: int
+    duration_s: float
+
+
+# ---- sending a workload --------------------------------------------------------------------------------
+
+
+async def send_workload(address: str, requests: Sequence[WorkloadRequest], mode: str | None,
+                        max_concurrency: int | None = None, progress: bool = True,
+                        desc: str = "") -> list[RequestRecord]:
+    """Send every request at its arrival offset; one RequestRecord (client timestamps) each."""
+    from router.client import AsyncClient
+
+    bar = tqdm(total=len(requests), desc=desc, disable=not progress, leave=False, file=sys.stderr)
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def one(client: AsyncClient, req: WorkloadRequest, start: float) -> RequestRecord:
+        await asyncio.sleep(max(0.0, start + req.arrival_offset_s - time.time()))
+        if limit is not None:
+            await limit.acquire()
+        send = time.time()
+        times: list[float] = []
+        meta: dict[str, Any] = {}
+        error = None
+        try:
+            params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+            async for chunk in client.generate(req.prompt_token_ids, params, mode=mode):
+                now = time.time()
+                times.extend([now] * len(chunk.token_ids))
+                meta = chunk.metadata or meta
+        except grpc.aio.AioRpcError as e:
+            error = f"{e.code().name}: {e.details()}"
+        finally:
+            if limit is not None:
+                limit.release()
+            bar.update()
+        return RequestRecord(req.request_id, send, times, req.num_prompt_tokens, len(times), ok=error is None,
+                             error=error, end_time=time.time(), label=req.label, meta=meta)
+
+    async with AsyncClient(address) as client:
+        start = time.time()
+        records = await asyncio.gather(*[one(client, r, start) for r in requests])
+    bar.close()
+    return list(records)
+
+
+def measure(address: str, requests: Sequence[WorkloadRequest], mode: str | None, *, warmup: Sequence[WorkloadRequest]
+            = (), max_concurrency: int | None = None, progress: bool = True, desc: str = "") -> MeasuredRun:
+    """Warm up (not recorded), then run the workload; collect client records and the workers' steps."""
+    from router.client import Client
+
+    if warmup:
+        asyncio.run(send_workload(address, warmup, mode, None, False))
+    with Client(address) as client:
+        before = {w["worker_id"]: w["kv_bytes_moved"] for w in client.stats()}
+        t0 = time.time()
+        records = asyncio.run(send_workload(address, requests, mode, max_concurrency, progress, desc))
+        duration = time.time() - t0
+        stats = client.stats(steps_since=t0)
+    steps = [TimelineStep(s[0] - t0, s[1], s[2], s[3], w["worker_id"]) for w in stats for s in w["steps"]]
+    steps.sort(key=lambda s: s.start)
+    moved = sum(w["kv_bytes_moved"] - before.get(w["worker_id"], 0) for w in stats if w["role"] == "prefill")
+    return MeasuredRun(records, steps, moved, duration)
+
+
+def warmup_requests(n: int, seed: int) -> list[WorkloadRequest]:
+    rng = random.Random(seed + 12345)
+    return [WorkloadRequest(f"warmup-{i}", [rng.randrange(256) for _ in range(rng.randint(32, 256))], 8, 0.0,
+                            "warmup") for i in range(n)]
+
+
+# ---- deployments ---------------------------------------------------------------------------------------
+
+
+def deployment_config(architecture: str, args: argparse.Namespace, engine: EngineConfig):
+    from router.deployment import DeploymentConfig
+    from router.policy import RouterConfig
+
+    n = args.workers
+    if architecture == "colocated":
+        prefill, decode = 0, n
+    else:
+        prefill = args.prefill_workers or max(1, n // 2)
+        decode = n - prefill
+        if decode < 1:
+            raise ValueError(f"--workers {n} with --prefill-workers {prefill} leaves no decode worker")
+    return DeploymentConfig(engine=engine, mode=architecture, num_prefill_workers=prefill, num_decode_workers=decode,
+                            transport=args.transport, port=0,
+                            router=RouterConfig(auto_min_remote_tokens=args.auto_min_remote_tokens))
+
+
+def engine_config(args: argparse.Namespace, chunk: int | None = None) -> EngineConfig:
+    threads = args.torch_threads or max(1, (os.cpu_count() or 2) // max(1, args.workers))
+    budget = args.max_num_batched_tokens
+    if chunk is not None:  # the sweep: each request's chunk capped, decodes never squeezed out
+        budget = chunk + args.max_num_seqs
+    return EngineConfig(model=args.model, device=args.device, max_num_batched_tokens=budget,
+                        max_num_seqs=args.max_num_seqs, max_chunk_tokens=chunk or args.max_chunk_tokens,
+                        enable_chunked_prefill=not args.no_chunked_prefill, torch_threads=threads,
+                        kv_cache_memory_gb=args.kv_cache_memory_gb)
+
+
+def run_architecture(architecture: str, args: argparse.Namespace, requests: Sequence[WorkloadRequest],
+                     engine: EngineConfig) -> tuple[MeasuredRun, dict[str, Any]]:
+    from router.deployment import Deployment
+
+    warm = warmup_requests(args.warmup, args.seed)
+    if args.target:
+        return measure(args.target, requests, architecture, warmup=warm, max_concurrency=args.max_concurrency,
+                       progress=not args.no_progress, desc=architecture), {"target": args.target}
+    config = deployment_config(architecture, args, engine)
+    with Deployment(config) as deployment:
+        run = measure(deployment.address, requests, None, warmup=warm, max_concurrency=args.max_concurrency,
+                      progress=not args.no_progress, desc=architecture)
+    meta = {"architecture": architecture, "prefill_workers": config.num_prefill_workers,
+            "decode_workers": config.num_decode_workers, "transport": config.transport,
+            "torch_threads": engine.torch_threads, "max_num_batched_tokens": engine.max_num_batched_tokens,
+            "max_chunk_tokens": engine.max_chunk_tokens}
+    return run, meta
+
+
+# ---- the command ---------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("architectures")
+    g.add_argument("--architectures", default="colocated,disaggregated",
+                   help=f"comma-separated, from {', '.join(ARCHITECTURES)}")
+    g.add_argument("--workers", type=int, default=2, help="workers per architecture (the same for each)")
+    g.add_argument("--prefill-workers", type=int, default=None, help="disaggregated/auto: default workers // 2")
+    g.add_argument("--transport", default="nixl", choices=["nixl", "grpc"])
+    g.add_argument("--target", default=None, help="HOST:PORT of a running router (no deployment is started)")
+    g.add_argument("--auto-min-remote-tokens", type=int, default=512)
+    g.add_argument("--warmup", type=int, default=4, help="warm-up requests per architecture (not measured)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="tiny")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--max-chunk-tokens", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=0.5)
+    g.add_argument("--torch-threads", type=int, default=None, help="per worker; default cores // workers")
+    add_workload_arguments(p)
+    p.add_argument("--max-output", type=int, default=None, help="shortcut: cap every output length")
+    g = p.add_argument_group("targets and output")
+    g.add_argument("--slo", default="", help="goodput SLOs in ms, e.g. ttft=500,tpot=100")
+    g.add_argument("--itl-target-ms", type=float, default=None)
+    g.add_argument("--sweep", default=None, metavar="chunk=128,256,...",
+                   help="chunk-size sweep on one colocated deployment per size")
+    g.add_argument("--out", default=os.path.join("results", "bench"))
+    g.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _workload(args: argparse.Namespace, kind: str) -> list[WorkloadRequest]:
+    spec = workload_spec_from_args(args, kind, default_requests=64)
+    requests = list(build_workload(spec).requests)
+    if args.max_output:
+        requests = [WorkloadRequest(r.request_id, r.prompt_token_ids, min(r.max_tokens, args.max_output),
+                                    r.arrival_offset_s, r.label) for r in requests]
+    return requests
+
+
+def main(argv: list[str] | None = None) -> int:
+    import ray
+
+    args = build_parser().parse_args(argv)
+    try:
+        slo = parse_slo(args.slo)
+        archs = [a.strip() for a in args.architectures.split(",") if a.strip()]
+        bad = [a for a in archs if a not in ARCHITECTURES]
+        if bad or not archs:
+            raise ValueError(f"--architectures: unknown {bad} (choose from {', '.join(ARCHITECTURES)})")
+        if args.workers < 1:
+            raise ValueError("--workers must be >= 1")
+        kind = args.workload or ("interference" if args.sweep else "random")
+        requests = _workload(args, kind)
+        chunks = _parse_sweep(args.sweep) if args.sweep else None
+    except ValueError as e:
+        print(f"pdserve bench: {e}", file=sys.stderr)
+        return 2
+
+    started_ray = False
+    if not args.target and not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False)
+        started_ray = True
+    try:
+        if chunks:
+            return _sweep(args, chunks, requests, slo)
+        runs = []
+        for arch in archs:
+            print(f"[{arch}] {len(requests)} requests ({kind}) ...", flush=True)
+            run, meta = run_architecture(arch, args, requests, engine_config(args))
+            runs.append(RunData(arch, run.records, run.steps, run.kv_bytes_moved, run.duration_s, meta))
+            failed = sum(1 for r in run.records if not r.succeeded)
+            print(f"[{arch}] done in {run.duration_s:.1f} s, {failed} failed", flush=True)
+        files = write_report(args.out, runs, config=_config(args, kind), slo_ms=slo, itl_target_ms=args.itl_target_ms,
+                             title=f"pdserve A/B benchmark ({kind} workload, {args.workers} workers each)")
+        print()
+        print(markdown_table([(r.name, r.metrics(slo), r.kv_bytes_moved) for r in runs]))
+        print(f"\nwrote {', '.join(files.all_paths())}")
+        return 0
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def _parse_sweep(text: str) -> list[int]:
+    key, _, values = text.partition("=")
+    if key.strip() != "chunk" or not values:
+        raise ValueError(f"--sweep: expected chunk=128,256,..., got {text!r}")
+    try:
+        chunks = [int(v) for v in values.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--sweep: chunk sizes must be integers, got {values!r}") from None
+    if not chunks or min(chunks) < 1:
+        raise ValueError("--sweep: chunk sizes must be >= 1")
+    return chunks
+
+
+def _sweep(args: argparse.Namespace, chunks: list[int], requests: list[WorkloadRequest], slo: dict) -> int:
+    points: list[SweepPoint] = []
+    runs = []
+    for chunk in chunks:
+        print(f"[chunk {chunk}] ...", flush=True)
+        run, meta = run_architecture("colocated", args, requests, engine_config(args, chunk))
+        points.append(sweep_point(chunk, run.records, run.steps))
+        runs.append(RunData(f"chunk {chunk}", run.records, run.steps, None, run.duration_s, meta))
+        p = points[-1]
+        print(f"[chunk {chunk}] P99 ITL {p.p99_itl_ms:.1f} ms, prefill {p.prefill_throughput_tok_s:.0f} tok/s, "
+              f"long TTFT p99 {p.p99_ttft_ms:.0f} ms", flush=True)
+    target = args.itl_target_ms or 50.0
+    knee = find_knee(points, target)
+    files = write_report(args.out, runs, config=_config(args, "sweep"), slo_ms=slo, itl_target_ms=target,
+                         title="pdserve chunk-size sweep (measured)", sweep=points,
+                         notes=[f"knee for a {target:g} ms ITL target: "
+                                + (f"chunk {knee.chunk_size}" if knee else "no chunk size meets it")])
+    print(f"\nknee for {target:g} ms: {knee.chunk_size if knee else 'none'}; wrote {files.report_md}")
+    return 0
+
+
+def _config(args: argparse.Namespace, kind: str) -> dict[str, Any]:
+    d = {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()}
+    d["workload"] = kind
+    return d
+
+
+if __name__ == "__main__":
+    sys.exit(main())

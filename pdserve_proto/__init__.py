@@ -1,0 +1,1 @@
+"""Protocol buffer definitions and their generated modules (regenerate with ``python pdserve_proto/generate.py``)."""
