@@ -20,6 +20,7 @@ It is a benchmark, not a test: it prints figures and a summary with targets, and
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -59,9 +60,23 @@ def log(msg: str = "") -> None:
 
 def load() -> str:
     try:
-        return "load %.1f/%.1f/%.1f" % os.getloadavg()
+        one, five, fifteen = os.getloadavg()
+        return f"load {one:.1f}/{five:.1f}/{fifteen:.1f}"
     except OSError:
         return "load n/a"
+
+
+def engine_fingerprint() -> str:
+    """Short hash of engine/*.py: other people edit the engine, so results name the code they measured."""
+    import glob
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(ROOT, "engine", "*.py"))):
+        h.update(os.path.basename(path).encode())
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:12]
 
 
 def ivcsw() -> int:
@@ -82,7 +97,7 @@ def pct(values: list[float], q: float) -> float:
     s = sorted(values)
     if not s:
         return float("nan")
-    k = min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))
+    k = min(len(s) - 1, max(0, round(q * (len(s) - 1))))
     return s[k]
 
 
@@ -100,7 +115,7 @@ class Split:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
-        self._undo: list[tuple[Any, str]] = []
+        self._undo: list[tuple[Any, str, Any]] = []
 
     def wrap(self, obj: Any, attr: str, label: str) -> None:
         fn = getattr(obj, attr, None)
@@ -115,15 +130,16 @@ class Split:
                 self.seconds[label] += time.perf_counter() - t0
                 self.calls[label] += 1
 
-        object.__setattr__(obj, attr, timed)  # an instance attribute shadows the method
-        self._undo.append((obj, attr))
+        own = attr in getattr(obj, "__dict__", {})  # else a method: an instance attribute shadows it
+        setattr(obj, attr, timed)
+        self._undo.append((obj, attr, fn if own else None))
 
     def unwrap(self) -> None:
-        for obj, attr in reversed(self._undo):
-            try:
-                object.__delattr__(obj, attr)
-            except AttributeError:
-                pass
+        for obj, attr, original in reversed(self._undo):
+            if original is not None:
+                setattr(obj, attr, original)
+            else:
+                delattr(obj, attr)
         self._undo.clear()
 
     def reset(self) -> None:
@@ -131,7 +147,13 @@ class Split:
         self.calls.clear()
 
 
+# Optional, engine-version-specific methods of each layer's Attention: timed when they exist.
+ATTENTION_PARTS = (("_decode_attention", "decode attention"), ("_prefill_attention", "prefill attention"),
+                   ("_context", "KV gather (Attention._context)"))
+
+
 def instrument(engine: LLMEngine) -> Split:
+    """Time the parts of a step. Only attribute lookups are redirected; nothing in engine/ changes."""
     split = Split()
     split.wrap(engine.runner, "run", "runner.run")
     split.wrap(engine.runner, "_prepare", "prepare")
@@ -139,40 +161,49 @@ def instrument(engine: LLMEngine) -> Split:
     split.wrap(engine.runner.model, "logits", "logits")
     split.wrap(engine.scheduler, "update_after_step", "update_after_step")
     for layer in getattr(engine.runner.model.model, "layers", []):
-        split.wrap(layer.self_attn, "_decode_attention", "decode_attention")
-        split.wrap(layer.self_attn, "_prefill_attention", "prefill_attention")
+        split.wrap(layer.self_attn, "forward", "attention block")
+        split.wrap(layer.mlp, "forward", "mlp")
+        for attr, label in ATTENTION_PARTS:
+            split.wrap(layer.self_attn, attr, label)
+    split.wrap(torch.nn.functional, "scaled_dot_product_attention", "sdpa")  # module-level: undone by unwrap
     return split
 
 
 def step_split(engine: LLMEngine, split: Split, steps: list) -> dict[str, float]:
-    """Where the time of ``steps`` went (seconds): schedule, prepare, forward, logits+sample, post."""
+    """Where the time of ``steps`` went (seconds)."""
     total = sum(s.duration_s for s in steps)
     sched = sum(s.schedule_s for s in steps)
-    run = split.seconds["runner.run"]
-    prepare, forward, logits = split.seconds["prepare"], split.seconds["forward"], split.seconds["logits"]
-    return {
+    sec = split.seconds
+    run, prepare, forward = sec["runner.run"], sec["prepare"], sec["forward"]
+    d = {
         "total_s": total,
         "schedule_s": sched,
         "prepare_s": prepare,
         "forward_s": forward,
+        "attention_block_s": sec["attention block"],
+        "sdpa_s": sec["sdpa"],
+        "mlp_s": sec["mlp"],
         "logits_sample_s": max(0.0, run - prepare - forward),
-        "logits_s": logits,
+        "logits_s": sec["logits"],
         "post_s": max(0.0, total - sched - run),  # update_after_step, append, detokenize, outputs
-        "update_after_step_s": split.seconds["update_after_step"],
-        "decode_attention_s": split.seconds["decode_attention"],
-        "prefill_attention_s": split.seconds["prefill_attention"],
+        "update_after_step_s": sec["update_after_step"],
     }
+    for _, label in ATTENTION_PARTS:
+        if split.calls.get(label):
+            d[label] = sec[label]
+    return d
 
 
 def print_split(d: dict[str, float], indent: str = "    ") -> None:
     total = d["total_s"] or float("nan")
-    for key, name in (("schedule_s", "schedule"), ("prepare_s", "prepare inputs (runner._prepare)"),
-                      ("forward_s", "model forward"),
-                      ("decode_attention_s", "  of which decode attention (KV gather + SDPA)"),
-                      ("prefill_attention_s", "  of which prefill attention"),
-                      ("logits_sample_s", "logits + sample"),
-                      ("post_s", "post-step (update_after_step, append, outputs)"),
-                      ("update_after_step_s", "  of which update_after_step")):
+    rows = [("schedule_s", "schedule"), ("prepare_s", "prepare inputs (runner._prepare)"),
+            ("forward_s", "model forward"),
+            ("attention_block_s", "  attention layers (qkv/o proj, rope, KV, attn)")]
+    rows += [(label, f"    {label}") for _, label in ATTENTION_PARTS if label in d]
+    rows += [("sdpa_s", "    scaled_dot_product_attention calls"), ("mlp_s", "  MLP layers"),
+             ("logits_sample_s", "logits + sample"), ("post_s", "post-step (update_after_step, append, outputs)"),
+             ("update_after_step_s", "  of which update_after_step")]
+    for key, name in rows:
         log(f"{indent}{name:<48} {d[key]:8.2f} s  {100 * d[key] / total:5.1f}%")
 
 
@@ -410,16 +441,19 @@ def interference_trial(args: argparse.Namespace, engine: LLMEngine, trial: int) 
     for rid in list(engine.scheduler.requests):
         engine.abort(rid)
 
-    during, before = [], []
+    during, before, after = [], [], []
     for ts in stamps.values():
-        for a, b in zip(ts, ts[1:]):
-            if b > t_arrive and a < t_first:  # the gap overlaps the long prompt's prefill
-                during.append(b - a)
-            elif b <= t_arrive and a >= ts[min(2, len(ts) - 1)]:  # steady decode, before it arrived
+        for a, b in itertools.pairwise(ts):
+            if t_arrive < b < t_first:  # the token came while the long prompt was prefilling
+                during.append(b - a)    # (decode tokens of the step that ends the prefill are stamped
+            elif b >= t_first:          # before t_first, so they count as during)
+                after.append(b - a)     # the long request now decodes alongside the streams
+            elif a >= ts[min(2, len(ts) - 1)]:  # steady decode before it arrived
                 before.append(b - a)
     return {
         "worst_itl_s": max(during), "p50_itl_during_s": statistics.median(during),
         "p50_itl_before_s": statistics.median(before) if before else float("nan"),
+        "p50_itl_after_s": statistics.median(after) if after else float("nan"),
         "ttft_s": t_first - t_arrive, "prefill_steps": len(window),
         "step_s": [round(st.duration_s, 4) for st in window],
         "decode_tokens_during_prefill": sum(1 for ts in stamps.values() for t in ts if t_arrive < t <= t_first),
@@ -439,8 +473,8 @@ def bench_interference(args: argparse.Namespace) -> dict[str, Any]:
             name = "chunking off" if chunk is None else f"chunk {chunk}"
             log(f"  [{trial + 1}/{args.trials}] {name:<12} (budget {engines[chunk].config.max_num_batched_tokens:>5}): "
                 f"worst ITL {ms(r['worst_itl_s']):>9}, p50 ITL during prefill {ms(r['p50_itl_during_s']):>9} "
-                f"(before {ms(r['p50_itl_before_s'])}), TTFT {r['ttft_s']:.2f} s in {r['prefill_steps']} steps, "
-                f"slowest step {ms(max(r['step_s']))} ({load()})")
+                f"(before {ms(r['p50_itl_before_s'])}, after {ms(r['p50_itl_after_s'])}), TTFT {r['ttft_s']:.2f} s "
+                f"in {r['prefill_steps']} steps, slowest step {ms(max(r['step_s']))} ({load()})")
     engines.clear()
     runs = []
     for chunk in chunks:
@@ -450,11 +484,14 @@ def bench_interference(args: argparse.Namespace) -> dict[str, Any]:
             "worst_itl_each_s": [r["worst_itl_s"] for r in t],
             "p50_itl_during_s": statistics.median(r["p50_itl_during_s"] for r in t),
             "p50_itl_before_s": statistics.median(r["p50_itl_before_s"] for r in t),
+            "p50_itl_after_s": statistics.median(r["p50_itl_after_s"] for r in t),
             "ttft_s": statistics.median(r["ttft_s"] for r in t), "ttft_each_s": [r["ttft_s"] for r in t],
             "prefill_steps": t[0]["prefill_steps"], "trials": t,
         })
     base = runs[0]
-    log(f"  median over trials: chunking off: worst ITL {ms(base['worst_itl_s'])}, TTFT {base['ttft_s']:.2f} s")
+    log(f"  median over trials: chunking off: worst ITL {ms(base['worst_itl_s'])}, TTFT {base['ttft_s']:.2f} s; "
+        f"streams' p50 ITL {ms(base['p50_itl_before_s'])} before vs {ms(base['p50_itl_after_s'])} once the "
+        f"{args.long_prompt}-token request decodes with them")
     for r in runs[1:]:
         r["itl_improvement"] = base["worst_itl_s"] / r["worst_itl_s"]
         r["ttft_ratio"] = r["ttft_s"] / base["ttft_s"]
@@ -490,7 +527,8 @@ def bench_scheduler(args: argparse.Namespace) -> dict[str, Any]:
     host = [st.duration_s for st in steps]
     non_model = (d["total_s"] - d["forward_s"] - d["logits_s"]) / d["total_s"]
     med_share = statistics.median(shares)
-    log(f"  step time median {ms(statistics.median(host))}, schedule() median {ms(statistics.median(st.schedule_s for st in steps))}"
+    med_sched = statistics.median(st.schedule_s for st in steps)
+    log(f"  step time median {ms(statistics.median(host))}, schedule() median {ms(med_sched)}"
         f" (p90 {ms(pct([st.schedule_s for st in steps], 0.9))}); share of step: median {100 * med_share:.2f}%, "
         f"p90 {100 * pct(shares, 0.9):.2f}% (target <= {100 * TARGET_SCHED_SHARE:.0f}%)")
     log(f"  host-side work outside model forward + lm_head: {100 * non_model:.1f}% of step time; split:")
@@ -498,7 +536,7 @@ def bench_scheduler(args: argparse.Namespace) -> dict[str, Any]:
     for rid in list(engine.scheduler.requests):
         engine.abort(rid)
     return {"running": n, "steps": len(steps), "median_share": med_share, "p90_share": pct(shares, 0.9),
-            "median_schedule_s": statistics.median(st.schedule_s for st in steps),
+            "median_schedule_s": med_sched,
             "median_step_s": statistics.median(host), "non_model_share": non_model, "split": d}
 
 
@@ -537,7 +575,8 @@ def bench_profile(args: argparse.Namespace) -> dict[str, Any]:
         shares[name] = t / total
         log(f"  {name:<40} {100 * t / total:5.1f}% of op time")
     log(f"  step times: {', '.join(ms(st.duration_s) for st in steps)} (under the profiler), "
-        f"{steps[0].num_seqs} seqs, context {min(r.num_tokens for r in s.running)}-{max(r.num_tokens for r in s.running)}")
+        f"{steps[0].num_seqs} seqs, context {min(r.num_tokens for r in s.running)}-"
+        f"{max(r.num_tokens for r in s.running)} tokens")
     for rid in list(s.requests):
         engine.abort(rid)
     return {"op_shares": shares, "step_s": [st.duration_s for st in steps]}
@@ -574,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     args.chunks = [128, 256] if q else [256, 512]  # 1/16 and 1/8 of the long prompt
     args.trials = args.trials or (1 if q else 3)
     args.warm_tokens = 4 if q else 6
-    args.tail_steps = 1 if q else 2
+    args.tail_steps = 2 if q else 4
     args.sched_requests = 64
     args.sched_prompt_range = (16, 32)
     args.sched_steps = 12 if q else 40
@@ -582,12 +621,15 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    fingerprint = engine_fingerprint()
     log(f"pdserve engine bench{' (--quick)' if args.quick else ''}: torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
-        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, {load()}")
+        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, engine/*.py sha256 {fingerprint}, "
+        f"{load()}")
     started = time.perf_counter()
     results: dict[str, Any] = {"quick": args.quick, "threads": args.threads, "seed": args.seed,
-                               "torch": torch.__version__, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                               "torch": torch.__version__, "engine_sha256": fingerprint,
+                               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                                "argv": sys.argv[1:] if argv is None else argv}
     if "throughput" in sections:
         results["throughput"] = bench_throughput(args)

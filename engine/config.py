@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 PRESETS = ("tiny", "bench")
@@ -122,7 +122,6 @@ class EngineConfig:
     max_chunk_tokens: int | None = None  # per-request chunk cap within a step; None = the budget
     enable_prefix_caching: bool = True
     torch_threads: int | None = None  # None = torch's default
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

@@ -28,14 +28,21 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeQuery:
+    """One request's single new token at flat index ``index``; it sees ``context_len`` cached keys."""
+
+    index: int
+    context_len: int
+    block_ids: torch.Tensor  # the request's blocks covering context_len slots
+
+
+@dataclass
 class AttentionMetadata:
     """Where each new token's K/V goes, and which cached keys each query may see."""
 
     slot_blocks: torch.Tensor  # [T] block id of each new token
     slot_offsets: torch.Tensor  # [T] offset inside that block
-    decode_index: torch.Tensor | None  # [B] flat index of each single-token query
-    decode_block_tables: torch.Tensor | None  # [B, max_blocks], padded with block 0
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size], True = may attend
+    decodes: list[DecodeQuery]
     prefills: list[PrefillSpan]
 
 
@@ -135,40 +142,41 @@ class Attention(nn.Module):
         k_cache[meta.slot_blocks, meta.slot_offsets] = k
         v_cache[meta.slot_blocks, meta.slot_offsets] = v
 
+        # Per-layer views with one row per block ([num_blocks, block_size * kv_heads * head_dim]):
+        # index_select over rows gathers a request's blocks with one memcpy per block.
+        k_rows = k_cache.reshape(k_cache.shape[0], -1)
+        v_rows = v_cache.reshape(v_cache.shape[0], -1)
         out = torch.empty_like(q)
-        if meta.decode_index is not None:
-            out[meta.decode_index] = self._decode_attention(q[meta.decode_index], k_cache, v_cache, meta)
+        for d in meta.decodes:
+            keys, values = self._context(k_rows, v_rows, d.block_ids, d.context_len)
+            # grouped-query attention without repeating K/V: kv head j serves query heads j*G .. j*G+G-1
+            query = q[d.index].view(self.num_kv_heads, -1, self.head_dim)
+            out[d.index] = F.scaled_dot_product_attention(query, keys, values).reshape(-1, self.head_dim)
         for span in meta.prefills:
-            out[span.lo : span.hi] = self._prefill_attention(q, k, v, k_cache, v_cache, span)
+            out[span.lo : span.hi] = self._prefill_attention(q, k, v, k_rows, v_rows, span)
         return self.o_proj(out.view(T, -1))
 
-    def _decode_attention(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        B = q.shape[0]
-        tables = meta.decode_block_tables
-        keys = k_cache[tables].view(B, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        values = v_cache[tables].view(B, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
-                                             enable_gqa=True)
-        return out.squeeze(2)
+    def _context(self, k_rows, v_rows, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n`` cached keys and values of a request: [kv_heads, n, head_dim] each."""
+        keys = torch.index_select(k_rows, 0, block_ids).view(-1, self.num_kv_heads, self.head_dim)[:n]
+        values = torch.index_select(v_rows, 0, block_ids).view(-1, self.num_kv_heads, self.head_dim)[:n]
+        return keys.transpose(0, 1), values.transpose(0, 1)
 
-    def _prefill_attention(self, q, k, v, k_cache, v_cache, span: PrefillSpan) -> torch.Tensor:
+    def _prefill_attention(self, q, k, v, k_rows, v_rows, span: PrefillSpan) -> torch.Tensor:
         n = span.hi - span.lo
-        query = q[span.lo : span.hi].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        query = q[span.lo : span.hi].transpose(0, 1)  # [H, n, D]
         if span.start == 0:  # nothing cached: the chunk's own keys, plain causal mask
-            keys = k[span.lo : span.hi].transpose(0, 1).unsqueeze(0)
-            values = v[span.lo : span.hi].transpose(0, 1).unsqueeze(0)
+            keys = k[span.lo : span.hi].transpose(0, 1)
+            values = v[span.lo : span.hi].transpose(0, 1)
             out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
         else:  # every cached key, plus the chunk's own keys under a causal mask
             context = span.start + n
-            keys = k_cache[span.block_ids].view(-1, self.num_kv_heads, self.head_dim)[:context]
-            values = v_cache[span.block_ids].view(-1, self.num_kv_heads, self.head_dim)[:context]
+            keys, values = self._context(k_rows, v_rows, span.block_ids, context)
             key_pos = torch.arange(context, device=q.device)
             query_pos = torch.arange(span.start, context, device=q.device)
             mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # [n, context]
-            out = F.scaled_dot_product_attention(query, keys.transpose(0, 1).unsqueeze(0),
-                                                 values.transpose(0, 1).unsqueeze(0), attn_mask=mask,
-                                                 enable_gqa=True)
-        return out.squeeze(0).transpose(0, 1)
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
+        return out.transpose(0, 1)
 
 
 class MLP(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelConfig
-from engine.model import AttentionMetadata, LlamaForCausalLM, PrefillSpan
+from engine.model import AttentionMetadata, DecodeQuery, LlamaForCausalLM, PrefillSpan
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
@@ -82,40 +82,22 @@ class ModelRunner:
         pos: list[int] = []
         slot_blocks: list[int] = []
         slot_offsets: list[int] = []
-        decode_index: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
+        decodes: list[DecodeQuery] = []
         prefills: list[PrefillSpan] = []
         for chunk in output.chunks:
             lo, n = len(ids), len(chunk.token_ids)
+            end = chunk.start + n
             ids.extend(chunk.token_ids)
-            for p in range(chunk.start, chunk.start + n):
-                pos.append(p)
+            pos.extend(range(chunk.start, end))
+            for p in range(chunk.start, end):
                 slot_blocks.append(chunk.block_ids[p // bs])
-                slot_offsets.append(p % bs)
+            slot_offsets.extend(p % bs for p in range(chunk.start, end))
+            blocks = self._tensor(chunk.block_ids[: -(-end // bs)])
             if n == 1 and chunk.start > 0:
-                decode_index.append(lo)
-                decode_tables.append(chunk.block_ids[: (chunk.start + bs) // bs])
-                decode_lens.append(chunk.start + 1)
+                decodes.append(DecodeQuery(lo, end, blocks))
             else:
-                num_blocks = -(-(chunk.start + n) // bs)
-                prefills.append(PrefillSpan(lo, lo + n, chunk.start, self._tensor(chunk.block_ids[:num_blocks])))
-        meta = AttentionMetadata(
-            slot_blocks=self._tensor(slot_blocks),
-            slot_offsets=self._tensor(slot_offsets),
-            decode_index=None,
-            decode_block_tables=None,
-            decode_mask=None,
-            prefills=prefills,
-        )
-        if decode_index:
-            width = max(len(t) for t in decode_tables)
-            tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
-            lens = self._tensor(decode_lens)
-            key_pos = torch.arange(width * bs, device=self.device)
-            meta.decode_index = self._tensor(decode_index)
-            meta.decode_block_tables = tables
-            meta.decode_mask = (key_pos.unsqueeze(0) < lens.unsqueeze(1)).view(len(decode_index), 1, 1, -1)
+                prefills.append(PrefillSpan(lo, lo + n, chunk.start, blocks))
+        meta = AttentionMetadata(self._tensor(slot_blocks), self._tensor(slot_offsets), decodes, prefills)
         return self._tensor(ids), self._tensor(pos), meta
 
     def _tensor(self, values: list) -> torch.Tensor:

@@ -18,6 +18,8 @@ def build_model(model: str, config: ModelConfig, dtype: torch.dtype, device: tor
     with torch.device("meta"):
         module = LlamaForCausalLM(config)
     module = module.to_empty(device="cpu")
+    if config.tie_word_embeddings:  # to_empty() allocates every parameter anew, which unties them
+        module.lm_head.weight = module.model.embed_tokens.weight
     module.model.rotary_emb.reset_tables()
     if model in PRESETS:
         init_random_weights(module, seed)
@@ -38,7 +40,7 @@ def init_random_weights(module: LlamaForCausalLM, seed: int) -> None:
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.02, generator=generator)
             elif "embed_tokens" in name or name == "lm_head.weight":
-                param.normal_(0.0, 0.5, generator=generator)
+                param.normal_(0.0, 0.1, generator=generator)
             else:  # fan-in scaled, so every layer contributes to the residual stream
                 param.normal_(0.0, param.shape[1] ** -0.5, generator=generator)
 

@@ -23,7 +23,7 @@ def _save_random_hf_model(kind: str, path: str) -> torch.nn.Module:
         )
         model = transformers.LlamaForCausalLM(config)
     else:
-        config = transformers.Qwen2Config(**common, rope_theta=10000.0)
+        config = transformers.Qwen2Config(**{**common, "tie_word_embeddings": True}, rope_theta=10000.0)
         model = transformers.Qwen2ForCausalLM(config)
         with torch.no_grad():  # Qwen2 initialises its qkv biases to zero: make them matter
             for layer in model.model.layers:
