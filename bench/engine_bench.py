@@ -3,17 +3,22 @@
 Three measurements, side by side in one run (the machines are shared: never compare across runs):
 
 1. Throughput: output tokens/s of ``LLMEngine.generate`` vs ``transformers`` ``generate`` on the SAME
-   weights (the ``bench`` preset loaded into a ``LlamaForCausalLM``), the same seeded mix of requests,
-   greedy, EOS ignored. ``generate`` is batched as a user would: sorted by prompt length, batches of 16,
-   left padding, ``max_new_tokens`` = the batch's largest request; only each request's own requested
-   tokens count. Logits of one prompt are compared first.
-2. Interference: 16 streaming decodes, then a long prompt arrives. Worst inter-token latency of the
-   decodes while the long prompt prefills, and the long prompt's TTFT, with chunked prefill off and on.
+   weights (the ``bench`` preset loaded into a ``LlamaForCausalLM``), the same seeded mix of requests
+   (64; prompts 32-512, outputs 32-256 tokens, ids in [0, 256)), greedy, EOS ignored. ``generate`` is
+   batched as a user would: sorted by prompt length, batches of 16, left padding with an attention mask,
+   ``max_new_tokens`` = the batch's largest request; only each request's own requested tokens count.
+   Logits of one prompt are compared first. HF runs half its batches before pdserve and half after.
+   Target: pdserve >= 1.5x.
+2. Interference: 16 streaming decodes, then a 4096-token prompt arrives. Worst inter-token latency of the
+   decodes while it prefills, and its TTFT, with chunked prefill off and with chunks of 256 and 512
+   (the step's token budget); 3 interleaved trials per setting, medians. Target: worst ITL >= 5x lower.
 3. Scheduler overhead: 64 running requests in decode; ``schedule_s / duration_s`` per step (median),
-   plus where the rest of the host-side step time goes.
+   plus where the rest of the step goes. Target: <= 5%.
 
-    python bench/engine_bench.py [--quick] [--json PATH] [--profile]
+    python bench/engine_bench.py [--quick] [--json PATH] [--profile] [--only SECTION] [--threads N]
 
+``--quick`` (under a minute): 32 requests with shorter prompts/outputs, a 2048-token prompt with chunks
+of 128/256, one trial. torch uses 2 threads on both sides; OMP_WAIT_POLICY=PASSIVE unless --omp-spin.
 It is a benchmark, not a test: it prints figures and a summary with targets, and exits 0 either way.
 """
 
@@ -274,12 +279,17 @@ def engine_prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def hf_generate_batched(hf, workload: list[tuple[list[int], int]], batch_size: int) -> tuple[list[list[int]], dict]:
+def hf_batches(workload: list[tuple[list[int], int]], batch_size: int) -> list[list[int]]:
+    """Request indices, sorted by prompt length, cut into batches: what a user of ``generate`` would do."""
     order = sorted(range(len(workload)), key=lambda i: len(workload[i][0]))
-    outputs: list[list[int]] = [[] for _ in workload]
+    return [order[b : b + batch_size] for b in range(0, len(order), batch_size)]
+
+
+def hf_generate_batched(hf, workload: list[tuple[list[int], int]], batches: list[list[int]],
+                        outputs: list[list[int]]) -> int:
+    """Run ``batches`` through ``generate``; fill ``outputs``; return the tokens computed (padding included)."""
     computed = 0
-    for b in range(0, len(order), batch_size):
-        idx = order[b : b + batch_size]
+    for idx in batches:
         width = max(len(workload[i][0]) for i in idx)
         new = max(workload[i][1] for i in idx)
         ids = torch.tensor([[PAD_TOKEN] * (width - len(workload[i][0])) + workload[i][0] for i in idx])
@@ -292,7 +302,24 @@ def hf_generate_batched(hf, workload: list[tuple[list[int], int]], batch_size: i
         for row, i in enumerate(idx):
             outputs[i] = out[row, width : width + workload[i][1]].tolist()
         computed += len(idx) * new
-    return outputs, {"generated_tokens_incl_waste": computed}
+    return computed
+
+
+class Timed:
+    """Wall seconds, process CPU seconds and involuntary context switches of a block, accumulated."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = 0.0
+        self.ivcsw = 0
+
+    def __enter__(self) -> Timed:
+        self._t = (time.perf_counter(), time.process_time(), ivcsw())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.wall += time.perf_counter() - self._t[0]
+        self.cpu += time.process_time() - self._t[1]
+        self.ivcsw += ivcsw() - self._t[2]
 
 
 def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
@@ -331,13 +358,25 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
         hf.generate(input_ids=torch.tensor([[5] * 32]), max_new_tokens=4, do_sample=False,
                     eos_token_id=None, pad_token_id=PAD_TOKEN)
 
+    # HF runs in two halves (alternate batches) on either side of pdserve, so a change in the machine's
+    # load during the run weighs on both sides rather than on whichever ran second.
+    batches = hf_batches(workload, args.hf_batch)
+    halves = (batches[0::2], batches[1::2])
+    hf_out: list[list[int]] = [[] for _ in workload]
+    hf_t, hf_computed = Timed(), 0
+    log(f"  HF generate, first half: batches {', '.join(str(1 + batches.index(b)) for b in halves[0])} of "
+        f"{len(batches)} (batches of {args.hf_batch} sorted by prompt length) ... ({load()})")
+    with hf_t:
+        hf_computed += hf_generate_batched(hf, workload, halves[0], hf_out)
+    log(f"    {hf_t.wall:.2f} s ({load()})")
+
     split = instrument(engine)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in workload]
-    log(f"  pdserve generate ... ({load()})")
-    c0, t0, v0 = time.process_time(), time.perf_counter(), ivcsw()
-    completions = engine.generate([p for p, _ in workload], params)
-    ours_s, ours_cpu, ours_ivcsw = time.perf_counter() - t0, time.process_time() - c0, ivcsw() - v0
+    log(f"  pdserve generate, all {len(workload)} requests at once ... ({load()})")
+    with Timed() as ours_t:
+        completions = engine.generate([p for p, _ in workload], params)
     split.unwrap()
+    ours_s, ours_cpu, ours_ivcsw = ours_t.wall, ours_t.cpu, ours_t.ivcsw
     got = [len(c.token_ids) for c in completions]
     if got != [n for _, n in workload]:
         raise SystemExit("engine_bench: pdserve returned a different number of tokens than requested")
@@ -346,13 +385,16 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
     log(f"    {ours_s:.2f} s wall ({ours_cpu:.1f} s CPU), {useful / ours_s:.1f} output tok/s, {len(steps)} steps, "
         f"{sum(s.num_preempted for s in steps)} preemptions, {ours_ivcsw} involuntary context switches ({load()})")
 
-    log(f"  HF generate, batches of {args.hf_batch} sorted by prompt length ... ({load()})")
-    c0, t0, v0 = time.process_time(), time.perf_counter(), ivcsw()
-    hf_out, hf_waste = hf_generate_batched(hf, workload, args.hf_batch)
-    hf_s, hf_cpu, hf_ivcsw = time.perf_counter() - t0, time.process_time() - c0, ivcsw() - v0
-    log(f"    {hf_s:.2f} s wall ({hf_cpu:.1f} s CPU), {useful / hf_s:.1f} useful output tok/s "
-        f"({hf_waste['generated_tokens_incl_waste'] / hf_s:.1f} tok/s counting padding-to-batch-max), "
-        f"{hf_ivcsw} involuntary context switches ({load()})")
+    first_half = hf_t.wall
+    log(f"  HF generate, second half: the other {len(halves[1])} batches ... ({load()})")
+    with hf_t:
+        hf_computed += hf_generate_batched(hf, workload, halves[1], hf_out)
+    hf_s, hf_cpu, hf_ivcsw = hf_t.wall, hf_t.cpu, hf_t.ivcsw
+    log(f"    {hf_s - first_half:.2f} s ({load()})")
+    hf_waste = {"generated_tokens_incl_waste": hf_computed}
+    log(f"  HF total: {hf_s:.2f} s wall ({hf_cpu:.1f} s CPU), {useful / hf_s:.1f} useful output tok/s "
+        f"({hf_computed / hf_s:.1f} tok/s counting padding-to-batch-max), "
+        f"{hf_ivcsw} involuntary context switches")
 
     speedup = hf_s / ours_s
     same = sum(1 for c, h in zip(completions, hf_out, strict=True) if c.token_ids == h)
@@ -364,7 +406,8 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
         prefix.append(k / len(h))
     log(f"  greedy outputs identical for {same}/{len(workload)} requests; mean agreeing prefix "
         f"{100 * statistics.mean(prefix):.1f}% (float32 ties may diverge: informational)")
-    log(f"  speedup pdserve / HF = {speedup:.2f}x (target >= {TARGET_SPEEDUP}x)")
+    log(f"  speedup pdserve / HF = {speedup:.2f}x wall (target >= {TARGET_SPEEDUP}x); "
+        f"{hf_cpu / ours_cpu:.2f}x in process CPU time")
 
     prefill_steps = [s for s in steps if s.num_prefill_tokens > 0]
     decode_steps = [s for s in steps if s.num_prefill_tokens == 0]
@@ -384,7 +427,8 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
         "num_requests": len(workload), "prompt_tokens": sum(len(p) for p, _ in workload),
         "output_tokens": useful, "logit_max_abs_diff": diff, "logit_argmax_agreement": argmax_agree,
         "pdserve_s": ours_s, "pdserve_cpu_s": ours_cpu, "pdserve_tok_s": useful / ours_s,
-        "hf_s": hf_s, "hf_cpu_s": hf_cpu, "hf_tok_s": useful / hf_s, "hf_batch": args.hf_batch,
+        "hf_s": hf_s, "hf_first_half_s": first_half, "hf_cpu_s": hf_cpu, "cpu_speedup": hf_cpu / ours_cpu,
+        "hf_tok_s": useful / hf_s, "hf_batch": args.hf_batch,
         "hf_tokens_incl_padding": hf_waste["generated_tokens_incl_waste"], "speedup": speedup,
         "identical_outputs": same, "mean_agreeing_prefix": statistics.mean(prefix),
         "pdserve_split": d, "pdserve_steps": len(steps), "pdserve_prefill_steps": len(prefill_steps),
@@ -563,17 +607,30 @@ def bench_profile(args: argparse.Namespace) -> dict[str, Any]:
     steps = list(engine.step_history)[first:]
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
     log(table)
-    total = sum(e.self_cpu_time_total for e in prof.key_averages())
-    groups = {"gather (aten::index / index_select)": ("aten::index", "aten::index_select"),
-              "attention (sdpa)": ("aten::_scaled_dot_product_flash_attention_for_cpu",
-                                   "aten::_scaled_dot_product_attention_math"),
-              "matmul (aten::mm/addmm/bmm)": ("aten::mm", "aten::addmm", "aten::bmm"),
-              "KV write (index_put)": ("aten::_index_put_impl_",)}
+    events = {e.key: e for e in prof.key_averages()}
+    total = sum(e.self_cpu_time_total for e in events.values())
+
+    def inclusive(*names: str) -> float:
+        return sum(events[n].cpu_time_total for n in names if n in events)
+
+    def self_time(*names: str) -> float:
+        return sum(events[n].self_cpu_time_total for n in names if n in events)
+
+    groups = {  # shares of all op time; SDPA inclusive of the ops it runs, the others self time
+        "scaled_dot_product_attention (inclusive)": inclusive("aten::scaled_dot_product_attention"),
+        "linear layers (aten::mm/addmm)": self_time("aten::mm", "aten::addmm"),
+        "KV gather (aten::index/index_select)": self_time("aten::index", "aten::index_select"),
+        "KV write / scatter (aten::_index_put_impl_)": self_time("aten::_index_put_impl_"),
+    }
     shares = {}
-    for name, ops in groups.items():
-        t = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in ops)
+    for name, t in groups.items():
         shares[name] = t / total
-        log(f"  {name:<40} {100 * t / total:5.1f}% of op time")
+        log(f"  {name:<44} {100 * t / total:5.1f}% of op time")
+    math = events.get("aten::_scaled_dot_product_attention_math")
+    if math is not None:
+        log(f"  NOTE: {math.count} SDPA calls ran the unfused math kernel (aten::_scaled_dot_product_attention_math,"
+            f" {100 * math.cpu_time_total / total:.1f}% of op time): on CPU the flash kernel needs 4-D inputs")
+    shares["sdpa_math_calls"] = math.count if math is not None else 0
     log(f"  step times: {', '.join(ms(st.duration_s) for st in steps)} (under the profiler), "
         f"{steps[0].num_seqs} seqs, context {min(r.num_tokens for r in s.running)}-"
         f"{max(r.num_tokens for r in s.running)} tokens")
@@ -604,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     q = args.quick
-    args.num_requests = args.num_requests or (16 if q else 64)
+    args.num_requests = args.num_requests or (32 if q else 64)  # at least 2 HF batches: one per half
     args.prompt_range = (32, 128) if q else (32, 512)
     args.output_range = (16, 48) if q else (32, 256)
     args.kv_gb = 1.0  # 4096 blocks of 16 tokens: the whole mix fits, no preemption

@@ -28,12 +28,31 @@ class PrefillSpan:
 
 
 @dataclass
-class DecodeQuery:
-    """One request's single new token at flat index ``index``; it sees ``context_len`` cached keys."""
+class DecodeGroup:
+    """Single-token queries of requests with similar context lengths, attended in one SDPA call.
 
-    index: int
-    context_len: int
-    block_ids: torch.Tensor  # the request's blocks covering context_len slots
+    Requests are sorted by context length before grouping, so padding each to the group's longest
+    costs little; the mask hides the padding.
+    """
+
+    index: torch.Tensor  # [n] flat index of each query
+    flat_block_ids: torch.Tensor  # [n * width] each request's blocks, padded with block 0
+    width: int  # blocks per request after padding
+    mask: torch.Tensor  # [n, 1, 1, width * block_size], True = a real cached key
+
+
+class Workspace:
+    """Reusable gather buffers: a fresh multi-MiB tensor per layer and step costs page faults."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
+        n = rows * like.shape[1]
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._buffers[name] = torch.empty(int(n * 1.25), dtype=like.dtype, device=like.device)
+        return buf[:n].view(rows, like.shape[1])
 
 
 @dataclass
@@ -42,8 +61,9 @@ class AttentionMetadata:
 
     slot_blocks: torch.Tensor  # [T] block id of each new token
     slot_offsets: torch.Tensor  # [T] offset inside that block
-    decodes: list[DecodeQuery]
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
+    workspace: Workspace
 
 
 class RMSNorm(nn.Module):
@@ -147,27 +167,35 @@ class Attention(nn.Module):
         k_rows = k_cache.reshape(k_cache.shape[0], -1)
         v_rows = v_cache.reshape(v_cache.shape[0], -1)
         out = torch.empty_like(q)
-        for d in meta.decodes:
-            keys, values = self._context(k_rows, v_rows, d.block_ids, d.context_len)
-            # grouped-query attention without repeating K/V: kv head j serves query heads j*G .. j*G+G-1
-            query = q[d.index].view(self.num_kv_heads, -1, self.head_dim)
-            out[d.index] = F.scaled_dot_product_attention(query, keys, values).reshape(-1, self.head_dim)
+        for group in meta.decode_groups:
+            out[group.index] = self._decode_attention(q, k_rows, v_rows, group, meta.workspace)
         for span in meta.prefills:
             out[span.lo : span.hi] = self._prefill_attention(q, k, v, k_rows, v_rows, span)
         return self.o_proj(out.view(T, -1))
 
+    def _decode_attention(self, q, k_rows, v_rows, group: DecodeGroup, workspace: Workspace) -> torch.Tensor:
+        n, rows = group.index.numel(), group.flat_block_ids.numel()
+        keys = torch.index_select(k_rows, 0, group.flat_block_ids, out=workspace.get("k", rows, k_rows))
+        values = torch.index_select(v_rows, 0, group.flat_block_ids, out=workspace.get("v", rows, v_rows))
+        keys = keys.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [n, kv_heads, S, D]
+        values = values.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # 4-D inputs keep SDPA on its fused CPU kernel (3-D ones fall back to the slow math path)
+        out = F.scaled_dot_product_attention(q[group.index].unsqueeze(2), keys, values, attn_mask=group.mask,
+                                             enable_gqa=True)
+        return out.squeeze(2)
+
     def _context(self, k_rows, v_rows, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``n`` cached keys and values of a request: [kv_heads, n, head_dim] each."""
+        """The first ``n`` cached keys and values of a request: [1, kv_heads, n, head_dim] each."""
         keys = torch.index_select(k_rows, 0, block_ids).view(-1, self.num_kv_heads, self.head_dim)[:n]
         values = torch.index_select(v_rows, 0, block_ids).view(-1, self.num_kv_heads, self.head_dim)[:n]
-        return keys.transpose(0, 1), values.transpose(0, 1)
+        return keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
 
     def _prefill_attention(self, q, k, v, k_rows, v_rows, span: PrefillSpan) -> torch.Tensor:
         n = span.hi - span.lo
-        query = q[span.lo : span.hi].transpose(0, 1)  # [H, n, D]
+        query = q[span.lo : span.hi].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if span.start == 0:  # nothing cached: the chunk's own keys, plain causal mask
-            keys = k[span.lo : span.hi].transpose(0, 1)
-            values = v[span.lo : span.hi].transpose(0, 1)
+            keys = k[span.lo : span.hi].transpose(0, 1).unsqueeze(0)
+            values = v[span.lo : span.hi].transpose(0, 1).unsqueeze(0)
             out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
         else:  # every cached key, plus the chunk's own keys under a causal mask
             context = span.start + n
@@ -176,7 +204,7 @@ class Attention(nn.Module):
             query_pos = torch.arange(span.start, context, device=q.device)
             mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # [n, context]
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
-        return out.transpose(0, 1)
+        return out.squeeze(0).transpose(0, 1)
 
 
 class MLP(nn.Module):

@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelConfig
-from engine.model import AttentionMetadata, DecodeQuery, LlamaForCausalLM, PrefillSpan
+from engine.model import AttentionMetadata, DecodeGroup, LlamaForCausalLM, PrefillSpan, Workspace
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
+
+DECODE_GROUP_SIZE = 16  # decodes attended per SDPA call (sorted by length, padded within the group)
 
 
 def kv_block_shape(config: ModelConfig, block_size: int) -> tuple[int, ...]:
@@ -46,6 +48,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
+        self.workspace = Workspace()
 
     @torch.inference_mode()
     def run(self, output: SchedulerOutput, params: dict[str, SamplingParams], seeds: dict[str, int],
@@ -81,24 +84,35 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         slot_blocks: list[int] = []
-        slot_offsets: list[int] = []
-        decodes: list[DecodeQuery] = []
+        decodes: list[tuple[int, int, list[int]]] = []  # (flat index, context length, blocks)
         prefills: list[PrefillSpan] = []
         for chunk in output.chunks:
             lo, n = len(ids), len(chunk.token_ids)
             end = chunk.start + n
             ids.extend(chunk.token_ids)
             pos.extend(range(chunk.start, end))
-            for p in range(chunk.start, end):
-                slot_blocks.append(chunk.block_ids[p // bs])
-            slot_offsets.extend(p % bs for p in range(chunk.start, end))
-            blocks = self._tensor(chunk.block_ids[: -(-end // bs)])
+            slot_blocks.extend(chunk.block_ids[p // bs] for p in range(chunk.start, end))
+            blocks = chunk.block_ids[: -(-end // bs)]
             if n == 1 and chunk.start > 0:
-                decodes.append(DecodeQuery(lo, end, blocks))
+                decodes.append((lo, end, blocks))
             else:
-                prefills.append(PrefillSpan(lo, lo + n, chunk.start, blocks))
-        meta = AttentionMetadata(self._tensor(slot_blocks), self._tensor(slot_offsets), decodes, prefills)
+                prefills.append(PrefillSpan(lo, lo + n, chunk.start, self._tensor(blocks)))
+        meta = AttentionMetadata(self._tensor(slot_blocks), self._tensor([p % bs for p in pos]),
+                                 self._decode_groups(decodes), prefills, self.workspace)
         return self._tensor(ids), self._tensor(pos), meta
+
+    def _decode_groups(self, decodes: list[tuple[int, int, list[int]]]) -> list[DecodeGroup]:
+        decodes = sorted(decodes, key=lambda d: d[1])
+        groups = []
+        for g in range(0, len(decodes), DECODE_GROUP_SIZE):
+            part = decodes[g : g + DECODE_GROUP_SIZE]
+            width = max(len(blocks) for _, _, blocks in part)
+            flat = [b for _, _, blocks in part for b in blocks + [0] * (width - len(blocks))]
+            lens = self._tensor([length for _, length, _ in part])
+            key_pos = torch.arange(width * self.block_size, device=self.device)
+            mask = (key_pos.unsqueeze(0) < lens.unsqueeze(1)).view(len(part), 1, 1, -1)
+            groups.append(DecodeGroup(self._tensor([i for i, _, _ in part]), self._tensor(flat), width, mask))
+        return groups
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
