@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from engine.config import ModelConfig
 
@@ -200,10 +201,9 @@ class Attention(nn.Module):
         else:  # every cached key, plus the chunk's own keys under a causal mask
             context = span.start + n
             keys, values = self._context(k_rows, v_rows, span.block_ids, context)
-            key_pos = torch.arange(context, device=q.device)
-            query_pos = torch.arange(span.start, context, device=q.device)
-            mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # [n, context]
-            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
+            # query i (absolute position start + i) sees keys 0 .. start + i: a lower-right causal mask
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=causal_lower_right(n, context),
+                                                 enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
 
 
