@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -86,6 +87,10 @@ class Deployment:
             self._started_ray = True
         use_gpu = engine_config.device.startswith("cuda") or (
             engine_config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+        if not use_gpu and engine_config.torch_threads is None and cfg.address is None:
+            # CPU workers on this machine share its cores: oversubscribed OpenMP threads collapse
+            workers = cfg.num_decode_workers + cfg.num_prefill_workers
+            engine_config = replace(engine_config, torch_threads=max(1, (os.cpu_count() or 1) // workers))
         options = {"num_cpus": 0, "num_gpus": 1 if use_gpu else 0, "max_concurrency": 10_000}
         try:
             decode_cls = ray.remote(DecodeWorker).options(**options)
