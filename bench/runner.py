@@ -41,6 +41,7 @@ class MeasuredRun:
     steps: list[TimelineStep]
     kv_bytes_moved: int
     duration_s: float
+    raw_steps: list[tuple]  # (started, duration_s, prefill, decode, seqs, context tokens, worker id)
 
 
 # ---- sending a workload --------------------------------------------------------------------------------
@@ -101,7 +102,8 @@ def measure(address: str, requests: Sequence[WorkloadRequest], mode: str | None,
     steps = [TimelineStep(s[0] - t0, s[1], s[2], s[3], w["worker_id"]) for w in stats for s in w["steps"]]
     steps.sort(key=lambda s: s.start)
     moved = sum(w["kv_bytes_moved"] - before.get(w["worker_id"], 0) for w in stats if w["role"] == "prefill")
-    return MeasuredRun(records, steps, moved, duration)
+    raw = [(*s, w["worker_id"]) for w in stats for s in w["steps"]]
+    return MeasuredRun(records, steps, moved, duration, raw)
 
 
 def warmup_requests(n: int, seed: int) -> list[WorkloadRequest]:

@@ -1,6 +1,10 @@
 """Validate the simulator against the real system on this machine.
 
-1. Calibrate the cpu-measured profile (the real engine's step times on this CPU, fitted).
+1. Calibrate the cpu-measured profile: fit the linear step-time model to the server-side step
+   timings of real deployments (colocated and disaggregated) serving a *calibration* workload —
+   other requests than the validation ones (another seed). Measured in place, the steps carry what
+   a deployment costs on 2 shared cores (two workers, the router, Ray and the client competing);
+   ``--offline`` instead measures the engine alone (``pdserve sim --calibrate``), for comparison.
 2. Replay the same workloads — the long-prompt interference scenario and a random one — through the
    simulator (with that profile) and through real deployments, colocated and disaggregated, with the
    same number of workers and the same engine settings.
@@ -23,12 +27,12 @@ from bench.metrics import compute_metrics
 from bench.workloads import WorkloadSpec, build_workload
 
 
-def _workloads(args: argparse.Namespace) -> dict[str, list]:
+def _workloads(args: argparse.Namespace, seed: int) -> dict[str, list]:
     interference = WorkloadSpec(kind="interference", num_requests=args.long_prompts, num_streams=args.streams,
                                 stream_prompt_len=64, stream_output_len=args.stream_output,
                                 long_prompt_len=args.long_len, long_output_len=8,
-                                long_period_s=args.long_period, long_start_s=0.5, seed=args.seed)
-    random_spec = WorkloadSpec(kind="random", num_requests=args.random_requests, rate=args.rate, seed=args.seed,
+                                long_period_s=args.long_period, long_start_s=0.5, seed=seed)
+    random_spec = WorkloadSpec(kind="random", num_requests=args.random_requests, rate=args.rate, seed=seed,
                                prompt_len_mean=256, prompt_len_max=1024, output_len_mean=48, output_len_max=128)
     return {"interference": list(build_workload(interference).requests),
             "random": list(build_workload(random_spec).requests)}
@@ -44,15 +48,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.runner import build_parser as bench_parser
     from bench.runner import engine_config, run_architecture
-    from bench.sim.calibrate import CalibrationGrid, calibrate
+    from bench.sim.calibrate import CalibrationGrid, MeasuredStep, calibrate, fit_linear_profile
     from bench.sim.cost_model import LinearCostModel
-    from bench.sim.profiles import get_model, load_linear_profile
-    from bench.sim.simulator import SimConfig, simulate
+    from bench.sim.profiles import get_model, load_linear_profile, save_linear_profile
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="bench", choices=["tiny", "bench"])
     p.add_argument("--calibration", default=os.path.join("results", "cpu-profile-validate.json"))
-    p.add_argument("--recalibrate", action="store_true", help="measure even if the calibration file exists")
+    p.add_argument("--offline", action="store_true", help="calibrate on the engine alone, not in place")
     p.add_argument("--transport", default="nixl", choices=["nixl", "grpc"])
     p.add_argument("--chunk", type=int, default=256, help="token budget per step (max_num_batched_tokens)")
     p.add_argument("--streams", type=int, default=6)
@@ -66,38 +69,60 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.path.join("results", "validate"))
     args = p.parse_args(argv)
 
-    if args.recalibrate or not os.path.exists(args.calibration):
-        print(f"calibrating {args.model} on this CPU (1 torch thread, as each of the 2 workers runs) ...", flush=True)
-        calibrate(args.model, CalibrationGrid(), args.calibration, torch_threads=1)
-    profile = load_linear_profile(args.calibration)
-    cost = LinearCostModel(profile, get_model(args.model))
+    bench_args = bench_parser().parse_args(["--model", args.model, "--workers", "2", "--transport", args.transport,
+                                            "--max-num-batched-tokens", str(args.chunk), "--torch-threads", "1",
+                                            "--no-progress", "--warmup", "2"])
+    engine = engine_config(bench_args)
+    ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        if args.offline:
+            print(f"calibrating {args.model} alone on this CPU (1 torch thread) ...", flush=True)
+            calibrate(args.model, CalibrationGrid(), args.calibration, torch_threads=1)
+        else:
+            print("calibrating in place: the calibration workloads on real deployments ...", flush=True)
+            steps = []
+            for requests in _workloads(args, args.seed + 1000).values():
+                for arch in ("colocated", "disaggregated"):
+                    run, _ = run_architecture(arch, bench_args, requests, engine)
+                    steps += [MeasuredStep(s[2], s[3], s[5], s[1]) for s in run.raw_steps]
+            save_linear_profile(fit_linear_profile(steps, model=args.model, notes="in place"), args.calibration)
+        profile = load_linear_profile(args.calibration)
+        cost = LinearCostModel(profile, get_model(args.model))
+        rows = _validate(args, bench_args, engine, profile, cost)
+    finally:
+        ray.shutdown()
+    return _report(args, rows)
+
+
+Row = tuple[str, str, dict[str, float], dict[str, float]]  # workload, architecture, simulated, measured
+
+
+def _validate(args, bench_args, engine, profile, cost) -> list[Row]:
+    from bench.runner import run_architecture
+    from bench.sim.simulator import SimConfig, simulate
+
     print(f"profile: {profile.fixed_overhead_s * 1e3:.2f} ms + {profile.per_prefill_token_s * 1e6:.1f} us/prefill"
           f" tok + {profile.per_decode_token_s * 1e6:.1f} us/decode tok"
           f" + {profile.per_context_token_s * 1e9:.2f} ns/ctx tok"
           f" (fit error {profile.mean_abs_rel_error:.0%})", flush=True)
 
-    bench_args = bench_parser().parse_args(["--model", args.model, "--workers", "2", "--transport", args.transport,
-                                            "--max-num-batched-tokens", str(args.chunk), "--torch-threads", "1",
-                                            "--no-progress", "--warmup", "2"])
-    engine = engine_config(bench_args)
     sim_config = SimConfig(max_num_batched_tokens=engine.max_num_batched_tokens, max_num_seqs=engine.max_num_seqs,
                            block_size=engine.block_size)
-    rows: list[tuple[str, str, dict[str, float], dict[str, float]]] = []
-    ray.init(include_dashboard=False, log_to_driver=False)
-    try:
-        for name, requests in _workloads(args).items():
-            for arch in ("colocated", "disaggregated"):
-                kwargs: dict[str, Any] = ({"num_instances": 2} if arch == "colocated"
-                                          else {"num_prefill": 1, "num_decode": 1})
-                sim = simulate(requests, cost, sim_config, mode=arch, kv_link_bw=profile.kv_link_bw,
-                               kv_link_latency_s=profile.kv_link_latency_s, **kwargs)
-                measured, _ = run_architecture(arch, bench_args, requests, engine)
-                rows.append((name, arch, _figures(sim.records), _figures(measured.records)))
-                print(f"{name:>12} {arch:>13}: " + "  ".join(
-                    f"{k} sim {rows[-1][2][k]:7.1f} / real {rows[-1][3][k]:7.1f} ms" for k in rows[-1][2]), flush=True)
-    finally:
-        ray.shutdown()
+    rows: list[Row] = []
+    for name, requests in _workloads(args, args.seed).items():
+        for arch in ("colocated", "disaggregated"):
+            kwargs: dict[str, Any] = ({"num_instances": 2} if arch == "colocated"
+                                      else {"num_prefill": 1, "num_decode": 1})
+            sim = simulate(requests, cost, sim_config, mode=arch, kv_link_bw=profile.kv_link_bw,
+                           kv_link_latency_s=profile.kv_link_latency_s, **kwargs)
+            measured, _ = run_architecture(arch, bench_args, requests, engine)
+            rows.append((name, arch, _figures(sim.records), _figures(measured.records)))
+            print(f"{name:>12} {arch:>13}: " + "  ".join(
+                f"{k} sim {rows[-1][2][k]:7.1f} / real {rows[-1][3][k]:7.1f} ms" for k in rows[-1][2]), flush=True)
+    return rows
 
+
+def _report(args, rows) -> int:
     lines = ["| workload | architecture | figure | simulated ms | measured ms | error |",
              "|---|---|---|---:|---:|---:|"]
     errors = []

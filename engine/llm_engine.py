@@ -50,6 +50,7 @@ class StepStats(NamedTuple):
     num_decode_tokens: int
     num_seqs: int
     num_preempted: int
+    num_context_tokens: int  # keys attended, summed over the step's tokens (the attention cost driver)
 
 
 class Reservation(NamedTuple):
@@ -234,7 +235,7 @@ class LLMEngine:
             outputs.append(RequestOutput(rid, [token], text, reason is not None, reason))
         self.step_history.append(StepStats(
             started, time.perf_counter() - t0, t1 - t0, output.num_prefill_tokens, output.num_decode_tokens,
-            len(output.chunks), len(output.preempted),
+            len(output.chunks), len(output.preempted), output.num_context_tokens,
         ))
         return outputs
 

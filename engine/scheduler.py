@@ -45,6 +45,11 @@ class SchedulerOutput(NamedTuple):
     def num_prefill_tokens(self) -> int:
         return self.num_tokens - self.num_decode_tokens
 
+    @property
+    def num_context_tokens(self) -> int:
+        """Keys attended, summed over every scheduled token (token i of a chunk sees start + i + 1)."""
+        return sum(len(c.token_ids) * c.start + len(c.token_ids) * (len(c.token_ids) + 1) // 2 for c in self.chunks)
+
 
 class SchedulerConfig(NamedTuple):
     max_num_batched_tokens: int

@@ -141,18 +141,20 @@ class StatsRequest(_message.Message):
     def __init__(self, include_steps: _Optional[bool] = ..., steps_since: _Optional[float] = ...) -> None: ...
 
 class StepRecord(_message.Message):
-    __slots__ = ("started", "duration_s", "num_prefill_tokens", "num_decode_tokens", "num_seqs")
+    __slots__ = ("started", "duration_s", "num_prefill_tokens", "num_decode_tokens", "num_seqs", "num_context_tokens")
     STARTED_FIELD_NUMBER: _ClassVar[int]
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     started: float
     duration_s: float
     num_prefill_tokens: int
     num_decode_tokens: int
     num_seqs: int
-    def __init__(self, started: _Optional[float] = ..., duration_s: _Optional[float] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_seqs: _Optional[int] = ...) -> None: ...
+    num_context_tokens: int
+    def __init__(self, started: _Optional[float] = ..., duration_s: _Optional[float] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_seqs: _Optional[int] = ..., num_context_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("worker_id", "role", "blocks_total", "blocks_free", "blocks_cached", "blocks_used", "num_running", "num_waiting", "num_remote_pending", "tokens_in_flight", "num_steps", "kv_bytes_moved", "steps")

@@ -58,7 +58,8 @@ def stats_to_dicts(resp: pb.StatsResponse) -> list[dict[str, Any]]:
     out = []
     for w in resp.workers:
         d = {f.name: getattr(w, f.name) for f in w.DESCRIPTOR.fields if f.name != "steps"}
-        d["steps"] = [(s.started, s.duration_s, s.num_prefill_tokens, s.num_decode_tokens, s.num_seqs) for s in w.steps]
+        d["steps"] = [(s.started, s.duration_s, s.num_prefill_tokens, s.num_decode_tokens, s.num_seqs,
+                       s.num_context_tokens) for s in w.steps]
         out.append(d)
     return out
 

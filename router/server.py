@@ -98,7 +98,8 @@ class PDServeServicer(pb_grpc.PDServeServicer):
                 tokens_in_flight=s.tokens_in_flight, num_steps=s.num_steps, kv_bytes_moved=s.kv_bytes_moved,
                 steps=[pb.StepRecord(started=st.started, duration_s=st.duration_s,
                                      num_prefill_tokens=st.num_prefill_tokens,
-                                     num_decode_tokens=st.num_decode_tokens, num_seqs=st.num_seqs)
+                                     num_decode_tokens=st.num_decode_tokens, num_seqs=st.num_seqs,
+                                     num_context_tokens=st.num_context_tokens)
                        for st in s.steps],
             ))
         return pb.StatsResponse(workers=workers, num_active_requests=len(self.router.active))
