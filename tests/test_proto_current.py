@@ -39,7 +39,7 @@ def test_every_proto_has_its_modules() -> None:
 @pytest.fixture
 def proto_copy(tmp_path: Path) -> Path:
     """A copy of pdserve_proto/ (sources, generated modules, the script) to break on purpose."""
-    dst = tmp_path / "proto"
+    dst = tmp_path / PROTO_DIR.name  # the folder name is the import package name
     shutil.copytree(PROTO_DIR, dst, ignore=shutil.ignore_patterns("__pycache__"))
     assert _check(dst).returncode == 0
     return dst
