@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from bench.metrics import RequestRecord, SweepPoint, TimelineStep, find_knee, parse_slo, sweep_point
 from bench.report import RunData, markdown_table, write_report
+from bench.sim.cli import parse_sweep
 from bench.workloads import WorkloadRequest, add_workload_arguments, build_workload, workload_spec_from_args
 from engine import EngineConfig, SamplingParams
 
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--workers must be >= 1")
         kind = args.workload or ("interference" if args.sweep else "random")
         requests = _workload(args, kind)
-        chunks = _parse_sweep(args.sweep) if args.sweep else None
+        chunks = parse_sweep(args.sweep) if args.sweep else None
     except ValueError as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
         return 2
@@ -249,19 +250,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if started_ray:
             ray.shutdown()
-
-
-def _parse_sweep(text: str) -> list[int]:
-    key, _, values = text.partition("=")
-    if key.strip() != "chunk" or not values:
-        raise ValueError(f"--sweep: expected chunk=128,256,..., got {text!r}")
-    try:
-        chunks = [int(v) for v in values.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"--sweep: chunk sizes must be integers, got {values!r}") from None
-    if not chunks or min(chunks) < 1:
-        raise ValueError("--sweep: chunk sizes must be >= 1")
-    return chunks
 
 
 def _sweep(args: argparse.Namespace, chunks: list[int], requests: list[WorkloadRequest], slo: dict) -> int:
