@@ -225,8 +225,10 @@ class LLMEngine:
             if request.status != RequestStatus.RUNNING:
                 continue
             reason = self._append_token(request, token, now)
-            text = self._detokenizers[rid].push([token]) if rid in self._detokenizers else ""
+            detok = self._detokenizers.get(rid)
+            text = detok.push([token]) if detok is not None else ""
             if reason is not None:
+                text += detok.flush() if detok is not None else ""
                 hold = rid in self._hold
                 self.scheduler.finish(request, reason, free_blocks=not hold)
                 if hold:

@@ -24,6 +24,10 @@ class IncrementalDetokenizer(Protocol):
         """Text completed by these new tokens; bytes of an unfinished character are held back."""
         ...
 
+    def flush(self) -> str:
+        """At the end of the stream: whatever was held back (U+FFFD for bytes that never completed)."""
+        ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes are tokens 0..255; then BOS and EOS. Used by the presets."""
@@ -51,6 +55,9 @@ class _ByteDetokenizer:
 
     def push(self, token_ids: list[int]) -> str:
         return self._decoder.decode(bytes(t for t in token_ids if t < 256))
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
 
 
 class HFTokenizer:
@@ -98,6 +105,12 @@ class _WindowDetokenizer:
         if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
             return ""
         self._prefix, self._read = self._read, len(self._ids)
+        return full_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix : self._read])
+        full_text = self._tokenizer.decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
         return full_text[len(prefix_text) :]
 
 

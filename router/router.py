@@ -132,6 +132,8 @@ class Router:
                     prefill_pending = False
                     continue
                 text = detok.push(token_ids) if detok is not None and token_ids else ""
+                if done and detok is not None:
+                    text += detok.flush()
                 num_out += len(token_ids)
                 if token_ids and first_sent is None:
                     first_sent = time.time()
