@@ -247,7 +247,14 @@ class LLMEngine:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
-        requests = [self._make_request(p, sp, None, None) for p, sp in zip(prompts, params_list, strict=True)]
+        requests: list[Request] = []
+        try:
+            for prompt, sp in zip(prompts, params_list, strict=True):
+                requests.append(self._make_request(prompt, sp, None, None))
+        except ValueError:
+            for request in requests:
+                self._forget(request.request_id)
+            raise
         for request in requests:
             self.scheduler.add(request)
         pending = {r.request_id for r in requests}
