@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine import EngineConfig, LLMEngine, SamplingParams
 
 
 def _save_random_hf_model(kind: str, path: str) -> torch.nn.Module:
