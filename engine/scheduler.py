@@ -17,6 +17,11 @@ from engine.block_manager import BlockManager
 from engine.request import FinishReason, Request, RequestStatus
 
 
+def chunk_context_tokens(start: int, num_tokens: int) -> int:
+    """Keys attended by a chunk of ``num_tokens`` at absolute ``start``: ``Σ_i (start + i + 1)``."""
+    return num_tokens * start + num_tokens * (num_tokens + 1) // 2
+
+
 class ScheduledChunk(NamedTuple):
     """One request's share of a step: compute tokens [start, start + num_tokens)."""
 
@@ -48,7 +53,7 @@ class SchedulerOutput(NamedTuple):
     @property
     def num_context_tokens(self) -> int:
         """Keys attended, summed over every scheduled token (token i of a chunk sees start + i + 1)."""
-        return sum(len(c.token_ids) * c.start + len(c.token_ids) * (len(c.token_ids) + 1) // 2 for c in self.chunks)
+        return sum(chunk_context_tokens(c.start, len(c.token_ids)) for c in self.chunks)
 
 
 class SchedulerConfig(NamedTuple):

@@ -31,11 +31,9 @@ from collections.abc import Iterable
 from typing import NamedTuple, Protocol
 
 from bench.sim.profiles import HardwareProfile, LinearProfile, ModelProfile
+from engine.scheduler import chunk_context_tokens  # the engine's own count: simulator and StepStats agree
 
-
-def chunk_context_tokens(start: int, num_tokens: int) -> int:
-    """Keys attended by a chunk of ``num_tokens`` at absolute ``start``: ``Σ_i (start + i + 1)``."""
-    return num_tokens * start + num_tokens * (num_tokens + 1) // 2
+__all__ = ["CostModel", "LinearCostModel", "RooflineCostModel", "StepCost", "StepShape", "chunk_context_tokens"]
 
 
 class StepShape(NamedTuple):
