@@ -36,8 +36,7 @@ class DecodeGroup:
     """
 
     index: torch.Tensor  # [n] flat index of each query
-    flat_block_ids: torch.Tensor  # [n * width] each request's blocks, padded with block 0
-    width: int  # blocks per request after padding
+    flat_block_ids: torch.Tensor  # [n * width] each request's blocks, padded with block 0 to the group's width
     mask: torch.Tensor  # [n, 1, 1, width * block_size], True = a real cached key
 
 

@@ -111,7 +111,7 @@ class ModelRunner:
             lens = self._tensor([length for _, length, _ in part])
             key_pos = torch.arange(width * self.block_size, device=self.device)
             mask = (key_pos.unsqueeze(0) < lens.unsqueeze(1)).view(len(part), 1, 1, -1)
-            groups.append(DecodeGroup(self._tensor([i for i, _, _ in part]), self._tensor(flat), width, mask))
+            groups.append(DecodeGroup(self._tensor([i for i, _, _ in part]), self._tensor(flat), mask))
         return groups
 
     def _tensor(self, values: list) -> torch.Tensor:
