@@ -87,7 +87,7 @@ class DecodeWorker:
             yield batch
 
     def _add_local(self, engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        engine.add_request(prompt, params, request_id)
+        engine.add_request(prompt, params, request_id, detokenize=False)  # the router detokenizes
         self._requests[request_id] = (engine.get_request(request_id), {"mode_local": True})  # type: ignore[assignment]
 
     # ---- disaggregated: KV comes from a prefill worker -----------------------------------------

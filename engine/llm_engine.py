@@ -125,12 +125,13 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    hold_blocks: bool = False) -> str:
+                    hold_blocks: bool = False, detokenize: bool = True) -> str:
         """Queue a request; returns its id. Raises ValueError, changing nothing, on bad input.
 
         ``hold_blocks``: when it finishes, keep its KV blocks until ``release(request_id)``.
+        ``detokenize=False``: outputs carry no text (a router that detokenizes itself asks for this).
         """
-        request = self._make_request(prompt, params, request_id, arrival_time)
+        request = self._make_request(prompt, params, request_id, arrival_time, detokenize)
         self.scheduler.add(request)
         if hold_blocks:
             self._hold.add(request.request_id)
@@ -167,7 +168,7 @@ class LLMEngine:
         Leading full blocks found in the prefix cache are shared and need no transfer. Returns None,
         changing nothing, when there are not enough free blocks now.
         """
-        request = self._make_request(prompt, params, request_id, None)
+        request = self._make_request(prompt, params, request_id, None, detokenize=False)
         hit = self.block_manager.find_prefix_hit(request)
         if not self.block_manager.can_allocate(request, request.num_prompt_tokens - hit.num_tokens, hit):
             self._forget(request_id)
@@ -190,8 +191,6 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} is not waiting for remote KV")
         request.num_computed_tokens = request.num_prompt_tokens
         self.block_manager.cache_full_blocks(request)
-        if self.tokenizer is not None:
-            self._detokenizers[request_id].push([first_token])
         reason = self._append_token(request, first_token)
         if reason is not None:
             self.scheduler.finish(request, reason)
@@ -284,7 +283,7 @@ class LLMEngine:
 
     # ---- internals -----------------------------------------------------------------------------
     def _make_request(self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
-                      arrival_time: float | None) -> Request:
+                      arrival_time: float | None, detokenize: bool = True) -> Request:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -316,7 +315,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, token_ids, params, self.eos_token_id, arrival_time)
         self._seeds[request_id] = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and detokenize:
             self._detokenizers[request_id] = self.tokenizer.detokenizer()
         return request
 

@@ -107,7 +107,7 @@ class PrefillWorker:
         first_params = dataclasses.replace(params, max_tokens=1, ignore_eos=True, stop_token_ids=())
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(prompt_token_ids, first_params, request_id, hold_blocks=True)
+            engine.add_request(prompt_token_ids, first_params, request_id, hold_blocks=True, detokenize=False)
             self._jobs[request_id] = job
 
         await self.aengine.run(add)
