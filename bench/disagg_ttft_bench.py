@@ -15,9 +15,10 @@ import statistics
 import sys
 import time
 
-from engine import EngineConfig, SamplingParams
-from router.client import Client
-from router.deployment import Deployment, DeploymentConfig
+from pdserve.engine import EngineConfig, SamplingParams
+from pdserve.router.client import Client
+
+from pdserve.deployment import Deployment, DeploymentConfig
 
 
 def run_once(client: Client, prompt: list[int], mode: str) -> dict:
@@ -42,10 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torch-threads", type=int, default=2)
     args = p.parse_args(argv)
 
-    engine = EngineConfig(model=args.model, device="cpu", max_num_batched_tokens=args.chunk,
-                          torch_threads=args.torch_threads, kv_cache_memory_gb=1.0)
-    config = DeploymentConfig(engine=engine, mode="colocated", num_prefill_workers=1, num_decode_workers=1,
-                              transport=args.transport, port=0)
+    engine = EngineConfig(
+        model=args.model,
+        device="cpu",
+        max_num_batched_tokens=args.chunk,
+        torch_threads=args.torch_threads,
+        kv_cache_memory_gb=1.0,
+    )
+    config = DeploymentConfig(
+        engine=engine, mode="colocated", num_prefill_workers=1, num_decode_workers=1, transport=args.transport, port=0
+    )
     rng = random.Random(0)
     results: dict[str, list[dict]] = {"colocated": [], "disaggregated": []}
     with Deployment(config) as deployment, Client(deployment.address) as client:
@@ -56,19 +63,26 @@ def main(argv: list[str] | None = None) -> int:
                 prompt = [rng.randrange(256) for _ in range(args.prompt_len)]  # fresh: no prefix cache hit
                 results[mode].append(run_once(client, prompt, mode))
                 r = results[mode][-1]
-                print(f"run {i} {mode:>13}: TTFT {r['ttft_s'] * 1000:8.1f} ms  "
-                      f"(prefill {r['prefill_s'] * 1000:7.1f} ms, "
-                      f"exposed KV transfer {r['kv_transfer_s'] * 1000:6.1f} ms, "
-                      f"{r['kv_transfer_bytes'] / 2**20:6.1f} MiB moved)", flush=True)
+                print(
+                    f"run {i} {mode:>13}: TTFT {r['ttft_s'] * 1000:8.1f} ms  "
+                    f"(prefill {r['prefill_s'] * 1000:7.1f} ms, "
+                    f"exposed KV transfer {r['kv_transfer_s'] * 1000:6.1f} ms, "
+                    f"{r['kv_transfer_bytes'] / 2**20:6.1f} MiB moved)",
+                    flush=True,
+                )
 
     col = statistics.median(r["ttft_s"] for r in results["colocated"])
     dis = statistics.median(r["ttft_s"] for r in results["disaggregated"])
     ratio = dis / col
-    print(f"\nmodel={args.model} prompt={args.prompt_len} tokens chunk={args.chunk} transport={args.transport} "
-          f"runs={args.runs}")
+    print(
+        f"\nmodel={args.model} prompt={args.prompt_len} tokens chunk={args.chunk} transport={args.transport} "
+        f"runs={args.runs}"
+    )
     print(f"median TTFT colocated     {col * 1000:8.1f} ms")
-    print(f"median TTFT disaggregated {dis * 1000:8.1f} ms   ratio {ratio:.3f}  "
-          f"(target <= 1.15: {'PASS' if ratio <= 1.15 else 'MISS'})")
+    print(
+        f"median TTFT disaggregated {dis * 1000:8.1f} ms   ratio {ratio:.3f}  "
+        f"(target <= 1.15: {'PASS' if ratio <= 1.15 else 'MISS'})"
+    )
     return 0
 
 

@@ -36,10 +36,6 @@ import time
 from collections import defaultdict
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # `python bench/engine_bench.py` from anywhere
-    sys.path.insert(0, ROOT)
-
 # On a shared 2-core machine, OpenMP threads that spin at barriers turn other people's load into
 # 0.5-1 s stalls of single ops (measured: a 128x512x1536 matmul loop, 2 threads, load ~4: median
 # 47 ms but p90 510 ms spinning, p90 75-97 ms passive). Passive waiting applies to both sides alike.
@@ -47,9 +43,9 @@ if ROOT not in sys.path:  # `python bench/engine_bench.py` from anywhere
 if __name__ == "__main__" and "--omp-spin" not in sys.argv:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
-
-from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+import pdserve.engine
+import torch
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 
 PAD_TOKEN = 258  # reserved in the byte tokenizer: decodes to nothing, never a prompt token here
 TARGET_SPEEDUP = 1.5
@@ -77,7 +73,7 @@ def engine_fingerprint() -> str:
     import hashlib
 
     h = hashlib.sha256()
-    for path in sorted(glob.glob(os.path.join(ROOT, "engine", "*.py"))):
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(pdserve.engine.__file__), "*.py"))):
         h.update(os.path.basename(path).encode())
         with open(path, "rb") as f:
             h.update(f.read())
@@ -106,12 +102,14 @@ def pct(values: list[float], q: float) -> float:
     return s[k]
 
 
-def make_workload(n: int, seed: int, prompt_range: tuple[int, int], output_range: tuple[int, int]
-                  ) -> list[tuple[list[int], int]]:
+def make_workload(
+    n: int, seed: int, prompt_range: tuple[int, int], output_range: tuple[int, int]
+) -> list[tuple[list[int], int]]:
     """``n`` (prompt token ids in [0, 256), max_tokens) pairs, seeded."""
     rng = random.Random(seed)
-    return [([rng.randrange(256) for _ in range(rng.randint(*prompt_range))], rng.randint(*output_range))
-            for _ in range(n)]
+    return [
+        ([rng.randrange(256) for _ in range(rng.randint(*prompt_range))], rng.randint(*output_range)) for _ in range(n)
+    ]
 
 
 class Split:
@@ -153,8 +151,11 @@ class Split:
 
 
 # Optional, engine-version-specific methods of each layer's Attention: timed when they exist.
-ATTENTION_PARTS = (("_decode_attention", "decode attention"), ("_prefill_attention", "prefill attention"),
-                   ("_context", "KV gather (Attention._context)"))
+ATTENTION_PARTS = (
+    ("_decode_attention", "decode attention"),
+    ("_prefill_attention", "prefill attention"),
+    ("_context", "KV gather (Attention._context)"),
+)
 
 
 def instrument(engine: LLMEngine) -> Split:
@@ -201,13 +202,20 @@ def step_split(engine: LLMEngine, split: Split, steps: list) -> dict[str, float]
 
 def print_split(d: dict[str, float], indent: str = "    ") -> None:
     total = d["total_s"] or float("nan")
-    rows = [("schedule_s", "schedule"), ("prepare_s", "prepare inputs (runner._prepare)"),
-            ("forward_s", "model forward"),
-            ("attention_block_s", "  attention layers (qkv/o proj, rope, KV, attn)")]
+    rows = [
+        ("schedule_s", "schedule"),
+        ("prepare_s", "prepare inputs (runner._prepare)"),
+        ("forward_s", "model forward"),
+        ("attention_block_s", "  attention layers (qkv/o proj, rope, KV, attn)"),
+    ]
     rows += [(label, f"    {label}") for _, label in ATTENTION_PARTS if label in d]
-    rows += [("sdpa_s", "    scaled_dot_product_attention calls"), ("mlp_s", "  MLP layers"),
-             ("logits_sample_s", "logits + sample"), ("post_s", "post-step (update_after_step, append, outputs)"),
-             ("update_after_step_s", "  of which update_after_step")]
+    rows += [
+        ("sdpa_s", "    scaled_dot_product_attention calls"),
+        ("mlp_s", "  MLP layers"),
+        ("logits_sample_s", "logits + sample"),
+        ("post_s", "post-step (update_after_step, append, outputs)"),
+        ("update_after_step_s", "  of which update_after_step"),
+    ]
     for key, name in rows:
         log(f"{indent}{name:<48} {d[key]:8.2f} s  {100 * d[key] / total:5.1f}%")
 
@@ -239,12 +247,21 @@ def build_hf_model(engine: LLMEngine) -> tuple[Any, dict[str, Any]]:
     same_values = torch.equal(ours.lm_head.weight, ours.model.embed_tokens.weight)
     tie = bool(mc.tie_word_embeddings and (shared or same_values))
     config = transformers.LlamaConfig(
-        vocab_size=mc.vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
-        num_hidden_layers=mc.num_hidden_layers, num_attention_heads=mc.num_attention_heads,
-        num_key_value_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
-        max_position_embeddings=mc.max_position_embeddings, rms_norm_eps=mc.rms_norm_eps,
-        rope_theta=mc.rope_theta, tie_word_embeddings=tie, attention_bias=mc.attention_bias,
-        bos_token_id=None, eos_token_id=None, pad_token_id=PAD_TOKEN,
+        vocab_size=mc.vocab_size,
+        hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size,
+        num_hidden_layers=mc.num_hidden_layers,
+        num_attention_heads=mc.num_attention_heads,
+        num_key_value_heads=mc.num_key_value_heads,
+        head_dim=mc.head_dim,
+        max_position_embeddings=mc.max_position_embeddings,
+        rms_norm_eps=mc.rms_norm_eps,
+        rope_theta=mc.rope_theta,
+        tie_word_embeddings=tie,
+        attention_bias=mc.attention_bias,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=PAD_TOKEN,
     )
     hf = transformers.LlamaForCausalLM(config)
     missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
@@ -258,17 +275,21 @@ def build_hf_model(engine: LLMEngine) -> tuple[Any, dict[str, Any]]:
     gc = hf.generation_config
     gc.eos_token_id, gc.bos_token_id, gc.pad_token_id = None, None, PAD_TOKEN
     gc.do_sample, gc.temperature, gc.top_p, gc.top_k = False, None, None, None
-    info = {"transformers": transformers.__version__,
-            "attn_implementation": getattr(config, "_attn_implementation", "?"),
-            "config_tie_word_embeddings": mc.tie_word_embeddings, "engine_lm_head_is_embedding": shared,
-            "hf_tie_word_embeddings": tie}
+    info = {
+        "transformers": transformers.__version__,
+        "attn_implementation": getattr(config, "_attn_implementation", "?"),
+        "config_tie_word_embeddings": mc.tie_word_embeddings,
+        "engine_lm_head_is_embedding": shared,
+        "hf_tie_word_embeddings": tie,
+    }
     return hf, info
 
 
 def engine_prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     """Logits of every prompt position, through the engine's own scheduler and model runner."""
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
-                             request_id="engine-bench-logit-check")
+    rid = engine.add_request(
+        prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), request_id="engine-bench-logit-check"
+    )
     rows = []
     request = engine.get_request(rid)
     while request.num_computed_tokens < len(prompt):
@@ -285,8 +306,9 @@ def hf_batches(workload: list[tuple[list[int], int]], batch_size: int) -> list[l
     return [order[b : b + batch_size] for b in range(0, len(order), batch_size)]
 
 
-def hf_generate_batched(hf, workload: list[tuple[list[int], int]], batches: list[list[int]],
-                        outputs: list[list[int]]) -> int:
+def hf_generate_batched(
+    hf, workload: list[tuple[list[int], int]], batches: list[list[int]], outputs: list[list[int]]
+) -> int:
     """Run ``batches`` through ``generate``; fill ``outputs``; return the tokens computed (padding included)."""
     computed = 0
     for idx in batches:
@@ -295,8 +317,15 @@ def hf_generate_batched(hf, workload: list[tuple[list[int], int]], batches: list
         ids = torch.tensor([[PAD_TOKEN] * (width - len(workload[i][0])) + workload[i][0] for i in idx])
         mask = torch.tensor([[0] * (width - len(workload[i][0])) + [1] * len(workload[i][0]) for i in idx])
         with torch.inference_mode():
-            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                              do_sample=False, eos_token_id=None, pad_token_id=PAD_TOKEN)
+            out = hf.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=PAD_TOKEN,
+            )
         if out.shape[1] != width + new:
             raise SystemExit(f"engine_bench: HF generate stopped early ({out.shape[1] - width} of {new} tokens)")
         for row, i in enumerate(idx):
@@ -323,24 +352,32 @@ class Timed:
 
 
 def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
-    log(f"== 1. Throughput: {args.num_requests} requests, prompts {args.prompt_range[0]}-{args.prompt_range[1]}, "
-        f"outputs {args.output_range[0]}-{args.output_range[1]} tokens, greedy, EOS ignored ==")
+    log(
+        f"== 1. Throughput: {args.num_requests} requests, prompts {args.prompt_range[0]}-{args.prompt_range[1]}, "
+        f"outputs {args.output_range[0]}-{args.output_range[1]} tokens, greedy, EOS ignored =="
+    )
     workload = make_workload(args.num_requests, args.seed, args.prompt_range, args.output_range)
     useful = sum(n for _, n in workload)
     log(f"  workload: {sum(len(p) for p, _ in workload)} prompt tokens, {useful} requested output tokens")
 
     engine = new_engine(args, kv_cache_memory_gb=args.kv_gb)
-    log(f"  pdserve: block_size {engine.config.block_size}, {engine.block_manager.num_blocks} KV blocks, "
+    log(
+        f"  pdserve: block_size {engine.config.block_size}, {engine.block_manager.num_blocks} KV blocks, "
         f"max_num_batched_tokens {engine.config.max_num_batched_tokens}, max_num_seqs {engine.config.max_num_seqs}, "
-        f"chunked prefill {engine.config.enable_chunked_prefill}, torch threads {torch.get_num_threads()}")
+        f"chunked prefill {engine.config.enable_chunked_prefill}, torch threads {torch.get_num_threads()}"
+    )
     hf, hf_info = build_hf_model(engine)
-    log(f"  HF: transformers {hf_info['transformers']}, LlamaForCausalLM, attention "
+    log(
+        f"  HF: transformers {hf_info['transformers']}, LlamaForCausalLM, attention "
         f"{hf_info['attn_implementation']}, the engine's weights ({sum(p.numel() for p in hf.parameters()) / 1e6:.2f}M "
-        f"params, tie_word_embeddings={hf_info['hf_tie_word_embeddings']})")
+        f"params, tie_word_embeddings={hf_info['hf_tie_word_embeddings']})"
+    )
     if hf_info["config_tie_word_embeddings"] and not hf_info["engine_lm_head_is_embedding"]:
-        log("  NOTE: the preset says tie_word_embeddings=True but the engine's lm_head.weight is a separate "
+        log(
+            "  NOTE: the preset says tie_word_embeddings=True but the engine's lm_head.weight is a separate "
             "tensor with different values (engine/weights.py build_model: to_empty() unties them); the HF "
-            "model is built untied to match what the engine computes")
+            "model is built untied to match what the engine computes"
+        )
 
     # Correctness gate: the two models must agree before timing means anything.
     check = make_workload(1, args.seed + 1000, (96, 96), (1, 1))[0][0]
@@ -349,14 +386,21 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
         ref = hf(torch.tensor([check])).logits[0].float()
     diff = (ours - ref).abs().max().item()
     argmax_agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    log(f"  logit check ({len(check)}-token prompt): max |pdserve - HF| = {diff:.2e}, "
-        f"argmax agrees at {100 * argmax_agree:.0f}% of positions")
+    log(
+        f"  logit check ({len(check)}-token prompt): max |pdserve - HF| = {diff:.2e}, "
+        f"argmax agrees at {100 * argmax_agree:.0f}% of positions"
+    )
 
     torch.set_num_threads(args.threads)
     warm_engine(engine)
     with torch.inference_mode():
-        hf.generate(input_ids=torch.tensor([[5] * 32]), max_new_tokens=4, do_sample=False,
-                    eos_token_id=None, pad_token_id=PAD_TOKEN)
+        hf.generate(
+            input_ids=torch.tensor([[5] * 32]),
+            max_new_tokens=4,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=PAD_TOKEN,
+        )
 
     # HF runs in two halves (alternate batches) on either side of pdserve, so a change in the machine's
     # load during the run weighs on both sides rather than on whichever ran second.
@@ -364,8 +408,10 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
     halves = (batches[0::2], batches[1::2])
     hf_out: list[list[int]] = [[] for _ in workload]
     hf_t, hf_computed = Timed(), 0
-    log(f"  HF generate, first half: batches {', '.join(str(1 + batches.index(b)) for b in halves[0])} of "
-        f"{len(batches)} (batches of {args.hf_batch} sorted by prompt length) ... ({load()})")
+    log(
+        f"  HF generate, first half: batches {', '.join(str(1 + batches.index(b)) for b in halves[0])} of "
+        f"{len(batches)} (batches of {args.hf_batch} sorted by prompt length) ... ({load()})"
+    )
     with hf_t:
         hf_computed += hf_generate_batched(hf, workload, halves[0], hf_out)
     log(f"    {hf_t.wall:.2f} s ({load()})")
@@ -382,8 +428,10 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("engine_bench: pdserve returned a different number of tokens than requested")
     steps = list(engine.step_history)
     d = step_split(engine, split, steps)
-    log(f"    {ours_s:.2f} s wall ({ours_cpu:.1f} s CPU), {useful / ours_s:.1f} output tok/s, {len(steps)} steps, "
-        f"{sum(s.num_preempted for s in steps)} preemptions, {ours_ivcsw} involuntary context switches ({load()})")
+    log(
+        f"    {ours_s:.2f} s wall ({ours_cpu:.1f} s CPU), {useful / ours_s:.1f} output tok/s, {len(steps)} steps, "
+        f"{sum(s.num_preempted for s in steps)} preemptions, {ours_ivcsw} involuntary context switches ({load()})"
+    )
 
     first_half = hf_t.wall
     log(f"  HF generate, second half: the other {len(halves[1])} batches ... ({load()})")
@@ -392,9 +440,11 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
     hf_s, hf_cpu, hf_ivcsw = hf_t.wall, hf_t.cpu, hf_t.ivcsw
     log(f"    {hf_s - first_half:.2f} s ({load()})")
     hf_waste = {"generated_tokens_incl_waste": hf_computed}
-    log(f"  HF total: {hf_s:.2f} s wall ({hf_cpu:.1f} s CPU), {useful / hf_s:.1f} useful output tok/s "
+    log(
+        f"  HF total: {hf_s:.2f} s wall ({hf_cpu:.1f} s CPU), {useful / hf_s:.1f} useful output tok/s "
         f"({hf_computed / hf_s:.1f} tok/s counting padding-to-batch-max), "
-        f"{hf_ivcsw} involuntary context switches")
+        f"{hf_ivcsw} involuntary context switches"
+    )
 
     speedup = hf_s / ours_s
     same = sum(1 for c, h in zip(completions, hf_out, strict=True) if c.token_ids == h)
@@ -404,39 +454,64 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
         while k < len(h) and c.token_ids[k] == h[k]:
             k += 1
         prefix.append(k / len(h))
-    log(f"  greedy outputs identical for {same}/{len(workload)} requests; mean agreeing prefix "
-        f"{100 * statistics.mean(prefix):.1f}% (float32 ties may diverge: informational)")
-    log(f"  speedup pdserve / HF = {speedup:.2f}x wall (target >= {TARGET_SPEEDUP}x); "
-        f"{hf_cpu / ours_cpu:.2f}x in process CPU time")
+    log(
+        f"  greedy outputs identical for {same}/{len(workload)} requests; mean agreeing prefix "
+        f"{100 * statistics.mean(prefix):.1f}% (float32 ties may diverge: informational)"
+    )
+    log(
+        f"  speedup pdserve / HF = {speedup:.2f}x wall (target >= {TARGET_SPEEDUP}x); "
+        f"{hf_cpu / ours_cpu:.2f}x in process CPU time"
+    )
 
     prefill_steps = [s for s in steps if s.num_prefill_tokens > 0]
     decode_steps = [s for s in steps if s.num_prefill_tokens == 0]
     log("  pdserve time split:")
     print_split(d)
-    log(f"    steps with prefill: {len(prefill_steps)}, {sum(s.duration_s for s in prefill_steps):.2f} s "
+    log(
+        f"    steps with prefill: {len(prefill_steps)}, {sum(s.duration_s for s in prefill_steps):.2f} s "
         f"({sum(s.num_prefill_tokens for s in prefill_steps)} prefill tokens); decode-only steps: "
-        f"{len(decode_steps)}, {sum(s.duration_s for s in decode_steps):.2f} s")
+        f"{len(decode_steps)}, {sum(s.duration_s for s in decode_steps):.2f} s"
+    )
     by_width: dict[int, list[float]] = defaultdict(list)
     for s in decode_steps:
         by_width[(s.num_seqs + 15) // 16 * 16].append(s.duration_s)
     if by_width:
-        log("    decode-only step time by batch size: " + ", ".join(
-            f"<={w}: {ms(statistics.median(v))} med ({1000 * statistics.median(v) / w:.2f} ms/seq)"
-            for w, v in sorted(by_width.items(), reverse=True)))
+        log(
+            "    decode-only step time by batch size: "
+            + ", ".join(
+                f"<={w}: {ms(statistics.median(v))} med ({1000 * statistics.median(v) / w:.2f} ms/seq)"
+                for w, v in sorted(by_width.items(), reverse=True)
+            )
+        )
     return {
-        "num_requests": len(workload), "prompt_tokens": sum(len(p) for p, _ in workload),
-        "output_tokens": useful, "logit_max_abs_diff": diff, "logit_argmax_agreement": argmax_agree,
-        "pdserve_s": ours_s, "pdserve_cpu_s": ours_cpu, "pdserve_tok_s": useful / ours_s,
-        "hf_s": hf_s, "hf_first_half_s": first_half, "hf_cpu_s": hf_cpu, "cpu_speedup": hf_cpu / ours_cpu,
-        "hf_tok_s": useful / hf_s, "hf_batch": args.hf_batch,
-        "hf_tokens_incl_padding": hf_waste["generated_tokens_incl_waste"], "speedup": speedup,
-        "identical_outputs": same, "mean_agreeing_prefix": statistics.mean(prefix),
-        "pdserve_split": d, "pdserve_steps": len(steps), "pdserve_prefill_steps": len(prefill_steps),
+        "num_requests": len(workload),
+        "prompt_tokens": sum(len(p) for p, _ in workload),
+        "output_tokens": useful,
+        "logit_max_abs_diff": diff,
+        "logit_argmax_agreement": argmax_agree,
+        "pdserve_s": ours_s,
+        "pdserve_cpu_s": ours_cpu,
+        "pdserve_tok_s": useful / ours_s,
+        "hf_s": hf_s,
+        "hf_first_half_s": first_half,
+        "hf_cpu_s": hf_cpu,
+        "cpu_speedup": hf_cpu / ours_cpu,
+        "hf_tok_s": useful / hf_s,
+        "hf_batch": args.hf_batch,
+        "hf_tokens_incl_padding": hf_waste["generated_tokens_incl_waste"],
+        "speedup": speedup,
+        "identical_outputs": same,
+        "mean_agreeing_prefix": statistics.mean(prefix),
+        "pdserve_split": d,
+        "pdserve_steps": len(steps),
+        "pdserve_prefill_steps": len(prefill_steps),
         "pdserve_prefill_step_s": sum(s.duration_s for s in prefill_steps),
         "pdserve_decode_step_s": sum(s.duration_s for s in decode_steps),
         "preemptions": sum(s.num_preempted for s in steps),
-        "kv_cache_memory_gb": args.kv_gb, "hf": hf_info,
-        "pdserve_involuntary_ctx_switches": ours_ivcsw, "hf_involuntary_ctx_switches": hf_ivcsw,
+        "kv_cache_memory_gb": args.kv_gb,
+        "hf": hf_info,
+        "pdserve_involuntary_ctx_switches": ours_ivcsw,
+        "hf_involuntary_ctx_switches": hf_ivcsw,
     }
 
 
@@ -455,8 +530,12 @@ def interference_trial(args: argparse.Namespace, engine: LLMEngine, trial: int) 
     """Streams decode; the long prompt arrives; stamp every decode token until the prompt's first token."""
     rng = random.Random(args.seed * 1000 + 7 + trial)  # fresh prompts per trial: no prefix-cache hits
     stream_params = SamplingParams(max_tokens=engine.config.max_model_len - 128, temperature=0.0, ignore_eos=True)
-    streams = [engine.add_request([rng.randrange(256) for _ in range(rng.randint(32, 64))], stream_params,
-                                  request_id=f"stream-{trial}-{i}") for i in range(args.streams)]
+    streams = [
+        engine.add_request(
+            [rng.randrange(256) for _ in range(rng.randint(32, 64))], stream_params, request_id=f"stream-{trial}-{i}"
+        )
+        for i in range(args.streams)
+    ]
     stamps: dict[str, list[float]] = {rid: [] for rid in streams}
 
     def step() -> list:
@@ -489,24 +568,28 @@ def interference_trial(args: argparse.Namespace, engine: LLMEngine, trial: int) 
     for ts in stamps.values():
         for a, b in itertools.pairwise(ts):
             if t_arrive < b < t_first:  # the token came while the long prompt was prefilling
-                during.append(b - a)    # (decode tokens of the step that ends the prefill are stamped
-            elif b >= t_first:          # before t_first, so they count as during)
-                after.append(b - a)     # the long request now decodes alongside the streams
+                during.append(b - a)  # (decode tokens of the step that ends the prefill are stamped
+            elif b >= t_first:  # before t_first, so they count as during)
+                after.append(b - a)  # the long request now decodes alongside the streams
             elif a >= ts[min(2, len(ts) - 1)]:  # steady decode before it arrived
                 before.append(b - a)
     return {
-        "worst_itl_s": max(during), "p50_itl_during_s": statistics.median(during),
+        "worst_itl_s": max(during),
+        "p50_itl_during_s": statistics.median(during),
         "p50_itl_before_s": statistics.median(before) if before else float("nan"),
         "p50_itl_after_s": statistics.median(after) if after else float("nan"),
-        "ttft_s": t_first - t_arrive, "prefill_steps": len(window),
+        "ttft_s": t_first - t_arrive,
+        "prefill_steps": len(window),
         "step_s": [round(st.duration_s, 4) for st in window],
         "decode_tokens_during_prefill": sum(1 for ts in stamps.values() for t in ts if t_arrive < t <= t_first),
     }
 
 
 def bench_interference(args: argparse.Namespace) -> dict[str, Any]:
-    log(f"== 2. Interference: {args.streams} streaming decodes, then a {args.long_prompt}-token prompt arrives; "
-        f"{args.trials} trial(s) per setting, settings interleaved ==")
+    log(
+        f"== 2. Interference: {args.streams} streaming decodes, then a {args.long_prompt}-token prompt arrives; "
+        f"{args.trials} trial(s) per setting, settings interleaved =="
+    )
     chunks: list[int | None] = [None, *args.chunks]
     engines = {c: interference_engine(args, c) for c in chunks}
     trials: dict[int | None, list[dict[str, Any]]] = {c: [] for c in chunks}
@@ -515,41 +598,54 @@ def bench_interference(args: argparse.Namespace) -> dict[str, Any]:
             r = interference_trial(args, engines[chunk], trial)
             trials[chunk].append(r)
             name = "chunking off" if chunk is None else f"chunk {chunk}"
-            log(f"  [{trial + 1}/{args.trials}] {name:<12} (budget {engines[chunk].config.max_num_batched_tokens:>5}): "
+            log(
+                f"  [{trial + 1}/{args.trials}] {name:<12} (budget {engines[chunk].config.max_num_batched_tokens:>5}): "
                 f"worst ITL {ms(r['worst_itl_s']):>9}, p50 ITL during prefill {ms(r['p50_itl_during_s']):>9} "
                 f"(before {ms(r['p50_itl_before_s'])}, after {ms(r['p50_itl_after_s'])}), TTFT {r['ttft_s']:.2f} s "
-                f"in {r['prefill_steps']} steps, slowest step {ms(max(r['step_s']))} ({load()})")
+                f"in {r['prefill_steps']} steps, slowest step {ms(max(r['step_s']))} ({load()})"
+            )
     engines.clear()
     runs = []
     for chunk in chunks:
         t = trials[chunk]
-        runs.append({
-            "chunk": chunk, "worst_itl_s": statistics.median(r["worst_itl_s"] for r in t),
-            "worst_itl_each_s": [r["worst_itl_s"] for r in t],
-            "p50_itl_during_s": statistics.median(r["p50_itl_during_s"] for r in t),
-            "p50_itl_before_s": statistics.median(r["p50_itl_before_s"] for r in t),
-            "p50_itl_after_s": statistics.median(r["p50_itl_after_s"] for r in t),
-            "ttft_s": statistics.median(r["ttft_s"] for r in t), "ttft_each_s": [r["ttft_s"] for r in t],
-            "prefill_steps": t[0]["prefill_steps"], "trials": t,
-        })
+        runs.append(
+            {
+                "chunk": chunk,
+                "worst_itl_s": statistics.median(r["worst_itl_s"] for r in t),
+                "worst_itl_each_s": [r["worst_itl_s"] for r in t],
+                "p50_itl_during_s": statistics.median(r["p50_itl_during_s"] for r in t),
+                "p50_itl_before_s": statistics.median(r["p50_itl_before_s"] for r in t),
+                "p50_itl_after_s": statistics.median(r["p50_itl_after_s"] for r in t),
+                "ttft_s": statistics.median(r["ttft_s"] for r in t),
+                "ttft_each_s": [r["ttft_s"] for r in t],
+                "prefill_steps": t[0]["prefill_steps"],
+                "trials": t,
+            }
+        )
     base = runs[0]
-    log(f"  median over trials: chunking off: worst ITL {ms(base['worst_itl_s'])}, TTFT {base['ttft_s']:.2f} s; "
+    log(
+        f"  median over trials: chunking off: worst ITL {ms(base['worst_itl_s'])}, TTFT {base['ttft_s']:.2f} s; "
         f"streams' p50 ITL {ms(base['p50_itl_before_s'])} before vs {ms(base['p50_itl_after_s'])} once the "
-        f"{args.long_prompt}-token request decodes with them")
+        f"{args.long_prompt}-token request decodes with them"
+    )
     for r in runs[1:]:
         r["itl_improvement"] = base["worst_itl_s"] / r["worst_itl_s"]
         r["ttft_ratio"] = r["ttft_s"] / base["ttft_s"]
-        log(f"  median over trials: chunk {r['chunk']}: worst ITL {ms(r['worst_itl_s'])} = "
+        log(
+            f"  median over trials: chunk {r['chunk']}: worst ITL {ms(r['worst_itl_s'])} = "
             f"{r['itl_improvement']:.1f}x lower than unchunked (target >= {TARGET_ITL_RATIO:.0f}x); "
-            f"TTFT {r['ttft_s']:.2f} s = {r['ttft_ratio']:.2f}x unchunked")
+            f"TTFT {r['ttft_s']:.2f} s = {r['ttft_ratio']:.2f}x unchunked"
+        )
     return {"streams": args.streams, "long_prompt": args.long_prompt, "trials": args.trials, "runs": runs}
 
 
 # ---- 3. scheduler overhead -------------------------------------------------------------------------
 def bench_scheduler(args: argparse.Namespace) -> dict[str, Any]:
     n = args.sched_requests
-    log(f"== 3. Scheduler overhead: {n} running requests in decode (prompts {args.sched_prompt_range[0]}-"
-        f"{args.sched_prompt_range[1]} tokens), {args.sched_steps} steps ==")
+    log(
+        f"== 3. Scheduler overhead: {n} running requests in decode (prompts {args.sched_prompt_range[0]}-"
+        f"{args.sched_prompt_range[1]} tokens), {args.sched_steps} steps =="
+    )
     engine = new_engine(args)
     warm_engine(engine)
     workload = make_workload(n, args.seed + 3, args.sched_prompt_range, (1, 1))
@@ -572,16 +668,25 @@ def bench_scheduler(args: argparse.Namespace) -> dict[str, Any]:
     non_model = (d["total_s"] - d["forward_s"] - d["logits_s"]) / d["total_s"]
     med_share = statistics.median(shares)
     med_sched = statistics.median(st.schedule_s for st in steps)
-    log(f"  step time median {ms(statistics.median(host))}, schedule() median {ms(med_sched)}"
+    log(
+        f"  step time median {ms(statistics.median(host))}, schedule() median {ms(med_sched)}"
         f" (p90 {ms(pct([st.schedule_s for st in steps], 0.9))}); share of step: median {100 * med_share:.2f}%, "
-        f"p90 {100 * pct(shares, 0.9):.2f}% (target <= {100 * TARGET_SCHED_SHARE:.0f}%)")
+        f"p90 {100 * pct(shares, 0.9):.2f}% (target <= {100 * TARGET_SCHED_SHARE:.0f}%)"
+    )
     log(f"  host-side work outside model forward + lm_head: {100 * non_model:.1f}% of step time; split:")
     print_split(d)
     for rid in list(engine.scheduler.requests):
         engine.abort(rid)
-    return {"running": n, "steps": len(steps), "median_share": med_share, "p90_share": pct(shares, 0.9),
-            "median_schedule_s": med_sched,
-            "median_step_s": statistics.median(host), "non_model_share": non_model, "split": d}
+    return {
+        "running": n,
+        "steps": len(steps),
+        "median_share": med_share,
+        "p90_share": pct(shares, 0.9),
+        "median_schedule_s": med_sched,
+        "median_step_s": statistics.median(host),
+        "non_model_share": non_model,
+        "split": d,
+    }
 
 
 # ---- optional profile ------------------------------------------------------------------------------
@@ -628,12 +733,16 @@ def bench_profile(args: argparse.Namespace) -> dict[str, Any]:
         log(f"  {name:<44} {100 * t / total:5.1f}% of op time")
     math = events.get("aten::_scaled_dot_product_attention_math")
     if math is not None:
-        log(f"  NOTE: {math.count} SDPA calls ran the unfused math kernel (aten::_scaled_dot_product_attention_math,"
-            f" {100 * math.cpu_time_total / total:.1f}% of op time): on CPU the flash kernel needs 4-D inputs")
+        log(
+            f"  NOTE: {math.count} SDPA calls ran the unfused math kernel (aten::_scaled_dot_product_attention_math,"
+            f" {100 * math.cpu_time_total / total:.1f}% of op time): on CPU the flash kernel needs 4-D inputs"
+        )
     shares["sdpa_math_calls"] = math.count if math is not None else 0
-    log(f"  step times: {', '.join(ms(st.duration_s) for st in steps)} (under the profiler), "
+    log(
+        f"  step times: {', '.join(ms(st.duration_s) for st in steps)} (under the profiler), "
         f"{steps[0].num_seqs} seqs, context {min(r.num_tokens for r in s.running)}-"
-        f"{max(r.num_tokens for r in s.running)} tokens")
+        f"{max(r.num_tokens for r in s.running)} tokens"
+    )
     for rid in list(s.requests):
         engine.abort(rid)
     return {"op_shares": shares, "step_s": [st.duration_s for st in steps]}
@@ -649,14 +758,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller workload, under a minute")
     parser.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
     parser.add_argument("--profile", action="store_true", help="also torch.profile decode steps of the mix")
-    parser.add_argument("--only", choices=("throughput", "interference", "scheduler"), action="append",
-                        help="run only these sections (repeatable)")
+    parser.add_argument(
+        "--only",
+        choices=("throughput", "interference", "scheduler"),
+        action="append",
+        help="run only these sections (repeatable)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads, both sides (default 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--hf-batch", type=int, default=16)
-    parser.add_argument("--omp-spin", action="store_true",
-                        help="leave OMP_WAIT_POLICY unset (OpenMP threads spin); default: PASSIVE")
+    parser.add_argument(
+        "--omp-spin", action="store_true", help="leave OMP_WAIT_POLICY unset (OpenMP threads spin); default: PASSIVE"
+    )
     parser.add_argument("--trials", type=int, default=None, help="interference trials per setting (3; quick 1)")
     args = parser.parse_args(argv)
 
@@ -679,15 +793,22 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     fingerprint = engine_fingerprint()
-    log(f"pdserve engine bench{' (--quick)' if args.quick else ''}: torch {torch.__version__}, "
+    log(
+        f"pdserve engine bench{' (--quick)' if args.quick else ''}: torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}, engine/*.py sha256 {fingerprint}, "
-        f"{load()}")
+        f"{load()}"
+    )
     started = time.perf_counter()
-    results: dict[str, Any] = {"quick": args.quick, "threads": args.threads, "seed": args.seed,
-                               "torch": torch.__version__, "engine_sha256": fingerprint,
-                               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-                               "argv": sys.argv[1:] if argv is None else argv}
+    results: dict[str, Any] = {
+        "quick": args.quick,
+        "threads": args.threads,
+        "seed": args.seed,
+        "torch": torch.__version__,
+        "engine_sha256": fingerprint,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "argv": sys.argv[1:] if argv is None else argv,
+    }
     if "throughput" in sections:
         results["throughput"] = bench_throughput(args)
         log()
@@ -704,23 +825,46 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[tuple[str, str, str, str]] = []
     if "throughput" in results:
         t = results["throughput"]
-        rows.append(("logits vs HF, max |diff|", f"{t['logit_max_abs_diff']:.1e}", f"<= {TARGET_LOGIT_DIFF:.0e}",
-                     verdict(t["logit_max_abs_diff"] <= TARGET_LOGIT_DIFF)))
-        rows.append((f"throughput pdserve / HF ({t['pdserve_tok_s']:.0f} vs {t['hf_tok_s']:.0f} tok/s)",
-                     f"{t['speedup']:.2f}x", f">= {TARGET_SPEEDUP}x", verdict(t["speedup"] >= TARGET_SPEEDUP)))
+        rows.append(
+            (
+                "logits vs HF, max |diff|",
+                f"{t['logit_max_abs_diff']:.1e}",
+                f"<= {TARGET_LOGIT_DIFF:.0e}",
+                verdict(t["logit_max_abs_diff"] <= TARGET_LOGIT_DIFF),
+            )
+        )
+        rows.append(
+            (
+                f"throughput pdserve / HF ({t['pdserve_tok_s']:.0f} vs {t['hf_tok_s']:.0f} tok/s)",
+                f"{t['speedup']:.2f}x",
+                f">= {TARGET_SPEEDUP}x",
+                verdict(t["speedup"] >= TARGET_SPEEDUP),
+            )
+        )
     if "interference" in results:
         runs = results["interference"]["runs"]
         for r in runs[1:]:
-            rows.append((f"worst ITL off/chunk {r['chunk']} ({ms(runs[0]['worst_itl_s'])} / {ms(r['worst_itl_s'])})",
-                         f"{r['itl_improvement']:.1f}x", f">= {TARGET_ITL_RATIO:.0f}x",
-                         verdict(r["itl_improvement"] >= TARGET_ITL_RATIO)))
+            rows.append(
+                (
+                    f"worst ITL off/chunk {r['chunk']} ({ms(runs[0]['worst_itl_s'])} / {ms(r['worst_itl_s'])})",
+                    f"{r['itl_improvement']:.1f}x",
+                    f">= {TARGET_ITL_RATIO:.0f}x",
+                    verdict(r["itl_improvement"] >= TARGET_ITL_RATIO),
+                )
+            )
         for r in runs:
             name = "off" if r["chunk"] is None else f"chunk {r['chunk']}"
             rows.append((f"long-prompt TTFT, {name}", f"{r['ttft_s']:.2f} s", "-", "info"))
     if "scheduler" in results:
         s = results["scheduler"]
-        rows.append((f"schedule share of step, {s['running']} running (median)", f"{100 * s['median_share']:.2f}%",
-                     f"<= {100 * TARGET_SCHED_SHARE:.0f}%", verdict(s["median_share"] <= TARGET_SCHED_SHARE)))
+        rows.append(
+            (
+                f"schedule share of step, {s['running']} running (median)",
+                f"{100 * s['median_share']:.2f}%",
+                f"<= {100 * TARGET_SCHED_SHARE:.0f}%",
+                verdict(s["median_share"] <= TARGET_SCHED_SHARE),
+            )
+        )
         rows.append(("host work outside model forward, same steps", f"{100 * s['non_model_share']:.1f}%", "-", "info"))
     results["summary"] = [dict(zip(("metric", "value", "target", "result"), r, strict=True)) for r in rows]
     results["wall_s"] = time.perf_counter() - started

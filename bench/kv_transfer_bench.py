@@ -24,20 +24,14 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-import ray  # noqa: E402
-import torch  # noqa: E402
-
-from kv_transfer.base import ChunkNotification  # noqa: E402
-from kv_transfer.grpc_transport import GrpcConfig  # noqa: E402
-from kv_transfer.nixl_transport import NixlConfig  # noqa: E402
-from kv_transfer.peer import TransferPeer  # noqa: E402
+import ray
+import torch
+from pdserve.kv_transfer.base import ChunkNotification
+from pdserve.kv_transfer.grpc_transport import GrpcConfig
+from pdserve.kv_transfer.nixl_transport import NixlConfig
+from pdserve.kv_transfer.peer import TransferPeer
 
 GB = 1e9
 
@@ -56,9 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ucx-error-mode", default="none", choices=["none", "peer"])
     p.add_argument("--ucx-tls", default=None, help="set UCX_TLS for the NIXL actors (non-empty)")
     p.add_argument("--grpc-message-mib", type=float, default=2.0, help="gRPC payload bytes per message")
-    p.add_argument(
-        "--poll-sleep-us", type=float, default=100.0, help="receiver sleep after an empty notification poll"
-    )
+    p.add_argument("--poll-sleep-us", type=float, default=100.0, help="receiver sleep after an empty notification poll")
     args = p.parse_args(argv)
     if args.pool_factor < 1 or args.pushes < 1 or args.repeats < 1 or args.block_kib < 1:
         p.error("need --pool-factor >= 1, --pushes >= 1, --repeats >= 1, --block-kib >= 1")
@@ -152,9 +144,7 @@ def run_transport(
                 nbytes = n * block_bytes
                 done_gbps.append(nbytes / (max(times[1:]) - times[0]) / GB)
                 notified_gbps.append(nbytes / (max(t for _, t in notes) - times[0]) / GB)
-        ok = ray.get(sender.digest.remote(src), timeout=60) == ray.get(
-            receiver.digest.remote(dst), timeout=60
-        )
+        ok = ray.get(sender.digest.remote(src), timeout=60) == ray.get(receiver.digest.remote(dst), timeout=60)
         if not ok:
             raise RuntimeError(f"{kind}: data mismatch after transfer")
         clean = True
@@ -197,9 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     for t in sorted({1, threads}):
         torch.set_num_threads(t)
-        mem[f"{t} thread{'s' if t > 1 else ''}"] = memcpy_gbps(
-            pool_blocks, block_bytes, src, dst, args.repeats
-        )
+        mem[f"{t} thread{'s' if t > 1 else ''}"] = memcpy_gbps(pool_blocks, block_bytes, src, dst, args.repeats)
     torch.set_num_threads(threads)
     reference = max(m["per-block copy_"][1] for m in mem.values())  # the limit: best of any run
 
@@ -208,7 +196,6 @@ def main(argv: list[str] | None = None) -> int:
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
     )
     try:
         for kind in kinds:
@@ -219,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'path':<46} {'GB/s median':>12} {'GB/s best':>10}")
     for kind, r in results.items():
         print(f"{kind + ' (sender done)':<46} {r['done_median']:>12.2f} {r['done_best']:>10.2f}")
-        print(
-            f"{kind + ' (receiver notified)':<46} {r['notified_median']:>12.2f} {r['notified_best']:>10.2f}"
-        )
+        print(f"{kind + ' (receiver notified)':<46} {r['notified_median']:>12.2f} {r['notified_best']:>10.2f}")
     for label, m in mem.items():
         for name, (median, best) in m.items():
             print(f"{f'memcpy: {name}, {label}':<46} {median:>12.2f} {best:>10.2f}")

@@ -234,9 +234,7 @@ def parse_slo(text: str | None) -> dict[str, float]:
         key, sep, value = part.partition("=")
         key = key.strip().lower()
         if not sep or key not in SLO_KEYS:
-            raise ValueError(
-                f"slo: expected key=milliseconds with key in {', '.join(SLO_KEYS)}, got {part!r}"
-            )
+            raise ValueError(f"slo: expected key=milliseconds with key in {', '.join(SLO_KEYS)}, got {part!r}")
         try:
             ms = float(value)
         except ValueError:
@@ -372,9 +370,7 @@ def as_timeline_steps(steps: Iterable[Any]) -> list[TimelineStep]:
         else:
             start, duration, prefill, decode, *rest = s
             out.append(
-                TimelineStep(
-                    float(start), float(duration), int(prefill), int(decode), str(rest[0]) if rest else ""
-                )
+                TimelineStep(float(start), float(duration), int(prefill), int(decode), str(rest[0]) if rest else "")
             )
     return out
 
@@ -412,9 +408,7 @@ def interference_itls(records: Sequence[RequestRecord]) -> list[float] | None:
     streams = [r for r in records if r.label == "stream" and r.succeeded]
     if not windows or not streams:
         return None
-    return [
-        b - a for r in streams for a, b in pairwise(r.token_times) if any(lo < b <= hi for lo, hi in windows)
-    ]
+    return [b - a for r in streams for a, b in pairwise(r.token_times) if any(lo < b <= hi for lo, hi in windows)]
 
 
 def sweep_point(chunk_size: int, records: Sequence[RequestRecord], steps: Iterable[Any]) -> SweepPoint:

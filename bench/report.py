@@ -31,8 +31,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
-
-from bench.metrics import (
+from pdserve.bench.metrics import (
     BenchmarkMetrics,
     RequestRecord,
     SweepPoint,
@@ -217,9 +216,7 @@ def plot_step_timeline(
         ax.bar(x, pre, width=0.85, color=PREFILL_COLOR, label="prefill tokens' share")
         ax.bar(x, dur - pre, width=0.85, bottom=pre, color=DECODE_COLOR, label="decode tokens' share")
     if itl_target_ms is not None:
-        ax.axhline(
-            itl_target_ms, color="red", linestyle="--", linewidth=1, label=f"ITL target {itl_target_ms:g} ms"
-        )
+        ax.axhline(itl_target_ms, color="red", linestyle="--", linewidth=1, label=f"ITL target {itl_target_ms:g} ms")
     ax.set_xlabel("step")
     ax.set_ylabel("step time (ms)")
     ax.set_title(title or "Per-step timeline")
@@ -265,9 +262,7 @@ def plot_chunk_sweep(points: Sequence[SweepPoint], path: str, itl_target_ms: flo
             fontsize=8,
         )
     if itl_target_ms is not None:
-        ax.axhline(
-            itl_target_ms, color="red", linestyle="--", linewidth=1, label=f"ITL target {itl_target_ms:g} ms"
-        )
+        ax.axhline(itl_target_ms, color="red", linestyle="--", linewidth=1, label=f"ITL target {itl_target_ms:g} ms")
         knee = find_knee(pts, itl_target_ms)
         if knee is not None:
             ax.scatter(
@@ -382,12 +377,8 @@ def write_report(
         )
         series: dict[str, list[tuple[float, float, float]]] = {}
         for r, m in metrics:
-            series.setdefault(r.series or r.name, []).append(
-                (m.output_throughput, m.ttft.p99_ms, m.tpot.p99_ms)
-            )
-        plots["throughput_latency"] = plot_throughput_latency(
-            series, os.path.join(out_dir, "throughput_latency.png")
-        )
+            series.setdefault(r.series or r.name, []).append((m.output_throughput, m.ttft.p99_ms, m.tpot.p99_ms))
+        plots["throughput_latency"] = plot_throughput_latency(series, os.path.join(out_dir, "throughput_latency.png"))
         for run in runs:
             steps = as_timeline_steps(run.steps)
             if not steps:
@@ -404,9 +395,7 @@ def write_report(
                     f"Per-step timeline: {label}",
                 )
     if sweep:
-        plots["chunk_sweep"] = plot_chunk_sweep(
-            sweep, os.path.join(out_dir, "chunk_sweep.png"), itl_target_ms
-        )
+        plots["chunk_sweep"] = plot_chunk_sweep(sweep, os.path.join(out_dir, "chunk_sweep.png"), itl_target_ms)
     if pd_rows:
         plots["pd_search"] = plot_pd_search(pd_rows, os.path.join(out_dir, "pd_search.png"))
 
@@ -444,8 +433,7 @@ def write_report(
     md = [f"# {title}", ""]
     if config:
         md += [
-            "Config: "
-            + ", ".join(f"`{k}={_jsonable(v)}`" for k, v in config.items() if not isinstance(v, Mapping)),
+            "Config: " + ", ".join(f"`{k}={_jsonable(v)}`" for k, v in config.items() if not isinstance(v, Mapping)),
             "",
         ]
     if slo:

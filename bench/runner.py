@@ -25,13 +25,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from pdserve.bench.metrics import RequestRecord, SweepPoint, TimelineStep, find_knee, parse_slo, sweep_point
+from pdserve.bench.report import RunData, markdown_table, write_report
+from pdserve.bench.sim.cli import parse_sweep
+from pdserve.bench.workloads import WorkloadRequest, add_workload_arguments, build_workload, workload_spec_from_args
+from pdserve.engine import EngineConfig, SamplingParams
 from tqdm import tqdm
-
-from bench.metrics import RequestRecord, SweepPoint, TimelineStep, find_knee, parse_slo, sweep_point
-from bench.report import RunData, markdown_table, write_report
-from bench.sim.cli import parse_sweep
-from bench.workloads import WorkloadRequest, add_workload_arguments, build_workload, workload_spec_from_args
-from engine import EngineConfig, SamplingParams
 
 ARCHITECTURES = ("colocated", "disaggregated", "auto")
 
@@ -48,11 +47,16 @@ class MeasuredRun:
 # ---- sending a workload --------------------------------------------------------------------------------
 
 
-async def send_workload(address: str, requests: Sequence[WorkloadRequest], mode: str | None,
-                        max_concurrency: int | None = None, progress: bool = True,
-                        desc: str = "") -> list[RequestRecord]:
+async def send_workload(
+    address: str,
+    requests: Sequence[WorkloadRequest],
+    mode: str | None,
+    max_concurrency: int | None = None,
+    progress: bool = True,
+    desc: str = "",
+) -> list[RequestRecord]:
     """Send every request at its arrival offset; one RequestRecord (client timestamps) each."""
-    from router.client import AsyncClient
+    from pdserve.router.client import AsyncClient
 
     bar = tqdm(total=len(requests), desc=desc, disable=not progress, leave=False, file=sys.stderr)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -77,8 +81,18 @@ async def send_workload(address: str, requests: Sequence[WorkloadRequest], mode:
             if limit is not None:
                 limit.release()
             bar.update()
-        return RequestRecord(req.request_id, send, times, req.num_prompt_tokens, len(times), ok=error is None,
-                             error=error, end_time=time.time(), label=req.label, meta=meta)
+        return RequestRecord(
+            req.request_id,
+            send,
+            times,
+            req.num_prompt_tokens,
+            len(times),
+            ok=error is None,
+            error=error,
+            end_time=time.time(),
+            label=req.label,
+            meta=meta,
+        )
 
     async with AsyncClient(address) as client:
         start = time.time()
@@ -87,10 +101,18 @@ async def send_workload(address: str, requests: Sequence[WorkloadRequest], mode:
     return list(records)
 
 
-def measure(address: str, requests: Sequence[WorkloadRequest], mode: str | None, *, warmup: Sequence[WorkloadRequest]
-            = (), max_concurrency: int | None = None, progress: bool = True, desc: str = "") -> MeasuredRun:
+def measure(
+    address: str,
+    requests: Sequence[WorkloadRequest],
+    mode: str | None,
+    *,
+    warmup: Sequence[WorkloadRequest] = (),
+    max_concurrency: int | None = None,
+    progress: bool = True,
+    desc: str = "",
+) -> MeasuredRun:
     """Warm up (not recorded), then run the workload; collect client records and the workers' steps."""
-    from router.client import Client
+    from pdserve.router.client import Client
 
     if warmup:
         asyncio.run(send_workload(address, warmup, mode, None, False))
@@ -109,16 +131,19 @@ def measure(address: str, requests: Sequence[WorkloadRequest], mode: str | None,
 
 def warmup_requests(n: int, seed: int) -> list[WorkloadRequest]:
     rng = random.Random(seed + 12345)
-    return [WorkloadRequest(f"warmup-{i}", [rng.randrange(256) for _ in range(rng.randint(32, 256))], 8, 0.0,
-                            "warmup") for i in range(n)]
+    return [
+        WorkloadRequest(f"warmup-{i}", [rng.randrange(256) for _ in range(rng.randint(32, 256))], 8, 0.0, "warmup")
+        for i in range(n)
+    ]
 
 
 # ---- deployments ---------------------------------------------------------------------------------------
 
 
 def deployment_config(architecture: str, args: argparse.Namespace, engine: EngineConfig):
-    from router.deployment import DeploymentConfig
-    from router.policy import RouterConfig
+    from pdserve.router.policy import RouterConfig
+
+    from pdserve.deployment import DeploymentConfig
 
     n = args.workers
     if architecture == "colocated":
@@ -128,9 +153,15 @@ def deployment_config(architecture: str, args: argparse.Namespace, engine: Engin
         decode = n - prefill
         if decode < 1:
             raise ValueError(f"--workers {n} with --prefill-workers {prefill} leaves no decode worker")
-    return DeploymentConfig(engine=engine, mode=architecture, num_prefill_workers=prefill, num_decode_workers=decode,
-                            transport=args.transport, port=0,
-                            router=RouterConfig(auto_min_remote_tokens=args.auto_min_remote_tokens))
+    return DeploymentConfig(
+        engine=engine,
+        mode=architecture,
+        num_prefill_workers=prefill,
+        num_decode_workers=decode,
+        transport=args.transport,
+        port=0,
+        router=RouterConfig(auto_min_remote_tokens=args.auto_min_remote_tokens),
+    )
 
 
 def engine_config(args: argparse.Namespace, chunk: int | None = None) -> EngineConfig:
@@ -138,28 +169,54 @@ def engine_config(args: argparse.Namespace, chunk: int | None = None) -> EngineC
     budget = args.max_num_batched_tokens
     if chunk is not None:  # the sweep: each request's chunk capped, decodes never squeezed out
         budget = chunk + args.max_num_seqs
-    return EngineConfig(model=args.model, device=args.device, max_num_batched_tokens=budget,
-                        max_num_seqs=args.max_num_seqs, max_chunk_tokens=chunk or args.max_chunk_tokens,
-                        enable_chunked_prefill=not args.no_chunked_prefill, torch_threads=threads,
-                        kv_cache_memory_gb=args.kv_cache_memory_gb)
+    return EngineConfig(
+        model=args.model,
+        device=args.device,
+        max_num_batched_tokens=budget,
+        max_num_seqs=args.max_num_seqs,
+        max_chunk_tokens=chunk or args.max_chunk_tokens,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        torch_threads=threads,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+    )
 
 
-def run_architecture(architecture: str, args: argparse.Namespace, requests: Sequence[WorkloadRequest],
-                     engine: EngineConfig) -> tuple[MeasuredRun, dict[str, Any]]:
-    from router.deployment import Deployment
+def run_architecture(
+    architecture: str, args: argparse.Namespace, requests: Sequence[WorkloadRequest], engine: EngineConfig
+) -> tuple[MeasuredRun, dict[str, Any]]:
+    from pdserve.deployment import Deployment
 
     warm = warmup_requests(args.warmup, args.seed)
     if args.target:
-        return measure(args.target, requests, architecture, warmup=warm, max_concurrency=args.max_concurrency,
-                       progress=not args.no_progress, desc=architecture), {"target": args.target}
+        return measure(
+            args.target,
+            requests,
+            architecture,
+            warmup=warm,
+            max_concurrency=args.max_concurrency,
+            progress=not args.no_progress,
+            desc=architecture,
+        ), {"target": args.target}
     config = deployment_config(architecture, args, engine)
     with Deployment(config) as deployment:
-        run = measure(deployment.address, requests, None, warmup=warm, max_concurrency=args.max_concurrency,
-                      progress=not args.no_progress, desc=architecture)
-    meta = {"architecture": architecture, "prefill_workers": config.num_prefill_workers,
-            "decode_workers": config.num_decode_workers, "transport": config.transport,
-            "torch_threads": engine.torch_threads, "max_num_batched_tokens": engine.max_num_batched_tokens,
-            "max_chunk_tokens": engine.max_chunk_tokens}
+        run = measure(
+            deployment.address,
+            requests,
+            None,
+            warmup=warm,
+            max_concurrency=args.max_concurrency,
+            progress=not args.no_progress,
+            desc=architecture,
+        )
+    meta = {
+        "architecture": architecture,
+        "prefill_workers": config.num_prefill_workers,
+        "decode_workers": config.num_decode_workers,
+        "transport": config.transport,
+        "torch_threads": engine.torch_threads,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "max_chunk_tokens": engine.max_chunk_tokens,
+    }
     return run, meta
 
 
@@ -167,11 +224,13 @@ def run_architecture(architecture: str, args: argparse.Namespace, requests: Sequ
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pdserve bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     g = p.add_argument_group("architectures")
-    g.add_argument("--architectures", default="colocated,disaggregated",
-                   help=f"comma-separated, from {', '.join(ARCHITECTURES)}")
+    g.add_argument(
+        "--architectures", default="colocated,disaggregated", help=f"comma-separated, from {', '.join(ARCHITECTURES)}"
+    )
     g.add_argument("--workers", type=int, default=2, help="workers per architecture (the same for each)")
     g.add_argument("--prefill-workers", type=int, default=None, help="disaggregated/auto: default workers // 2")
     g.add_argument("--transport", default="nixl", choices=["nixl", "grpc"])
@@ -192,8 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("targets and output")
     g.add_argument("--slo", default="", help="goodput SLOs in ms, e.g. ttft=500,tpot=100")
     g.add_argument("--itl-target-ms", type=float, default=None)
-    g.add_argument("--sweep", default=None, metavar="chunk=128,256,...",
-                   help="chunk-size sweep on one colocated deployment per size")
+    g.add_argument(
+        "--sweep",
+        default=None,
+        metavar="chunk=128,256,...",
+        help="chunk-size sweep on one colocated deployment per size",
+    )
     g.add_argument("--out", default=os.path.join("results", "bench"))
     g.add_argument("--no-progress", action="store_true")
     return p
@@ -203,8 +266,12 @@ def _workload(args: argparse.Namespace, kind: str) -> list[WorkloadRequest]:
     spec = workload_spec_from_args(args, kind, default_requests=64)
     requests = list(build_workload(spec).requests)
     if args.max_output:
-        requests = [WorkloadRequest(r.request_id, r.prompt_token_ids, min(r.max_tokens, args.max_output),
-                                    r.arrival_offset_s, r.label) for r in requests]
+        requests = [
+            WorkloadRequest(
+                r.request_id, r.prompt_token_ids, min(r.max_tokens, args.max_output), r.arrival_offset_s, r.label
+            )
+            for r in requests
+        ]
     return requests
 
 
@@ -241,8 +308,14 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(RunData(arch, run.records, run.steps, run.kv_bytes_moved, run.duration_s, meta))
             failed = sum(1 for r in run.records if not r.succeeded)
             print(f"[{arch}] done in {run.duration_s:.1f} s, {failed} failed", flush=True)
-        files = write_report(args.out, runs, config=_config(args, kind), slo_ms=slo, itl_target_ms=args.itl_target_ms,
-                             title=f"pdserve A/B benchmark ({kind} workload, {args.workers} workers each)")
+        files = write_report(
+            args.out,
+            runs,
+            config=_config(args, kind),
+            slo_ms=slo,
+            itl_target_ms=args.itl_target_ms,
+            title=f"pdserve A/B benchmark ({kind} workload, {args.workers} workers each)",
+        )
         print()
         print(markdown_table([(r.name, r.metrics(slo), r.kv_bytes_moved) for r in runs]))
         print(f"\nwrote {', '.join(files.all_paths())}")
@@ -261,14 +334,26 @@ def _sweep(args: argparse.Namespace, chunks: list[int], requests: list[WorkloadR
         points.append(sweep_point(chunk, run.records, run.steps))
         runs.append(RunData(f"chunk {chunk}", run.records, run.steps, None, run.duration_s, meta))
         p = points[-1]
-        print(f"[chunk {chunk}] P99 ITL {p.p99_itl_ms:.1f} ms, prefill {p.prefill_throughput_tok_s:.0f} tok/s, "
-              f"long TTFT p99 {p.p99_ttft_ms:.0f} ms", flush=True)
+        print(
+            f"[chunk {chunk}] P99 ITL {p.p99_itl_ms:.1f} ms, prefill {p.prefill_throughput_tok_s:.0f} tok/s, "
+            f"long TTFT p99 {p.p99_ttft_ms:.0f} ms",
+            flush=True,
+        )
     target = args.itl_target_ms or 50.0
     knee = find_knee(points, target)
-    files = write_report(args.out, runs, config=_config(args, "sweep"), slo_ms=slo, itl_target_ms=target,
-                         title="pdserve chunk-size sweep (measured)", sweep=points,
-                         notes=[f"knee for a {target:g} ms ITL target: "
-                                + (f"chunk {knee.chunk_size}" if knee else "no chunk size meets it")])
+    files = write_report(
+        args.out,
+        runs,
+        config=_config(args, "sweep"),
+        slo_ms=slo,
+        itl_target_ms=target,
+        title="pdserve chunk-size sweep (measured)",
+        sweep=points,
+        notes=[
+            f"knee for a {target:g} ms ITL target: "
+            + (f"chunk {knee.chunk_size}" if knee else "no chunk size meets it")
+        ],
+    )
     print(f"\nknee for {target:g} ms: {knee.chunk_size if knee else 'none'}; wrote {files.report_md}")
     return 0
 

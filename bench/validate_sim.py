@@ -23,19 +23,37 @@ import os
 import sys
 from typing import Any
 
-from bench.metrics import compute_metrics
-from bench.workloads import WorkloadSpec, build_workload
+from pdserve.bench.metrics import compute_metrics
+from pdserve.bench.workloads import WorkloadSpec, build_workload
 
 
 def _workloads(args: argparse.Namespace, seed: int) -> dict[str, list]:
-    interference = WorkloadSpec(kind="interference", num_requests=args.long_prompts, num_streams=args.streams,
-                                stream_prompt_len=64, stream_output_len=args.stream_output,
-                                long_prompt_len=args.long_len, long_output_len=8,
-                                long_period_s=args.long_period, long_start_s=0.5, seed=seed)
-    random_spec = WorkloadSpec(kind="random", num_requests=args.random_requests, rate=args.rate, seed=seed,
-                               prompt_len_mean=256, prompt_len_max=1024, output_len_mean=48, output_len_max=128)
-    return {"interference": list(build_workload(interference).requests),
-            "random": list(build_workload(random_spec).requests)}
+    interference = WorkloadSpec(
+        kind="interference",
+        num_requests=args.long_prompts,
+        num_streams=args.streams,
+        stream_prompt_len=64,
+        stream_output_len=args.stream_output,
+        long_prompt_len=args.long_len,
+        long_output_len=8,
+        long_period_s=args.long_period,
+        long_start_s=0.5,
+        seed=seed,
+    )
+    random_spec = WorkloadSpec(
+        kind="random",
+        num_requests=args.random_requests,
+        rate=args.rate,
+        seed=seed,
+        prompt_len_mean=256,
+        prompt_len_max=1024,
+        output_len_mean=48,
+        output_len_max=128,
+    )
+    return {
+        "interference": list(build_workload(interference).requests),
+        "random": list(build_workload(random_spec).requests),
+    }
 
 
 def _figures(records) -> dict[str, float]:
@@ -45,12 +63,11 @@ def _figures(records) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     import ray
-
-    from bench.runner import build_parser as bench_parser
-    from bench.runner import engine_config, run_architecture
-    from bench.sim.calibrate import CalibrationGrid, MeasuredStep, calibrate, fit_linear_profile
-    from bench.sim.cost_model import LinearCostModel
-    from bench.sim.profiles import get_model, load_linear_profile, save_linear_profile
+    from pdserve.bench.runner import build_parser as bench_parser
+    from pdserve.bench.runner import engine_config, run_architecture
+    from pdserve.bench.sim.calibrate import CalibrationGrid, MeasuredStep, calibrate, fit_linear_profile
+    from pdserve.bench.sim.cost_model import LinearCostModel
+    from pdserve.bench.sim.profiles import get_model, load_linear_profile, save_linear_profile
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="bench", choices=["tiny", "bench"])
@@ -69,9 +86,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.path.join("results", "validate"))
     args = p.parse_args(argv)
 
-    bench_args = bench_parser().parse_args(["--model", args.model, "--workers", "2", "--transport", args.transport,
-                                            "--max-num-batched-tokens", str(args.chunk), "--torch-threads", "1",
-                                            "--no-progress", "--warmup", "2"])
+    bench_args = bench_parser().parse_args(
+        [
+            "--model",
+            args.model,
+            "--workers",
+            "2",
+            "--transport",
+            args.transport,
+            "--max-num-batched-tokens",
+            str(args.chunk),
+            "--torch-threads",
+            "1",
+            "--no-progress",
+            "--warmup",
+            "2",
+        ]
+    )
     engine = engine_config(bench_args)
     ray.init(include_dashboard=False, log_to_driver=False)
     try:
@@ -98,33 +129,52 @@ Row = tuple[str, str, dict[str, float], dict[str, float]]  # workload, architect
 
 
 def _validate(args, bench_args, engine, profile, cost) -> list[Row]:
-    from bench.runner import run_architecture
-    from bench.sim.simulator import SimConfig, simulate
+    from pdserve.bench.runner import run_architecture
+    from pdserve.bench.sim.simulator import SimConfig, simulate
 
-    print(f"profile: {profile.fixed_overhead_s * 1e3:.2f} ms + {profile.per_prefill_token_s * 1e6:.1f} us/prefill"
-          f" tok + {profile.per_decode_token_s * 1e6:.1f} us/decode tok"
-          f" + {profile.per_context_token_s * 1e9:.2f} ns/ctx tok"
-          f" (fit error {profile.mean_abs_rel_error:.0%})", flush=True)
+    print(
+        f"profile: {profile.fixed_overhead_s * 1e3:.2f} ms + {profile.per_prefill_token_s * 1e6:.1f} us/prefill"
+        f" tok + {profile.per_decode_token_s * 1e6:.1f} us/decode tok"
+        f" + {profile.per_context_token_s * 1e9:.2f} ns/ctx tok"
+        f" (fit error {profile.mean_abs_rel_error:.0%})",
+        flush=True,
+    )
 
-    sim_config = SimConfig(max_num_batched_tokens=engine.max_num_batched_tokens, max_num_seqs=engine.max_num_seqs,
-                           block_size=engine.block_size)
+    sim_config = SimConfig(
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        max_num_seqs=engine.max_num_seqs,
+        block_size=engine.block_size,
+    )
     rows: list[Row] = []
     for name, requests in _workloads(args, args.seed).items():
         for arch in ("colocated", "disaggregated"):
-            kwargs: dict[str, Any] = ({"num_instances": 2} if arch == "colocated"
-                                      else {"num_prefill": 1, "num_decode": 1})
-            sim = simulate(requests, cost, sim_config, mode=arch, kv_link_bw=profile.kv_link_bw,
-                           kv_link_latency_s=profile.kv_link_latency_s, **kwargs)
+            kwargs: dict[str, Any] = (
+                {"num_instances": 2} if arch == "colocated" else {"num_prefill": 1, "num_decode": 1}
+            )
+            sim = simulate(
+                requests,
+                cost,
+                sim_config,
+                mode=arch,
+                kv_link_bw=profile.kv_link_bw,
+                kv_link_latency_s=profile.kv_link_latency_s,
+                **kwargs,
+            )
             measured, _ = run_architecture(arch, bench_args, requests, engine)
             rows.append((name, arch, _figures(sim.records), _figures(measured.records)))
-            print(f"{name:>12} {arch:>13}: " + "  ".join(
-                f"{k} sim {rows[-1][2][k]:7.1f} / real {rows[-1][3][k]:7.1f} ms" for k in rows[-1][2]), flush=True)
+            print(
+                f"{name:>12} {arch:>13}: "
+                + "  ".join(f"{k} sim {rows[-1][2][k]:7.1f} / real {rows[-1][3][k]:7.1f} ms" for k in rows[-1][2]),
+                flush=True,
+            )
     return rows
 
 
 def _report(args, rows) -> int:
-    lines = ["| workload | architecture | figure | simulated ms | measured ms | error |",
-             "|---|---|---|---:|---:|---:|"]
+    lines = [
+        "| workload | architecture | figure | simulated ms | measured ms | error |",
+        "|---|---|---|---:|---:|---:|",
+    ]
     errors = []
     for name, arch, sim_fig, real_fig in rows:
         for key in sim_fig:
@@ -137,8 +187,10 @@ def _report(args, rows) -> int:
         f.write(f"# Simulator vs measured ({args.model}, chunk budget {args.chunk}, {args.transport})\n\n{table}\n")
     print("\n" + table)
     within = sum(1 for e in errors if e <= 0.2)
-    print(f"\n{within} of {len(errors)} figures within 20% (worst {max(errors):.0%}); "
-          f"wrote {os.path.join(args.out, 'validation.md')}")
+    print(
+        f"\n{within} of {len(errors)} figures within 20% (worst {max(errors):.0%}); "
+        f"wrote {os.path.join(args.out, 'validation.md')}"
+    )
     return 0
 
 

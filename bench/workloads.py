@@ -136,9 +136,7 @@ def arrival_offsets(
     return [float(x) for x in np.cumsum(gaps)]
 
 
-def lognormal_lengths(
-    n: int, mean: float, sigma: float, low: int, high: int, rng: np.random.Generator
-) -> list[int]:
+def lognormal_lengths(n: int, mean: float, sigma: float, low: int, high: int, rng: np.random.Generator) -> list[int]:
     """``n`` integer lengths, lognormal with arithmetic mean ``mean`` and log-space std ``sigma``.
 
     ``mu = ln(mean) - sigma^2 / 2`` so that ``E[X] = mean`` before rounding and clipping to
@@ -174,12 +172,8 @@ def random_workload(
 ) -> list[WorkloadRequest]:
     """Requests with random tokens and lognormal prompt/output lengths, sent at Poisson/gamma times."""
     rng = np.random.default_rng(seed)
-    prompts = lognormal_lengths(
-        num_requests, prompt_len_mean, prompt_len_sigma, prompt_len_min, prompt_len_max, rng
-    )
-    outputs = lognormal_lengths(
-        num_requests, output_len_mean, output_len_sigma, output_len_min, output_len_max, rng
-    )
+    prompts = lognormal_lengths(num_requests, prompt_len_mean, prompt_len_sigma, prompt_len_min, prompt_len_max, rng)
+    outputs = lognormal_lengths(num_requests, output_len_mean, output_len_sigma, output_len_min, output_len_max, rng)
     offsets = arrival_offsets(num_requests, rate, burstiness, rng)
     return [
         WorkloadRequest(f"rand-{i}", random_tokens(p, rng), o, t)
@@ -209,9 +203,7 @@ def interference_workload(
         raise ValueError("interference: counts and times must be >= 0")
     rng = np.random.default_rng(seed)
     reqs = [
-        WorkloadRequest(
-            f"stream-{i}", random_tokens(stream_prompt_len, rng), stream_output_len, 0.0, "stream"
-        )
+        WorkloadRequest(f"stream-{i}", random_tokens(stream_prompt_len, rng), stream_output_len, 0.0, "stream")
         for i in range(num_streams)
     ]
     reqs += [
@@ -249,9 +241,7 @@ def shared_prefix_workload(
     choice = rng.integers(0, num_prefixes, size=num_requests)
     offsets = arrival_offsets(num_requests, rate, burstiness, rng)
     return [
-        WorkloadRequest(
-            f"sp-{i}", prefixes[int(k)] + random_tokens(suffix_len, rng), output_len, t, f"prefix-{int(k)}"
-        )
+        WorkloadRequest(f"sp-{i}", prefixes[int(k)] + random_tokens(suffix_len, rng), output_len, t, f"prefix-{int(k)}")
         for i, (k, t) in enumerate(zip(choice, offsets, strict=True))
     ]
 
@@ -298,13 +288,9 @@ def sharegpt_workload(
         if len(picked) == num_requests:
             break
     if len(picked) < num_requests:
-        raise ValueError(
-            f"sharegpt: {path} has only {len(picked)} usable conversations, {num_requests} requested"
-        )
+        raise ValueError(f"sharegpt: {path} has only {len(picked)} usable conversations, {num_requests} requested")
     offsets = arrival_offsets(num_requests, rate, burstiness, rng)
-    return [
-        WorkloadRequest(f"sg-{i}", p, o, t) for i, ((p, o), t) in enumerate(zip(picked, offsets, strict=True))
-    ]
+    return [WorkloadRequest(f"sg-{i}", p, o, t) for i, ((p, o), t) in enumerate(zip(picked, offsets, strict=True))]
 
 
 def _first_exchange(entry: Any) -> tuple[str, str] | None:
@@ -427,9 +413,7 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stream-output-len", type=int, default=1024)
     g.add_argument("--long-prompt-len", type=int, default=8192)
     g.add_argument("--long-output-len", type=int, default=16)
-    g.add_argument(
-        "--long-period", type=float, default=1.0, help="interference: seconds between long prompts"
-    )
+    g.add_argument("--long-period", type=float, default=1.0, help="interference: seconds between long prompts")
     g.add_argument("--long-start", type=float, default=0.5)
     g.add_argument("--num-prefixes", type=int, default=4)
     g.add_argument("--prefix-len", type=int, default=2048)

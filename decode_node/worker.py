@@ -18,11 +18,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine, TokenEvent, WorkerStats, request_timings
-from engine.llm_engine import RequestOutput
-from engine.request import Request
-from kv_transfer import TransferTarget, make_transport
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.async_engine import AsyncEngine, TokenEvent, WorkerStats, request_timings
+from pdserve.engine.llm_engine import RequestOutput
+from pdserve.engine.request import Request
+from pdserve.kv_transfer import TransferTarget, make_transport
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +53,15 @@ class _Pending:
 class DecodeWorker:
     """A Ray actor (async). Construct through ``ray.remote(DecodeWorker)``; await ``ready()``."""
 
-    def __init__(self, worker_id: str, engine_config: EngineConfig, transport: str = "nixl",
-                 transport_config: Any = None, reservation_timeout_s: float = 120.0,
-                 stream_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        engine_config: EngineConfig,
+        transport: str = "nixl",
+        transport_config: Any = None,
+        reservation_timeout_s: float = 120.0,
+        stream_timeout_s: float = 600.0,
+    ) -> None:
         self.worker_id = worker_id
         self.reservation_timeout_s = reservation_timeout_s
         self.stream_timeout_s = stream_timeout_s
@@ -70,12 +76,19 @@ class DecodeWorker:
 
     async def ready(self) -> dict[str, Any]:
         engine = self.aengine.engine
-        return {"worker_id": self.worker_id, "role": "decode", "num_blocks": engine.block_manager.num_blocks,
-                "block_size": engine.config.block_size, "device": str(engine.device), "transport": self.target.kind}
+        return {
+            "worker_id": self.worker_id,
+            "role": "decode",
+            "num_blocks": engine.block_manager.num_blocks,
+            "block_size": engine.config.block_size,
+            "device": str(engine.device),
+            "transport": self.target.kind,
+        }
 
     # ---- colocated: prefill and decode here ----------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[list[TokenEvent]]:
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[list[TokenEvent]]:
         """Stream batches of token events for a request that this worker prefills and decodes."""
         self.aengine.open_stream(request_id)
         try:
@@ -91,9 +104,11 @@ class DecodeWorker:
         self._requests[request_id] = (engine.get_request(request_id), {"mode_local": True})  # type: ignore[assignment]
 
     # ---- disaggregated: KV comes from a prefill worker -----------------------------------------
-    async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-                      ) -> ReserveResult | None:
+    async def reserve(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> ReserveResult | None:
         """Set aside blocks for the prompt's KV. None when this worker has no room now."""
+
         def do(engine: LLMEngine) -> ReserveResult | None:
             reservation = engine.reserve_remote(prompt_token_ids, params, request_id)
             if reservation is None:
@@ -102,20 +117,25 @@ class DecodeWorker:
             deadline = now + self.reservation_timeout_s
             self._pending[request_id] = _Pending(deadline=deadline, reserved_at=now)
             self._requests[request_id] = (engine.get_request(request_id), {})  # type: ignore[assignment]
-            return ReserveResult(self.worker_id, self.target, reservation.block_ids, reservation.num_cached_tokens,
-                                 deadline)
+            return ReserveResult(
+                self.worker_id, self.target, reservation.block_ids, reservation.num_cached_tokens, deadline
+            )
+
         return await self.aengine.run(do)
 
-    async def decode(self, request_id: str, first_token: int, first_token_time: float,
-                     prefill_meta: dict[str, Any] | None = None) -> AsyncIterator[list[TokenEvent]]:
+    async def decode(
+        self, request_id: str, first_token: int, first_token_time: float, prefill_meta: dict[str, Any] | None = None
+    ) -> AsyncIterator[list[TokenEvent]]:
         """Stream the tokens after ``first_token`` (already sent to the client by the router)."""
         self.aengine.open_stream(request_id)
 
         def do(engine: LLMEngine) -> None:
             pending = self._pending.get(request_id)
             if pending is None:
-                raise ValueError(f"request {request_id!r} has no live reservation on {self.worker_id} "
-                                 "(never reserved, aborted, or its KV deadline passed)")
+                raise ValueError(
+                    f"request {request_id!r} has no live reservation on {self.worker_id} "
+                    "(never reserved, aborted, or its KV deadline passed)"
+                )
             pending.first_token, pending.first_token_time = first_token, first_token_time
             self._requests[request_id][1].update(prefill_meta or {})
             self._admit_if_ready(engine, request_id, pending)
@@ -144,8 +164,9 @@ class DecodeWorker:
                     log.warning("%s: KV for %s did not arrive in time; freeing its blocks", self.worker_id, request_id)
                     self._pending.pop(request_id)
                     engine.abort(request_id)
-                    self._finish_stream(request_id, TokenEvent([], "", True, "abort",
-                                                               error="KV transfer deadline passed"))
+                    self._finish_stream(
+                        request_id, TokenEvent([], "", True, "abort", error="KV transfer deadline passed")
+                    )
 
     def _admit_if_ready(self, engine: LLMEngine, request_id: str, pending: _Pending) -> None:
         if pending.last_push is None or len(pending.pushes_seen) < pending.last_push + 1:
@@ -180,9 +201,15 @@ class DecodeWorker:
         if entry is not None:
             request, extra = entry
             local = extra.pop("mode_local", False)
-            meta.update(request_timings(request) if local else {"num_cached_tokens": request.num_cached_tokens,
-                                                                 "num_prompt_tokens": request.num_prompt_tokens,
-                                                                 "num_output_tokens": request.num_output_tokens})
+            meta.update(
+                request_timings(request)
+                if local
+                else {
+                    "num_cached_tokens": request.num_cached_tokens,
+                    "num_prompt_tokens": request.num_prompt_tokens,
+                    "num_output_tokens": request.num_output_tokens,
+                }
+            )
             meta.update(extra)
             if len(request.times.tokens) > 1:
                 meta["second_token_time"] = request.times.tokens[1]
@@ -206,12 +233,14 @@ class DecodeWorker:
     # ---- control -------------------------------------------------------------------------------
     async def abort(self, request_id: str) -> bool:
         """Stop a request (running, waiting, or reserved) and free its blocks."""
+
         def do(engine: LLMEngine) -> bool:
             self._pending.pop(request_id, None)
             found = engine.abort(request_id)
             if found:
                 self._finish_stream(request_id, TokenEvent([], "", True, "abort"))
             return found
+
         return await self.aengine.run(do)
 
     async def stats(self, steps_since: float | None = None) -> WorkerStats:
@@ -222,12 +251,13 @@ class DecodeWorker:
 
     async def cached_prompt_kv(self, prompt_token_ids: list[int]) -> Any:
         """Test hook: K/V of the prompt's leading full blocks found in this worker's prefix cache."""
-        from engine.model_runner import gather_kv
+        from pdserve.engine.model_runner import gather_kv
 
         def do(engine: LLMEngine):
             probe = Request("probe", prompt_token_ids, SamplingParams())
             hit = engine.block_manager.find_prefix_hit(probe)
             return gather_kv(engine.kv_cache, hit.block_ids, hit.num_tokens) if hit.block_ids else None
+
         return await self.aengine.run(do)
 
     async def shutdown(self) -> None:

@@ -10,22 +10,22 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "Completion": "engine.llm_engine",
-    "EngineConfig": "engine.config",
-    "FinishReason": "engine.request",
-    "LLMEngine": "engine.llm_engine",
-    "ModelConfig": "engine.config",
-    "RequestOutput": "engine.llm_engine",
-    "SamplingParams": "engine.sampling_params",
+    "Completion": "pdserve.engine.llm_engine",
+    "EngineConfig": "pdserve.engine.config",
+    "FinishReason": "pdserve.engine.request",
+    "LLMEngine": "pdserve.engine.llm_engine",
+    "ModelConfig": "pdserve.engine.config",
+    "RequestOutput": "pdserve.engine.llm_engine",
+    "SamplingParams": "pdserve.engine.sampling_params",
 }
 
 __all__ = ["Completion", "EngineConfig", "FinishReason", "LLMEngine", "ModelConfig", "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig, ModelConfig
-    from engine.llm_engine import Completion, LLMEngine, RequestOutput
-    from engine.request import FinishReason
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.config import EngineConfig, ModelConfig
+    from pdserve.engine.llm_engine import Completion, LLMEngine, RequestOutput
+    from pdserve.engine.request import FinishReason
+    from pdserve.engine.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:

@@ -11,9 +11,9 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple, TypeVar
 
-from engine.engine_loop import EngineLoop
-from engine.llm_engine import LLMEngine, RequestOutput, StepStats
-from engine.request import Request
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.llm_engine import LLMEngine, RequestOutput, StepStats
+from pdserve.engine.request import Request
 
 T = TypeVar("T")
 
@@ -63,8 +63,12 @@ def request_timings(request: Request) -> dict[str, Any]:
 class AsyncEngine:
     """Binds to the event loop of its first ``run``/``open_stream`` (a Ray async actor's loop)."""
 
-    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
-                 on_tick: Callable[[LLMEngine], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
+        on_tick: Callable[[LLMEngine], None] | None = None,
+    ) -> None:
         self.engine = engine
         self._aio: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
@@ -121,14 +125,28 @@ class AsyncEngine:
         return request_id in self._queues
 
     # ---- introspection -------------------------------------------------------------------------
-    async def stats(self, worker_id: str, role: str, remote_pending: int, kv_bytes: int,
-                    steps_since: float | None = None) -> WorkerStats:
+    async def stats(
+        self, worker_id: str, role: str, remote_pending: int, kv_bytes: int, steps_since: float | None = None
+    ) -> WorkerStats:
         def collect(engine: LLMEngine) -> WorkerStats:
             s = engine.stats()
             steps = [st for st in engine.step_history if st.started >= steps_since] if steps_since is not None else []
-            return WorkerStats(worker_id, role, s.blocks.total, s.blocks.free, s.blocks.cached, s.blocks.used,
-                               s.num_running, s.num_waiting, remote_pending or s.num_remote_pending,
-                               s.tokens_in_flight, self.loop.num_steps, kv_bytes, steps)
+            return WorkerStats(
+                worker_id,
+                role,
+                s.blocks.total,
+                s.blocks.free,
+                s.blocks.cached,
+                s.blocks.used,
+                s.num_running,
+                s.num_waiting,
+                remote_pending or s.num_remote_pending,
+                s.tokens_in_flight,
+                self.loop.num_steps,
+                kv_bytes,
+                steps,
+            )
+
         return await self.run(collect)
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ import struct
 from collections import OrderedDict, deque
 from typing import NamedTuple
 
-from engine.request import Request
+from pdserve.engine.request import Request
 
 _ROOT_HASH = b"pdserve-kv-root"
 

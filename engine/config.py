@@ -32,8 +32,16 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
@@ -80,16 +88,37 @@ class ModelConfig:
     @staticmethod
     def preset(name: str) -> ModelConfig:
         """Architectures of the built-in presets (weights are a seeded random initialisation)."""
-        from engine.tokenizer import ByteTokenizer
+        from pdserve.engine.tokenizer import ByteTokenizer
 
-        common = dict(vocab_size=ByteTokenizer.VOCAB_SIZE, eos_token_id=ByteTokenizer.EOS,
-                      bos_token_id=ByteTokenizer.BOS, tie_word_embeddings=True, rope_theta=10000.0)
+        common = dict(
+            vocab_size=ByteTokenizer.VOCAB_SIZE,
+            eos_token_id=ByteTokenizer.EOS,
+            bos_token_id=ByteTokenizer.BOS,
+            tie_word_embeddings=True,
+            rope_theta=10000.0,
+        )
         if name == "tiny":  # ~3M parameters: demos and tests
-            return ModelConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                               num_key_value_heads=4, head_dim=32, max_position_embeddings=4096, **common)
+            return ModelConfig(
+                hidden_size=256,
+                intermediate_size=768,
+                num_hidden_layers=4,
+                num_attention_heads=8,
+                num_key_value_heads=4,
+                head_dim=32,
+                max_position_embeddings=4096,
+                **common,
+            )
         if name == "bench":  # ~25M parameters: a 4k-token prefill takes seconds on a 2-core CPU
-            return ModelConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                               num_key_value_heads=4, head_dim=64, max_position_embeddings=8192, **common)
+            return ModelConfig(
+                hidden_size=512,
+                intermediate_size=1536,
+                num_hidden_layers=8,
+                num_attention_heads=8,
+                num_key_value_heads=4,
+                head_dim=64,
+                max_position_embeddings=8192,
+                **common,
+            )
         raise ValueError(f"model: unknown preset {name!r} (presets: {', '.join(PRESETS)})")
 
     @staticmethod
@@ -98,8 +127,9 @@ class ModelConfig:
             return ModelConfig.preset(model)
         path = os.path.join(model, "config.json")
         if not os.path.isfile(path):
-            raise ValueError(f"model: {model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory "
-                             "with a config.json")
+            raise ValueError(
+                f"model: {model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with a config.json"
+            )
         with open(path) as f:
             return ModelConfig.from_hf_config(json.load(f))
 
@@ -140,8 +170,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
-        if (not self.enable_chunked_prefill and self.max_model_len is not None
-                and self.max_num_batched_tokens < self.max_model_len):
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len is not None
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when enable_chunked_prefill is off: a whole prompt must fit one step"
@@ -151,8 +184,10 @@ class EngineConfig:
         """Fill in the sizes that depend on the model and check them against it."""
         max_model_len = self.max_model_len or model_config.max_position_embeddings
         if max_model_len > model_config.max_position_embeddings:
-            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
-                             f"({model_config.max_position_embeddings})")
+            raise ValueError(
+                f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
+                f"({model_config.max_position_embeddings})"
+            )
         batched = self.max_num_batched_tokens
         if not self.enable_chunked_prefill:
             batched = max(batched, max_model_len)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

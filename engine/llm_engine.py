@@ -9,15 +9,14 @@ from collections import deque
 from typing import NamedTuple
 
 import torch
-
-from engine.block_manager import BlockManager, BlockUsage
-from engine.config import EngineConfig, ModelConfig
-from engine.model_runner import ModelRunner, allocate_kv_cache, kv_block_bytes
-from engine.request import FinishReason, Request, RequestStatus, RequestTimes
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
-from engine.weights import build_model
+from pdserve.engine.block_manager import BlockManager, BlockUsage
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_block_bytes
+from pdserve.engine.request import FinishReason, Request, RequestStatus, RequestTimes
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from pdserve.engine.weights import build_model
 
 
 class RequestOutput(NamedTuple):
@@ -123,9 +122,15 @@ class LLMEngine:
         self.last_logits: dict[str, torch.Tensor] | None = None
 
     # ---- requests ------------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None,
-                    hold_blocks: bool = False, detokenize: bool = True) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        hold_blocks: bool = False,
+        detokenize: bool = True,
+    ) -> str:
         """Queue a request; returns its id. Raises ValueError, changing nothing, on bad input.
 
         ``hold_blocks``: when it finishes, keep its KV blocks until ``release(request_id)``.
@@ -234,14 +239,23 @@ class LLMEngine:
                     self.held[rid] = request
                 self._forget(rid)
             outputs.append(RequestOutput(rid, [token], text, reason is not None, reason))
-        self.step_history.append(StepStats(
-            started, time.perf_counter() - t0, t1 - t0, output.num_prefill_tokens, output.num_decode_tokens,
-            len(output.chunks), len(output.preempted), output.num_context_tokens,
-        ))
+        self.step_history.append(
+            StepStats(
+                started,
+                time.perf_counter() - t0,
+                t1 - t0,
+                output.num_prefill_tokens,
+                output.num_decode_tokens,
+                len(output.chunks),
+                len(output.preempted),
+                output.num_context_tokens,
+            )
+        )
         return outputs
 
-    def generate(self, prompts: list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
+    def generate(
+        self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[Completion]:
         """Run prompts to completion (alongside anything already queued); one Completion per prompt."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
@@ -265,9 +279,15 @@ class LLMEngine:
                 if out.finished:
                     pending.discard(out.request_id)
         return [
-            Completion(r.request_id, r.prompt_token_ids, r.output_token_ids,
-                       "".join(texts[r.request_id]) if self.tokenizer else None,
-                       r.finish_reason, r.num_cached_tokens, r.times)  # type: ignore[arg-type]
+            Completion(
+                r.request_id,
+                r.prompt_token_ids,
+                r.output_token_ids,
+                "".join(texts[r.request_id]) if self.tokenizer else None,
+                r.finish_reason,
+                r.num_cached_tokens,
+                r.times,
+            )  # type: ignore[arg-type]
             for r in requests
         ]
 
@@ -275,15 +295,22 @@ class LLMEngine:
         s = self.scheduler
         in_flight = sum(r.num_tokens for r in s.requests.values())
         remote = sum(1 for r in s.requests.values() if r.status == RequestStatus.WAITING_FOR_REMOTE_KV)
-        return EngineStats(self.block_manager.usage(), len(s.running), len(s.waiting), remote, len(self.held),
-                           in_flight)
+        return EngineStats(
+            self.block_manager.usage(), len(s.running), len(s.waiting), remote, len(self.held), in_flight
+        )
 
     def get_request(self, request_id: str) -> Request | None:
         return self.scheduler.requests.get(request_id) or self.held.get(request_id)
 
     # ---- internals -----------------------------------------------------------------------------
-    def _make_request(self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
-                      arrival_time: float | None, detokenize: bool = True) -> Request:
+    def _make_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        request_id: str | None,
+        arrival_time: float | None,
+        detokenize: bool = True,
+    ) -> Request:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -302,11 +329,14 @@ class LLMEngine:
         max_len = self.config.max_model_len
         assert max_len is not None
         if len(token_ids) >= max_len:
-            raise ValueError(f"prompt: {len(token_ids)} tokens leaves no room to generate within "
-                             f"max_model_len={max_len}")
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens leaves no room to generate within max_model_len={max_len}"
+            )
         if self.block_manager.blocks_needed(len(token_ids) + 1) > self.block_manager.num_blocks:
-            raise ValueError(f"prompt: {len(token_ids)} tokens need more KV blocks than this engine has "
-                             f"({self.block_manager.num_blocks} of {self.config.block_size} tokens)")
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens need more KV blocks than this engine has "
+                f"({self.block_manager.num_blocks} of {self.config.block_size} tokens)"
+            )
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         elif not isinstance(request_id, str) or not request_id:

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from pdserve.engine.config import ModelConfig
 from torch import nn
-
-from engine.config import ModelConfig
 
 
 @dataclass
@@ -179,8 +178,9 @@ class Attention(nn.Module):
         keys = keys.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [n, kv_heads, S, D]
         values = values.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
         # 4-D inputs keep SDPA on its fused CPU kernel (3-D ones fall back to the slow math path)
-        out = F.scaled_dot_product_attention(q[group.index].unsqueeze(2), keys, values, attn_mask=group.mask,
-                                             enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q[group.index].unsqueeze(2), keys, values, attn_mask=group.mask, enable_gqa=True
+        )
         return out.squeeze(2)
 
     def _context(self, k_rows, v_rows, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,8 +203,9 @@ class Attention(nn.Module):
             mask = torch.arange(context, device=q.device) <= torch.arange(span.start, context, device=q.device)[:, None]
             # with a mask, SDPA on CPU is faster on expanded K/V than with enable_gqa
             group = self.num_heads // self.num_kv_heads
-            out = F.scaled_dot_product_attention(query, keys.repeat_interleave(group, 1),
-                                                 values.repeat_interleave(group, 1), attn_mask=mask)
+            out = F.scaled_dot_product_attention(
+                query, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1), attn_mask=mask
+            )
         return out.squeeze(0).transpose(0, 1)
 
 

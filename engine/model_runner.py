@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import torch
-
-from engine.config import ModelConfig
-from engine.model import AttentionMetadata, DecodeGroup, LlamaForCausalLM, PrefillSpan, Workspace
-from engine.sampler import sample
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.model import AttentionMetadata, DecodeGroup, LlamaForCausalLM, PrefillSpan, Workspace
+from pdserve.engine.sampler import sample
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import SchedulerOutput
 
 DECODE_GROUP_SIZE = 16  # decodes attended per SDPA call (sorted by length, padded within the group)
 
@@ -25,8 +24,9 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> 
     return n * torch.empty(0, dtype=dtype).element_size()
 
 
-def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> torch.Tensor:
+def allocate_kv_cache(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """The block-major pool: ``pool[b]`` is block ``b``, one contiguous region (one transfer descriptor)."""
     return torch.zeros((num_blocks, *kv_block_shape(config, block_size)), dtype=dtype, device=device)
 
@@ -42,8 +42,7 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
-                 device: torch.device) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int, device: torch.device) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -51,8 +50,14 @@ class ModelRunner:
         self.workspace = Workspace()
 
     @torch.inference_mode()
-    def run(self, output: SchedulerOutput, params: dict[str, SamplingParams], seeds: dict[str, int],
-            output_index: dict[str, int], keep_logits: bool = False) -> StepResult:
+    def run(
+        self,
+        output: SchedulerOutput,
+        params: dict[str, SamplingParams],
+        seeds: dict[str, int],
+        output_index: dict[str, int],
+        keep_logits: bool = False,
+    ) -> StepResult:
         """Compute every scheduled chunk; sample for chunks that reach their request's last token.
 
         ``output_index[rid]`` is the index of the output token being sampled (the draw's seed input).
@@ -97,8 +102,13 @@ class ModelRunner:
                 decodes.append((lo, end, blocks))
             else:
                 prefills.append(PrefillSpan(lo, lo + n, chunk.start, self._tensor(blocks)))
-        meta = AttentionMetadata(self._tensor(slot_blocks), self._tensor([p % bs for p in pos]),
-                                 self._decode_groups(decodes), prefills, self.workspace)
+        meta = AttentionMetadata(
+            self._tensor(slot_blocks),
+            self._tensor([p % bs for p in pos]),
+            self._decode_groups(decodes),
+            prefills,
+            self.workspace,
+        )
         return self._tensor(ids), self._tensor(pos), meta
 
     def _decode_groups(self, decodes: list[tuple[int, int, list[int]]]) -> list[DecodeGroup]:

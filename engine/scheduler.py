@@ -13,8 +13,8 @@ import time
 from collections import deque
 from typing import NamedTuple
 
-from engine.block_manager import BlockManager
-from engine.request import FinishReason, Request, RequestStatus
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.request import FinishReason, Request, RequestStatus
 
 
 def chunk_context_tokens(start: int, num_tokens: int) -> int:

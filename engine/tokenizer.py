@@ -116,7 +116,7 @@ class _WindowDetokenizer:
 
 def load_tokenizer(model: str, eos_token_id: int | None) -> Tokenizer | None:
     """The byte tokenizer for presets, ``tokenizer.json`` for a directory, or None when it has none."""
-    from engine.config import PRESETS
+    from pdserve.engine.config import PRESETS
 
     if model in PRESETS:
         return ByteTokenizer()

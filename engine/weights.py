@@ -7,14 +7,14 @@ import json
 import os
 
 import torch
+from pdserve.engine.config import PRESETS, ModelConfig
+from pdserve.engine.model import LlamaForCausalLM
 from safetensors.torch import load_file
 
-from engine.config import PRESETS, ModelConfig
-from engine.model import LlamaForCausalLM
 
-
-def build_model(model: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                seed: int = 0) -> LlamaForCausalLM:
+def build_model(
+    model: str, config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> LlamaForCausalLM:
     with torch.device("meta"):
         module = LlamaForCausalLM(config)
     module = module.to_empty(device="cpu")
@@ -64,8 +64,10 @@ def load_checkpoint(module: LlamaForCausalLM, model_dir: str) -> None:
     expected = {name for name, _ in module.named_parameters()}
     missing = sorted(expected - state.keys())
     if missing:
-        raise ValueError(f"model: checkpoint {model_dir!r} lacks weights: {', '.join(missing[:5])}"
-                         + (" ..." if len(missing) > 5 else ""))
+        raise ValueError(
+            f"model: checkpoint {model_dir!r} lacks weights: {', '.join(missing[:5])}"
+            + (" ..." if len(missing) > 5 else "")
+        )
     unexpected = sorted(k for k in state.keys() - expected if "rotary_emb" not in k)
     if unexpected:
         raise ValueError(f"model: checkpoint {model_dir!r} has unknown weights: {', '.join(unexpected[:5])}")
@@ -73,6 +75,5 @@ def load_checkpoint(module: LlamaForCausalLM, model_dir: str) -> None:
         for name, param in module.named_parameters():
             tensor = state[name]
             if tensor.shape != param.shape:
-                raise ValueError(f"model: weight {name} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(param.shape)}")
+                raise ValueError(f"model: weight {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
             param.copy_(tensor.to(param.dtype))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kv_transfer.base import (
+from pdserve.kv_transfer.base import (
     TRANSPORT_KINDS,
     ChunkNotification,
     KVTransferError,
@@ -22,8 +22,8 @@ from kv_transfer.base import (
 )
 
 if TYPE_CHECKING:
-    from kv_transfer.grpc_transport import GrpcConfig
-    from kv_transfer.nixl_transport import NixlConfig
+    from pdserve.kv_transfer.grpc_transport import GrpcConfig
+    from pdserve.kv_transfer.nixl_transport import NixlConfig
 
 __all__ = [
     "TRANSPORT_KINDS",
@@ -44,13 +44,13 @@ def make_transport(kind: str, config: NixlConfig | GrpcConfig | None = None) -> 
     Raises ``ValueError`` for an unknown kind or a config of the wrong type.
     """
     if kind == "nixl":
-        from kv_transfer.nixl_transport import NixlConfig, NixlTransport
+        from pdserve.kv_transfer.nixl_transport import NixlConfig, NixlTransport
 
         if config is not None and not isinstance(config, NixlConfig):
             raise ValueError(f"the nixl transport takes a NixlConfig, got {type(config).__name__}")
         return NixlTransport(config)
     if kind == "grpc":
-        from kv_transfer.grpc_transport import GrpcConfig, GrpcTransport
+        from pdserve.kv_transfer.grpc_transport import GrpcConfig, GrpcTransport
 
         if config is not None and not isinstance(config, GrpcConfig):
             raise ValueError(f"the grpc transport takes a GrpcConfig, got {type(config).__name__}")

@@ -34,8 +34,7 @@ from typing import Any
 
 import grpc
 import torch
-
-from kv_transfer.base import (
+from pdserve.kv_transfer.base import (
     DEFAULT_WAIT_S,
     ChunkNotification,
     KVTransferError,
@@ -47,7 +46,7 @@ from kv_transfer.base import (
     pool_layout,
     validate_push,
 )
-from pdserve_proto import kv_transfer_pb2 as pb
+from pdserve.proto import kv_transfer_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -178,9 +177,7 @@ def _serialize_payload(header: pb.BlockPayload, chunks: Sequence[Any], nbytes: i
 class GrpcPushHandle(PushHandle):
     """Handle of one push stream running on the sender's per-target thread."""
 
-    def __init__(
-        self, future: cf.Future[Any], notification: ChunkNotification, num_blocks: int, num_bytes: int
-    ):
+    def __init__(self, future: cf.Future[Any], notification: ChunkNotification, num_blocks: int, num_bytes: int):
         self._future = future
         self.notification = notification
         self.num_blocks = num_blocks
@@ -233,8 +230,7 @@ class _Servicer:
             if msg.block_bytes != layout.block_bytes:
                 context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"block size mismatch: sender {msg.block_bytes} bytes, "
-                    f"receiver {layout.block_bytes} bytes",
+                    f"block size mismatch: sender {msg.block_bytes} bytes, receiver {layout.block_bytes} bytes",
                 )
             n = len(msg.dst_block_ids)
             data = payload.data
@@ -267,9 +263,7 @@ class _Servicer:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push stream ended without a notification")
         assert notice is not None
         try:
-            notification = ChunkNotification(
-                notice.request_id, notice.chunk_index, notice.tokens_done, notice.is_last
-            )
+            notification = ChunkNotification(notice.request_id, notice.chunk_index, notice.tokens_done, notice.is_last)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad notification: {e}")
         if view.device.type != "cpu":
@@ -361,9 +355,7 @@ class GrpcTransport(KVTransport):
         try:
             port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         except RuntimeError as e:
-            raise RuntimeError(
-                f"cannot bind the KV gRPC server to {self.config.host}:{self.config.port}: {e}"
-            ) from e
+            raise RuntimeError(f"cannot bind the KV gRPC server to {self.config.host}:{self.config.port}: {e}") from e
         if port == 0:
             raise RuntimeError(f"cannot bind the KV gRPC server to {self.config.host}:{self.config.port}")
         server.start()
@@ -389,17 +381,13 @@ class GrpcTransport(KVTransport):
     ) -> GrpcPushHandle:
         with self._lock:
             self._check_open()
-            src, dst = validate_push(
-                self.kind, self._layout, target, src_block_ids, dst_block_ids, notification
-            )
+            src, dst = validate_push(self.kind, self._layout, target, src_block_ids, dst_block_ids, notification)
             if not target.address:
                 raise ValueError(f"unknown target: {target!r} has no gRPC address")
             peer = self._peer(target)
             assert self._pool is not None and self._layout is not None
             pool, block_bytes = self._pool, self._layout.block_bytes
-            future = peer.executor.submit(
-                self._run_push, peer, target, pool, block_bytes, src, dst, notification
-            )
+            future = peer.executor.submit(self._run_push, peer, target, pool, block_bytes, src, dst, notification)
         return GrpcPushHandle(future, notification, len(src), len(src) * block_bytes)
 
     def _peer(self, target: TransferTarget) -> _Peer:
@@ -470,13 +458,10 @@ class GrpcTransport(KVTransport):
             code = e.code() if hasattr(e, "code") else None
             details = e.details() if hasattr(e, "details") else str(e)
             raise KVTransferError(
-                f"gRPC push of {notification} to {target.address} failed: "
-                f"{getattr(code, 'name', code)}: {details}"
+                f"gRPC push of {notification} to {target.address} failed: {getattr(code, 'name', code)}: {details}"
             ) from None
         if ack.blocks_written != len(src):
-            raise KVTransferError(
-                f"receiver wrote {ack.blocks_written} of {len(src)} blocks for {notification}"
-            )
+            raise KVTransferError(f"receiver wrote {ack.blocks_written} of {len(src)} blocks for {notification}")
         return ack
 
     # --------------------------------------------------------------- helpers

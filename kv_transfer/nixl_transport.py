@@ -30,8 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from kv_transfer.base import (
+from pdserve.kv_transfer.base import (
     ChunkNotification,
     KVTransferError,
     KVTransport,
@@ -75,9 +74,7 @@ class NixlConfig:
                 f"ucx_error_handling_mode must be one of {_ERROR_MODES}, got {self.ucx_error_handling_mode!r}"
             )
         if self.ucx_tls is not None and not self.ucx_tls.strip():
-            raise ValueError(
-                "ucx_tls must be None or a non-empty transport list: an empty UCX_TLS breaks UCX"
-            )
+            raise ValueError("ucx_tls must be None or a non-empty transport list: an empty UCX_TLS breaks UCX")
         if self.agent_name is not None and not self.agent_name:
             raise ValueError("agent_name must be None or non-empty")
 
@@ -165,9 +162,7 @@ class NixlTransport(KVTransport):
             self.agent_name, nixl_agent_config(enable_prog_thread=self.config.enable_prog_thread, backends=[])
         )
         try:
-            self._agent.create_backend(
-                "UCX", {"ucx_error_handling_mode": self.config.ucx_error_handling_mode}
-            )
+            self._agent.create_backend("UCX", {"ucx_error_handling_mode": self.config.ucx_error_handling_mode})
         except Exception as e:
             raise RuntimeError(
                 f"could not create the NIXL UCX backend (UCX_TLS={os.environ.get('UCX_TLS')!r}, "
@@ -200,12 +195,8 @@ class NixlTransport(KVTransport):
                 raise ValueError("a pool is already registered with this transport")
             try:
                 self._reg_descs = self._agent.register_memory(pool)
-                descs = _block_descs(
-                    pool.data_ptr(), layout.num_blocks, layout.block_bytes, _device_id(pool.device)
-                )
-                self._local_dlist = self._agent.prep_xfer_dlist(
-                    "NIXL_INIT_AGENT", descs, _mem_type(pool.device)
-                )
+                descs = _block_descs(pool.data_ptr(), layout.num_blocks, layout.block_bytes, _device_id(pool.device))
+                self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, _mem_type(pool.device))
                 self._metadata = self._agent.get_agent_metadata()
             except Exception as e:
                 if self._local_dlist is not None:
@@ -277,9 +268,7 @@ class NixlTransport(KVTransport):
     ) -> NixlPushHandle:
         with self._lock:
             self._check_open()
-            src, dst = validate_push(
-                self.kind, self._layout, target, src_block_ids, dst_block_ids, notification
-            )
+            src, dst = validate_push(self.kind, self._layout, target, src_block_ids, dst_block_ids, notification)
             assert self._layout is not None
             remote = self._remote(target)
             msg = notification.to_bytes()
@@ -339,8 +328,7 @@ class NixlTransport(KVTransport):
             if remote_name != target.agent_name:
                 _quiet(self._agent.remove_remote_agent, remote_name)
                 raise ValueError(
-                    f"unknown target: metadata belongs to agent {remote_name!r}, "
-                    f"target says {target.agent_name!r}"
+                    f"unknown target: metadata belongs to agent {remote_name!r}, target says {target.agent_name!r}"
                 )
         device = torch.device(target.device)
         descs = _block_descs(target.base_address, target.num_blocks, target.block_bytes, _device_id(device))

@@ -12,11 +12,10 @@ import time
 from collections.abc import Sequence
 
 import torch
-
-from kv_transfer import make_transport
-from kv_transfer.base import ChunkNotification, TransferTarget, pool_bytes_view
-from kv_transfer.grpc_transport import GrpcConfig
-from kv_transfer.nixl_transport import NixlConfig
+from pdserve.kv_transfer import make_transport
+from pdserve.kv_transfer.base import ChunkNotification, TransferTarget, pool_bytes_view
+from pdserve.kv_transfer.grpc_transport import GrpcConfig
+from pdserve.kv_transfer.nixl_transport import NixlConfig
 
 Push = tuple[Sequence[int], Sequence[int], ChunkNotification]
 
@@ -56,9 +55,7 @@ class TransferPeer:
             h.update(view[i].numpy().tobytes())
         return h.hexdigest()
 
-    def push_all(
-        self, target: TransferTarget, pushes: Sequence[Push], timeout_s: float = 30.0
-    ) -> list[float]:
+    def push_all(self, target: TransferTarget, pushes: Sequence[Push], timeout_s: float = 30.0) -> list[float]:
         """Start every push, then wait for each in turn. Returns ``[start, done_0, done_1, ...]``
         (``time.perf_counter()`` values: CLOCK_MONOTONIC, comparable across local processes;
         ``done_k`` is when waiting on push k returned, so it is an upper bound).

@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine, WorkerStats, request_timings
-from engine.llm_engine import RequestOutput
-from kv_transfer import ChunkNotification, KVTransferError, PushHandle, TransferTarget, make_transport
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.async_engine import AsyncEngine, WorkerStats, request_timings
+from pdserve.engine.llm_engine import RequestOutput
+from pdserve.kv_transfer import ChunkNotification, KVTransferError, PushHandle, TransferTarget, make_transport
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +64,16 @@ class _Job:
                 fut.set_exception(error)
             else:
                 fut.set_result(value)
+
         self.aio.call_soon_threadsafe(apply)
 
 
 class PrefillWorker:
     """A Ray actor (async). Construct through ``ray.remote(PrefillWorker)``; await ``ready()``."""
 
-    def __init__(self, worker_id: str, engine_config: EngineConfig, transport: str = "nixl",
-                 transport_config: Any = None) -> None:
+    def __init__(
+        self, worker_id: str, engine_config: EngineConfig, transport: str = "nixl", transport_config: Any = None
+    ) -> None:
         self.worker_id = worker_id
         engine = LLMEngine(engine_config)
         self.block_size = engine.config.block_size
@@ -84,26 +86,48 @@ class PrefillWorker:
 
     async def ready(self) -> dict[str, Any]:
         engine = self.aengine.engine
-        return {"worker_id": self.worker_id, "role": "prefill", "num_blocks": engine.block_manager.num_blocks,
-                "block_size": self.block_size, "device": str(engine.device), "transport": self.transport.kind}
+        return {
+            "worker_id": self.worker_id,
+            "role": "prefill",
+            "num_blocks": engine.block_manager.num_blocks,
+            "block_size": self.block_size,
+            "device": str(engine.device),
+            "transport": self.transport.kind,
+        }
 
-    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      target: TransferTarget, dst_block_ids: list[int], num_cached_tokens: int,
-                      deadline: float) -> PrefillResult:
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        target: TransferTarget,
+        dst_block_ids: list[int],
+        num_cached_tokens: int,
+        deadline: float,
+    ) -> PrefillResult:
         """Prefill the prompt, pushing its KV into ``dst_block_ids`` on ``target``; return the first token.
 
         ``num_cached_tokens`` leading tokens are already on the decode side: their blocks are not pushed.
         """
         num_blocks = -(-len(prompt_token_ids) // self.block_size)
         if len(dst_block_ids) != num_blocks:
-            raise ValueError(f"dst_block_ids has {len(dst_block_ids)} ids for a {len(prompt_token_ids)}-token "
-                             f"prompt ({num_blocks} blocks of {self.block_size})")
+            raise ValueError(
+                f"dst_block_ids has {len(dst_block_ids)} ids for a {len(prompt_token_ids)}-token "
+                f"prompt ({num_blocks} blocks of {self.block_size})"
+            )
         if num_cached_tokens % self.block_size or not 0 <= num_cached_tokens < len(prompt_token_ids):
-            raise ValueError(f"num_cached_tokens must be whole blocks below the prompt length, got "
-                             f"{num_cached_tokens}")
+            raise ValueError(f"num_cached_tokens must be whole blocks below the prompt length, got {num_cached_tokens}")
         aio = asyncio.get_running_loop()
-        job = _Job(request_id, target, list(dst_block_ids), len(prompt_token_ids), deadline, aio.create_future(),
-                   aio, next_block=num_cached_tokens // self.block_size)
+        job = _Job(
+            request_id,
+            target,
+            list(dst_block_ids),
+            len(prompt_token_ids),
+            deadline,
+            aio.create_future(),
+            aio,
+            next_block=num_cached_tokens // self.block_size,
+        )
         first_params = dataclasses.replace(params, max_tokens=1, ignore_eos=True, stop_token_ids=())
 
         def add(engine: LLMEngine) -> None:
@@ -112,8 +136,15 @@ class PrefillWorker:
 
         await self.aengine.run(add)
         first_token, first_time, timings = await job.first_token
-        return PrefillResult(self.worker_id, first_token, first_time, timings["queue_s"], timings["prefill_s"],
-                             timings["num_cached_tokens"], job.push_index)
+        return PrefillResult(
+            self.worker_id,
+            first_token,
+            first_time,
+            timings["queue_s"],
+            timings["prefill_s"],
+            timings["num_cached_tokens"],
+            job.push_index,
+        )
 
     # ---- on the loop thread --------------------------------------------------------------------
     def _on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
@@ -133,8 +164,9 @@ class PrefillWorker:
                 continue
             note = ChunkNotification(job.request_id, job.push_index, tokens_done, is_last)
             try:
-                handle = self.transport.push(job.target, [chunk.block_ids[i] for i in blocks],
-                                             [job.dst_block_ids[i] for i in blocks], note)
+                handle = self.transport.push(
+                    job.target, [chunk.block_ids[i] for i in blocks], [job.dst_block_ids[i] for i in blocks], note
+                )
             except (ValueError, KVTransferError) as e:
                 self._fail(engine, job, f"KV push failed: {e}")
                 continue

@@ -1,8 +1,8 @@
 """Python clients for a pdserve router: ``Client`` (blocking) and ``AsyncClient`` (asyncio). Both stream.
 
-    with Client("127.0.0.1:50051") as client:
-        for chunk in client.generate("Hello", SamplingParams(max_tokens=32)):
-            print(chunk.text, end="")
+with Client("127.0.0.1:50051") as client:
+    for chunk in client.generate("Hello", SamplingParams(max_tokens=32)):
+        print(chunk.text, end="")
 """
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any, NamedTuple
 
 import grpc
-
-from engine.sampling_params import SamplingParams
-from pdserve_proto import pdserve_pb2 as pb
-from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from router.server import GRPC_OPTIONS, MODE_ENUMS, MODE_NAMES
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.router.wire import GRPC_OPTIONS, MODE_ENUMS, MODE_NAMES, params_to_proto
 
 
 class GenerateChunk(NamedTuple):
@@ -26,18 +25,15 @@ class GenerateChunk(NamedTuple):
     metadata: dict[str, Any] | None  # on the last chunk
 
 
-def _request(prompt: str | list[int], params: SamplingParams | None, mode: str | None,
-             request_id: str | None) -> pb.GenerateRequest:
-    params = params or SamplingParams()
-    sampling = pb.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k,
-                                 top_p=params.top_p, stop_token_ids=list(params.stop_token_ids),
-                                 ignore_eos=params.ignore_eos)
-    if params.seed is not None:
-        sampling.seed = params.seed
+def _request(
+    prompt: str | list[int], params: SamplingParams | None, mode: str | None, request_id: str | None
+) -> pb.GenerateRequest:
+    sampling = params_to_proto(params or SamplingParams())
     if mode is not None and mode not in MODE_ENUMS:
         raise ValueError(f"mode must be one of {', '.join(MODE_ENUMS)}, got {mode!r}")
-    req = pb.GenerateRequest(request_id=request_id or "", sampling=sampling,
-                             mode=MODE_ENUMS[mode] if mode else pb.MODE_UNSPECIFIED)
+    req = pb.GenerateRequest(
+        request_id=request_id or "", sampling=sampling, mode=MODE_ENUMS[mode] if mode else pb.MODE_UNSPECIFIED
+    )
     if isinstance(prompt, str):
         req.text = prompt
     else:
@@ -58,8 +54,10 @@ def stats_to_dicts(resp: pb.StatsResponse) -> list[dict[str, Any]]:
     out = []
     for w in resp.workers:
         d = {f.name: getattr(w, f.name) for f in w.DESCRIPTOR.fields if f.name != "steps"}
-        d["steps"] = [(s.started, s.duration_s, s.num_prefill_tokens, s.num_decode_tokens, s.num_seqs,
-                       s.num_context_tokens) for s in w.steps]
+        d["steps"] = [
+            (s.started, s.duration_s, s.num_prefill_tokens, s.num_decode_tokens, s.num_seqs, s.num_context_tokens)
+            for s in w.steps
+        ]
         out.append(d)
     return out
 
@@ -70,8 +68,13 @@ class Client:
         self._stub = pb_grpc.PDServeStub(self._channel)
         self.timeout_s = timeout_s
 
-    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, mode: str | None = None,
-                 request_id: str | None = None) -> Iterator[GenerateChunk]:
+    def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        mode: str | None = None,
+        request_id: str | None = None,
+    ) -> Iterator[GenerateChunk]:
         """Stream chunks; raises ``grpc.RpcError`` (with the server's status and message) on failure.
 
         Closing the iterator early cancels the request on the server.
@@ -109,8 +112,13 @@ class AsyncClient:
         self._stub = pb_grpc.PDServeStub(self._channel)
         self.timeout_s = timeout_s
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, mode: str | None = None,
-                       request_id: str | None = None) -> AsyncIterator[GenerateChunk]:
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        mode: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[GenerateChunk]:
         call = self._stub.Generate(_request(prompt, params, mode, request_id), timeout=self.timeout_s)
         try:
             async for resp in call:

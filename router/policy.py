@@ -12,7 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from engine.block_manager import compute_block_hashes
+from pdserve.engine.block_manager import compute_block_hashes
 
 MODES = ("colocated", "disaggregated", "auto")
 
@@ -98,11 +98,13 @@ class RoutingPolicy:
         prefill = min(self.prefill.values(), key=lambda v: (v.outstanding_tokens, v.num_requests), default=None)
         if mode == "auto":
             uncached = len(prompt) - cached
-            remote = (prefill is not None and uncached > self.config.auto_min_remote_tokens
-                      and prefill.outstanding_tokens < self.config.auto_max_prefill_queue_tokens)
+            remote = (
+                prefill is not None
+                and uncached > self.config.auto_min_remote_tokens
+                and prefill.outstanding_tokens < self.config.auto_max_prefill_queue_tokens
+            )
             mode = "disaggregated" if remote else "colocated"
-        return Route(mode, decode.worker_id, prefill.worker_id if mode == "disaggregated" and prefill else None,
-                     cached)
+        return Route(mode, decode.worker_id, prefill.worker_id if mode == "disaggregated" and prefill else None, cached)
 
     # ---- bookkeeping: the router calls these as requests move ----------------------------------
     def start(self, route: Route, prompt: list[int], max_tokens: int) -> None:

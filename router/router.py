@@ -17,11 +17,10 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any, NamedTuple
 
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.router.policy import Route, RouterConfig, RoutingPolicy
 from ray.exceptions import RayActorError, RayTaskError
-
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from router.policy import Route, RouterConfig, RoutingPolicy
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +60,18 @@ class ModelLimits(NamedTuple):
 
 
 class Router:
-    def __init__(self, config: RouterConfig, decode_workers: list[WorkerHandle], prefill_workers: list[WorkerHandle],
-                 limits: ModelLimits, tokenizer: Tokenizer | None) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        decode_workers: list[WorkerHandle],
+        prefill_workers: list[WorkerHandle],
+        limits: ModelLimits,
+        tokenizer: Tokenizer | None,
+    ) -> None:
         self.config = config
-        self.policy = RoutingPolicy(config, [w.worker_id for w in decode_workers],
-                                    [w.worker_id for w in prefill_workers])
+        self.policy = RoutingPolicy(
+            config, [w.worker_id for w in decode_workers], [w.worker_id for w in prefill_workers]
+        )
         self.workers = {w.worker_id: w for w in [*decode_workers, *prefill_workers]}
         self.limits = limits
         self.tokenizer = tokenizer
@@ -87,11 +93,15 @@ class Router:
             raise RequestError("INVALID_ARGUMENT", "prompt: must not be empty")
         bad = [t for t in prompt if not 0 <= t < self.limits.vocab_size]
         if bad:
-            raise RequestError("INVALID_ARGUMENT",
-                               f"prompt: token ids must be in [0, {self.limits.vocab_size}), got {bad[:5]}")
+            raise RequestError(
+                "INVALID_ARGUMENT", f"prompt: token ids must be in [0, {self.limits.vocab_size}), got {bad[:5]}"
+            )
         if len(prompt) >= self.limits.max_model_len:
-            raise RequestError("INVALID_ARGUMENT", f"prompt: {len(prompt)} tokens leaves no room to generate "
-                                                   f"within max_model_len={self.limits.max_model_len}")
+            raise RequestError(
+                "INVALID_ARGUMENT",
+                f"prompt: {len(prompt)} tokens leaves no room to generate "
+                f"within max_model_len={self.limits.max_model_len}",
+            )
         params = req.params
         if params.seed is None:  # prefill and decode workers must draw from the same seed
             params = replace(params, seed=self._seeds.getrandbits(63))
@@ -99,8 +109,9 @@ class Router:
         if request_id in self.active:
             raise RequestError("ALREADY_EXISTS", f"request_id {request_id!r} is already in use")
         if len(self.active) >= self.config.max_active_requests:
-            raise RequestError("RESOURCE_EXHAUSTED",
-                               f"router is at its limit of {self.config.max_active_requests} active requests")
+            raise RequestError(
+                "RESOURCE_EXHAUSTED", f"router is at its limit of {self.config.max_active_requests} active requests"
+            )
         return request_id, prompt, params
 
     # ---- serving -------------------------------------------------------------------------------
@@ -115,8 +126,12 @@ class Router:
         self.active[request_id] = route
         self.policy.start(route, prompt, params.max_tokens)
         detok = self.tokenizer.detokenizer() if self.tokenizer else None
-        meta: dict[str, Any] = {"request_id": request_id, "mode": route.mode, "decode_worker": route.decode_worker,
-                                "prefill_worker": route.prefill_worker or ""}
+        meta: dict[str, Any] = {
+            "request_id": request_id,
+            "mode": route.mode,
+            "decode_worker": route.decode_worker,
+            "prefill_worker": route.prefill_worker or "",
+        }
         prefill_pending = route.prefill_worker is not None
         first_sent: float | None = None
         num_out = 0
@@ -141,8 +156,7 @@ class Router:
                 if done:
                     finished = True
                     meta.update({k: v for k, v in (worker_meta or {}).items() if k in _META_KEYS})
-                    meta.update(e2e_s=time.time() - received, num_prompt_tokens=len(prompt),
-                                num_output_tokens=num_out)
+                    meta.update(e2e_s=time.time() - received, num_prompt_tokens=len(prompt), num_output_tokens=num_out)
                     meta.setdefault("ttft_s", time.time() - received)
                     yield RouterEvent(token_ids, text, True, reason, meta)
                     return
@@ -162,21 +176,29 @@ class Router:
         async for item in self._worker_stream(stream):
             yield item
 
-    async def _disaggregated(self, request_id: str, prompt: list[int], params: SamplingParams, route: Route,
-                             meta: dict[str, Any]):
+    async def _disaggregated(
+        self, request_id: str, prompt: list[int], params: SamplingParams, route: Route, meta: dict[str, Any]
+    ):
         decode = self.workers[route.decode_worker].actor
         prefill = self.workers[route.prefill_worker].actor  # type: ignore[index]
         reservation = await self._reserve(decode, request_id, prompt, params)
         meta["num_cached_tokens"] = reservation.num_cached_tokens
         try:
-            result = await prefill.prefill.remote(request_id, prompt, params, reservation.target,
-                                                  reservation.block_ids, reservation.num_cached_tokens,
-                                                  reservation.deadline)
+            result = await prefill.prefill.remote(
+                request_id,
+                prompt,
+                params,
+                reservation.target,
+                reservation.block_ids,
+                reservation.num_cached_tokens,
+                reservation.deadline,
+            )
         except (RayActorError, RayTaskError) as e:
             if _is_value_error(e):
                 raise RequestError("INVALID_ARGUMENT", _cause(e)) from None
-            log.warning("prefill worker %s failed on %s (%s); prefilling locally", route.prefill_worker,
-                        request_id, _cause(e))
+            log.warning(
+                "prefill worker %s failed on %s (%s); prefilling locally", route.prefill_worker, request_id, _cause(e)
+            )
             await asyncio.shield(self._abort_on_workers(request_id, route))
             meta.update(mode="colocated", prefill_worker="", fallback=f"prefill worker failed: {_cause(e)}")
             yield [], False, None, {"prefill_done": True}
@@ -187,8 +209,9 @@ class Router:
         yield [], False, None, {"prefill_done": True}
         yield [result.first_token], False, None, None
         prefill_meta = {"queue_s": result.queue_s, "prefill_s": result.prefill_s}
-        stream = decode.decode.options(num_returns="streaming").remote(request_id, result.first_token,
-                                                                       result.first_token_time, prefill_meta)
+        stream = decode.decode.options(num_returns="streaming").remote(
+            request_id, result.first_token, result.first_token_time, prefill_meta
+        )
         async for item in self._worker_stream(stream):
             yield item
 
@@ -204,8 +227,10 @@ class Router:
             if reservation is not None:
                 return reservation
             if time.monotonic() > deadline:
-                raise RequestError("RESOURCE_EXHAUSTED", f"no KV blocks free on the decode worker for "
-                                                         f"{self.config.reserve_timeout_s} s")
+                raise RequestError(
+                    "RESOURCE_EXHAUSTED",
+                    f"no KV blocks free on the decode worker for {self.config.reserve_timeout_s} s",
+                )
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
 
@@ -247,15 +272,21 @@ class Router:
 
     async def health(self, timeout_s: float = 5.0) -> tuple[bool, str]:
         try:
-            await asyncio.wait_for(asyncio.gather(*[w.actor.ready.remote() for w in self.workers.values()]),
-                                   timeout_s)
+            await asyncio.wait_for(asyncio.gather(*[w.actor.ready.remote() for w in self.workers.values()]), timeout_s)
         except Exception as e:
             return False, f"a worker is not answering: {e}"
         return True, "serving"
 
 
-_META_KEYS = {"queue_s", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "num_cached_tokens", "decode_worker",
-              "second_token_time"}
+_META_KEYS = {
+    "queue_s",
+    "prefill_s",
+    "kv_transfer_s",
+    "kv_transfer_bytes",
+    "num_cached_tokens",
+    "decode_worker",
+    "second_token_time",
+}
 
 
 def _cause(e: BaseException) -> str:

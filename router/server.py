@@ -5,30 +5,12 @@ from __future__ import annotations
 import logging
 
 import grpc
-
-from engine.sampling_params import SamplingParams
-from pdserve_proto import pdserve_pb2 as pb
-from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from router.router import GenerateInput, RequestError, Router
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.router.router import GenerateInput, RequestError, Router
+from pdserve.router.wire import GRPC_OPTIONS, MODE_ENUMS, MODE_NAMES, params_from_proto
 
 log = logging.getLogger(__name__)
-
-MODE_NAMES = {pb.MODE_UNSPECIFIED: None, pb.COLOCATED: "colocated", pb.DISAGGREGATED: "disaggregated",
-              pb.AUTO: "auto"}
-MODE_ENUMS = {name: enum for enum, name in MODE_NAMES.items() if name}
-
-
-def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
-    """Raises ValueError naming the field."""
-    return SamplingParams(
-        max_tokens=p.max_tokens or 16,
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p or 1.0,
-        seed=p.seed if p.HasField("seed") else None,
-        stop_token_ids=tuple(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-    )
 
 
 def metadata_to_proto(meta: dict) -> pb.RequestMetadata:
@@ -69,7 +51,9 @@ class PDServeServicer(pb_grpc.PDServeServicer):
         try:
             async for event in self.router.generate(req):
                 yield pb.GenerateResponse(
-                    token_ids=event.token_ids, text=event.text, finished=event.finished,
+                    token_ids=event.token_ids,
+                    text=event.text,
+                    finished=event.finished,
                     finish_reason=event.finish_reason or "",
                     metadata=metadata_to_proto(event.metadata) if event.metadata else None,
                 )
@@ -83,29 +67,46 @@ class PDServeServicer(pb_grpc.PDServeServicer):
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         ok, status = await self.router.health()
-        return pb.HealthResponse(ok=ok, status=status, num_prefill_workers=len(self.router.policy.prefill),
-                                 num_decode_workers=len(self.router.policy.decode),
-                                 default_mode=MODE_ENUMS[self.router.config.default_mode])
+        return pb.HealthResponse(
+            ok=ok,
+            status=status,
+            num_prefill_workers=len(self.router.policy.prefill),
+            num_decode_workers=len(self.router.policy.decode),
+            default_mode=MODE_ENUMS[self.router.config.default_mode],
+        )
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         since = request.steps_since if request.include_steps else None
         workers = []
         for s in await self.router.stats(since):
-            workers.append(pb.WorkerStats(
-                worker_id=s.worker_id, role=s.role, blocks_total=s.blocks_total, blocks_free=s.blocks_free,
-                blocks_cached=s.blocks_cached, blocks_used=s.blocks_used, num_running=s.num_running,
-                num_waiting=s.num_waiting, num_remote_pending=s.num_remote_pending,
-                tokens_in_flight=s.tokens_in_flight, num_steps=s.num_steps, kv_bytes_moved=s.kv_bytes_moved,
-                steps=[pb.StepRecord(started=st.started, duration_s=st.duration_s,
-                                     num_prefill_tokens=st.num_prefill_tokens,
-                                     num_decode_tokens=st.num_decode_tokens, num_seqs=st.num_seqs,
-                                     num_context_tokens=st.num_context_tokens)
-                       for st in s.steps],
-            ))
+            workers.append(
+                pb.WorkerStats(
+                    worker_id=s.worker_id,
+                    role=s.role,
+                    blocks_total=s.blocks_total,
+                    blocks_free=s.blocks_free,
+                    blocks_cached=s.blocks_cached,
+                    blocks_used=s.blocks_used,
+                    num_running=s.num_running,
+                    num_waiting=s.num_waiting,
+                    num_remote_pending=s.num_remote_pending,
+                    tokens_in_flight=s.tokens_in_flight,
+                    num_steps=s.num_steps,
+                    kv_bytes_moved=s.kv_bytes_moved,
+                    steps=[
+                        pb.StepRecord(
+                            started=st.started,
+                            duration_s=st.duration_s,
+                            num_prefill_tokens=st.num_prefill_tokens,
+                            num_decode_tokens=st.num_decode_tokens,
+                            num_seqs=st.num_seqs,
+                            num_context_tokens=st.num_context_tokens,
+                        )
+                        for st in s.steps
+                    ],
+                )
+            )
         return pb.StatsResponse(workers=workers, num_active_requests=len(self.router.active))
-
-
-GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
 async def start_server(router: Router, host: str, port: int) -> tuple[grpc.aio.Server, int]:

@@ -5,5 +5,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 ruff check .
-python pdserve_proto/generate.py --check
+ruff format --check .
+python proto/generate.py --check
 python -m pytest -q "$@"

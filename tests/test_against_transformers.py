@@ -5,20 +5,35 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
-from engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 
 
 def _save_random_hf_model(kind: str, path: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    common = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=299, bos_token_id=298)
+    common = dict(
+        vocab_size=300,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        eos_token_id=299,
+        bos_token_id=298,
+    )
     if kind == "llama":
         config = transformers.LlamaConfig(
-            **common, rope_theta=50000.0,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            **common,
+            rope_theta=50000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
         )
         model = transformers.LlamaForCausalLM(config)
     else:
@@ -41,8 +56,9 @@ def _save_random_hf_model(kind: str, path: str) -> torch.nn.Module:
 def test_logits_and_greedy_tokens_match_transformers(kind, tmp_path):
     hf = _save_random_hf_model(kind, str(tmp_path))
     assert (tmp_path / "model.safetensors.index.json").exists(), "exercise the sharded-checkpoint path"
-    engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", device="cpu",
-                                    max_num_batched_tokens=64, num_kv_blocks=64))
+    engine = LLMEngine(
+        EngineConfig(model=str(tmp_path), dtype="float32", device="cpu", max_num_batched_tokens=64, num_kv_blocks=64)
+    )
     assert engine.model_config.architecture == ("LlamaForCausalLM" if kind == "llama" else "Qwen2ForCausalLM")
     prompt = [int(t) for t in torch.randint(0, 290, (77,), generator=torch.Generator().manual_seed(1))]
 
@@ -54,8 +70,14 @@ def test_logits_and_greedy_tokens_match_transformers(kind, tmp_path):
 
     with torch.no_grad():
         ids = torch.tensor([prompt])
-        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                          eos_token_id=None, pad_token_id=None)[0, len(prompt):].tolist()
+        ref = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=32,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=None,
+        )[0, len(prompt) :].tolist()
     [completion] = engine.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
     assert completion.token_ids == ref
     engine.block_manager.check_integrity()

@@ -5,18 +5,42 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from bench.runner import main
+from pdserve.bench.runner import main
 
 pytestmark = pytest.mark.cluster
 
 
 def test_pdserve_bench_writes_results_report_and_plots(tmp_path):
     out = tmp_path / "ab"
-    rc = main(["--architectures", "colocated,disaggregated", "--workers", "2", "--num-requests", "6",
-               "--rate", "20", "--prompt-len-mean", "80", "--prompt-len-max", "200", "--output-len-mean", "6",
-               "--output-len-max", "10", "--warmup", "1", "--transport", "grpc", "--slo", "ttft=5000,tpot=1000",
-               "--no-progress", "--out", str(out)])
+    rc = main(
+        [
+            "--architectures",
+            "colocated,disaggregated",
+            "--workers",
+            "2",
+            "--num-requests",
+            "6",
+            "--rate",
+            "20",
+            "--prompt-len-mean",
+            "80",
+            "--prompt-len-max",
+            "200",
+            "--output-len-mean",
+            "6",
+            "--output-len-max",
+            "10",
+            "--warmup",
+            "1",
+            "--transport",
+            "grpc",
+            "--slo",
+            "ttft=5000,tpot=1000",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     for name in ("results.json", "report.md", "itl_cdf.png", "ttft_cdf.png", "throughput_latency.png"):
         assert (out / name).stat().st_size > 0, name

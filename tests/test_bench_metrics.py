@@ -8,8 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
-from bench.metrics import (
+from pdserve.bench.metrics import (
     LatencyStats,
     RequestRecord,
     SweepPoint,
@@ -23,7 +22,7 @@ from bench.metrics import (
     prefill_throughput,
     sweep_point,
 )
-from bench.report import RunData, load_results, markdown_table, write_report
+from pdserve.bench.report import RunData, load_results, markdown_table, write_report
 
 
 def hand_records() -> list[RequestRecord]:

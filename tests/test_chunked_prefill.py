@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.model_runner import ModelRunner, gather_kv
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.model_runner import ModelRunner, gather_kv
 
 PROMPT_LENGTHS = (37, 150, 203)  # none is a multiple of the block size (16)
 CHUNK_SIZES = (1, 7, 16, 100, 1000)  # 1000 is larger than every prompt
@@ -19,8 +18,10 @@ def _prompts() -> list[list[int]]:
 
 def _run(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy outputs, and the prompt KV each request left in the cache."""
-    ids = [engine.add_request(p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), hold_blocks=True)
-           for p in prompts]
+    ids = [
+        engine.add_request(p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), hold_blocks=True)
+        for p in prompts
+    ]
     while engine.has_unfinished_requests():
         engine.step()
     outputs, kvs = [], []
@@ -36,14 +37,30 @@ def _run(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[list[int]], 
 
 @pytest.fixture(scope="module")
 def unchunked_reference():
-    engine = LLMEngine(EngineConfig(model="tiny", device="cpu", enable_chunked_prefill=False, num_kv_blocks=256,
-                                    enable_prefix_caching=False, max_model_len=1024))
+    engine = LLMEngine(
+        EngineConfig(
+            model="tiny",
+            device="cpu",
+            enable_chunked_prefill=False,
+            num_kv_blocks=256,
+            enable_prefix_caching=False,
+            max_model_len=1024,
+        )
+    )
     return _run(engine, _prompts())
 
 
 def _chunked_engine(chunk: int) -> LLMEngine:
-    return LLMEngine(EngineConfig(model="tiny", device="cpu", max_num_batched_tokens=chunk, num_kv_blocks=256,
-                                  enable_prefix_caching=False, max_model_len=1024))
+    return LLMEngine(
+        EngineConfig(
+            model="tiny",
+            device="cpu",
+            max_num_batched_tokens=chunk,
+            num_kv_blocks=256,
+            enable_prefix_caching=False,
+            max_model_len=1024,
+        )
+    )
 
 
 def _assert_same(result, reference) -> None:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-PDSERVE = [sys.executable, "-m", "cli.main"]
+PDSERVE = [sys.executable, "-m", "pdserve.cli.main"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -39,10 +39,27 @@ def _free_port() -> int:
 @pytest.mark.cluster
 def test_serve_then_generate_then_ctrl_c_stops_cleanly():
     port = _free_port()
-    server = subprocess.Popen([*PDSERVE, "serve", "--mode", "auto", "--transport", "grpc", "--port", str(port),
-                               "--num-kv-blocks", "256", "--auto-min-remote-tokens", "8"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                              start_new_session=True)
+    server = subprocess.Popen(
+        [
+            *PDSERVE,
+            "serve",
+            "--mode",
+            "auto",
+            "--transport",
+            "grpc",
+            "--port",
+            str(port),
+            "--num-kv-blocks",
+            "256",
+            "--auto-min-remote-tokens",
+            "8",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         line = ""
@@ -51,8 +68,17 @@ def test_serve_then_generate_then_ctrl_c_stops_cleanly():
             line = server.stdout.readline()
         assert f"127.0.0.1:{port}" in line and "mode=auto" in line
         for mode in ("colocated", "disaggregated"):
-            result = _run("generate", "a prompt of some length", "--target", f"127.0.0.1:{port}", "--mode", mode,
-                          "--max-tokens", "5", "--ignore-eos")
+            result = _run(
+                "generate",
+                "a prompt of some length",
+                "--target",
+                f"127.0.0.1:{port}",
+                "--mode",
+                mode,
+                "--max-tokens",
+                "5",
+                "--ignore-eos",
+            )
             assert result.returncode == 0, result.stderr
             assert f"'mode': '{mode}'" in result.stderr and "'num_output_tokens': 5" in result.stderr
         server.send_signal(signal.SIGINT)

@@ -6,9 +6,8 @@ import random
 
 import pytest
 import torch
-
-from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
-from engine.tokenizer import ByteTokenizer
+from pdserve.engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
+from pdserve.engine.tokenizer import ByteTokenizer
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -85,11 +84,20 @@ def test_seeded_sampling_is_reproducible_across_engines_and_batches():
     prompt = [10, 20, 30, 40]
     a = tiny().generate([prompt], params)[0].token_ids
     others = _random_prompts(5, seed=5)
-    b = tiny(max_num_seqs=3).generate(others[:2] + [prompt] + others[2:], [SamplingParams(temperature=1.0)] * 2
-                               + [params] + [SamplingParams(temperature=1.0)] * 3)[2].token_ids
+    b = (
+        tiny(max_num_seqs=3)
+        .generate(
+            others[:2] + [prompt] + others[2:],
+            [SamplingParams(temperature=1.0)] * 2 + [params] + [SamplingParams(temperature=1.0)] * 3,
+        )[2]
+        .token_ids
+    )
     assert a == b
-    c = tiny().generate([prompt], SamplingParams(max_tokens=12, temperature=1.5, top_k=50, top_p=0.9,
-                                                 seed=4321))[0].token_ids
+    c = (
+        tiny()
+        .generate([prompt], SamplingParams(max_tokens=12, temperature=1.5, top_k=50, top_p=0.9, seed=4321))[0]
+        .token_ids
+    )
     assert c != a
 
 
@@ -181,8 +189,7 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
         (dict(device="tpu"), "device"),
         (dict(num_kv_blocks=0), "num_kv_blocks"),
         (dict(kv_cache_memory_gb=0), "kv_cache_memory_gb"),
-        (dict(enable_chunked_prefill=False, max_num_batched_tokens=100, max_model_len=200),
-         "max_num_batched_tokens"),
+        (dict(enable_chunked_prefill=False, max_num_batched_tokens=100, max_model_len=200), "max_num_batched_tokens"),
         (dict(model="no-such-model"), "model"),
         (dict(max_model_len=10**6), "max_model_len"),
     ],
@@ -209,8 +216,9 @@ def test_remote_kv_reservation_and_admission_match_a_local_run(engine):
     expected = _alone(tiny(enable_prefix_caching=False), prompt, params)
 
     prefill = tiny(max_num_batched_tokens=32)
-    rid = prefill.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
-                              request_id="r", hold_blocks=True)
+    rid = prefill.add_request(
+        prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), request_id="r", hold_blocks=True
+    )
     first = []
     while prefill.has_unfinished_requests():
         first += [t for o in prefill.step() for t in o.new_token_ids]

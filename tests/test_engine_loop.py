@@ -5,9 +5,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.engine_loop import EngineLoop
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.engine_loop import EngineLoop
 
 
 @pytest.fixture
@@ -27,8 +26,9 @@ def test_commands_and_step_callbacks(engine):
 
     loop = EngineLoop(engine, on_step=on_step)
     try:
-        rid = loop.call(lambda e: e.add_request([1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0,
-                                                                          ignore_eos=True))).result(10)
+        rid = loop.call(
+            lambda e: e.add_request([1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+        ).result(10)
         assert finished.wait(30)
         assert len(tokens) == 5 and rid.startswith("req-")
         with pytest.raises(ValueError, match="prompt: must not be empty"):

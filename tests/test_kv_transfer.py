@@ -17,20 +17,19 @@ from typing import Any
 import grpc
 import pytest
 import torch
-
-from kv_transfer import (
+from pdserve.kv_transfer import (
     ChunkNotification,
     KVTransferError,
     KVTransport,
     TransferTarget,
     make_transport,
 )
-from kv_transfer.base import pool_bytes_view
-from kv_transfer.grpc_transport import GrpcConfig, _parse_payload, _serialize_payload
-from kv_transfer.nixl_transport import NixlConfig
-from kv_transfer.peer import TransferPeer
-from pdserve_proto import kv_transfer_pb2 as pb
-from pdserve_proto import kv_transfer_pb2_grpc as pb_grpc
+from pdserve.kv_transfer.base import pool_bytes_view
+from pdserve.kv_transfer.grpc_transport import GrpcConfig, _parse_payload, _serialize_payload
+from pdserve.kv_transfer.nixl_transport import NixlConfig
+from pdserve.kv_transfer.peer import TransferPeer
+from pdserve.proto import kv_transfer_pb2 as pb
+from pdserve.proto import kv_transfer_pb2_grpc as pb_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KINDS = ["nixl", "grpc"]
@@ -99,9 +98,7 @@ def test_chunk_notification_round_trip(notif: ChunkNotification) -> None:
     assert type(back.is_last) is bool
 
 
-@pytest.mark.parametrize(
-    "data", [b"", b"PDKV1", b"garbage that is long enough to parse", b"PDKV1" + bytes(13)]
-)
+@pytest.mark.parametrize("data", [b"", b"PDKV1", b"garbage that is long enough to parse", b"PDKV1" + bytes(13)])
 def test_chunk_notification_rejects_garbage(data: bytes) -> None:
     with pytest.raises(ValueError):
         ChunkNotification.from_bytes(data)
@@ -204,9 +201,7 @@ def test_push_rejects_unknown_targets(pair: Pair) -> None:
     cases = [
         (TransferTarget(other_kind, "x", NUM_BLOCKS, target.block_bytes), "unknown target"),
         (
-            TransferTarget(
-                target.kind, "x", NUM_BLOCKS, target.block_bytes, agent_name="a", agent_metadata=b""
-            ),
+            TransferTarget(target.kind, "x", NUM_BLOCKS, target.block_bytes, agent_name="a", agent_metadata=b""),
             "unknown target",
         ),
         (TransferTarget(target.kind, "", NUM_BLOCKS, target.block_bytes), "unknown target"),
@@ -215,9 +210,7 @@ def test_push_rejects_unknown_targets(pair: Pair) -> None:
     if target.kind == "nixl":
         cases.append(
             (
-                TransferTarget(
-                    "nixl", "y", NUM_BLOCKS, target.block_bytes, agent_name="a", agent_metadata=b"junk"
-                ),
+                TransferTarget("nixl", "y", NUM_BLOCKS, target.block_bytes, agent_name="a", agent_metadata=b"junk"),
                 "unknown target",
             )
         )

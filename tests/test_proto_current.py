@@ -1,4 +1,4 @@
-"""The generated protobuf modules in pdserve_proto/ match the .proto files (``pdserve_proto/generate.py --check``)."""
+"""The generated protobuf modules in proto/ match the .proto files (``proto/generate.py --check``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PROTO_DIR = REPO_ROOT / "pdserve_proto"
+PROTO_DIR = REPO_ROOT / "proto"
 
 
 def _check(proto_dir: Path) -> subprocess.CompletedProcess[str]:
@@ -25,7 +25,7 @@ def _check(proto_dir: Path) -> subprocess.CompletedProcess[str]:
 
 def test_generated_modules_are_current() -> None:
     result = _check(PROTO_DIR)
-    assert result.returncode == 0, f"run `python pdserve_proto/generate.py`:\n{result.stdout}{result.stderr}"
+    assert result.returncode == 0, f"run `python proto/generate.py`:\n{result.stdout}{result.stderr}"
 
 
 def test_every_proto_has_its_modules() -> None:
@@ -38,7 +38,7 @@ def test_every_proto_has_its_modules() -> None:
 
 @pytest.fixture
 def proto_copy(tmp_path: Path) -> Path:
-    """A copy of pdserve_proto/ (sources, generated modules, the script) to break on purpose."""
+    """A copy of proto/ (sources, generated modules, the script) to break on purpose."""
     dst = tmp_path / PROTO_DIR.name  # the folder name is the import package name
     shutil.copytree(PROTO_DIR, dst, ignore=shutil.ignore_patterns("__pycache__"))
     assert _check(dst).returncode == 0
@@ -47,7 +47,7 @@ def proto_copy(tmp_path: Path) -> Path:
 
 def test_check_fails_on_an_edited_module(proto_copy: Path) -> None:
     module = proto_copy / "kv_transfer_pb2_grpc.py"
-    module.write_text(module.read_text().replace("from pdserve_proto import", "import", 1))
+    module.write_text(module.read_text().replace("from pdserve.proto import", "import", 1))
     result = _check(proto_copy)
     assert result.returncode != 0 and "kv_transfer_pb2_grpc.py: stale" in result.stderr
 

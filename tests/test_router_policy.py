@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from router.policy import RouterConfig, RoutingPolicy
+from pdserve.router.policy import RouterConfig, RoutingPolicy
 
 
 def policy(prefill=("p0",), decode=("d0", "d1"), **cfg) -> RoutingPolicy:
@@ -72,22 +71,29 @@ def test_router_validation_limits_and_seeds():
     """The router's own checks (no worker is called: validation comes first)."""
     import asyncio
 
-    from engine import SamplingParams
-    from engine.tokenizer import ByteTokenizer
-    from router.router import GenerateInput, ModelLimits, RequestError, Router, WorkerHandle
+    from pdserve.engine import SamplingParams
+    from pdserve.engine.tokenizer import ByteTokenizer
+    from pdserve.router.router import GenerateInput, ModelLimits, RequestError, Router, WorkerHandle
 
-    router = Router(RouterConfig(max_active_requests=1), [WorkerHandle("d0", "decode", None)], [],
-                    ModelLimits(vocab_size=260, max_model_len=64), ByteTokenizer())
+    router = Router(
+        RouterConfig(max_active_requests=1),
+        [WorkerHandle("d0", "decode", None)],
+        [],
+        ModelLimits(vocab_size=260, max_model_len=64),
+        ByteTokenizer(),
+    )
 
     def validate(prompt, request_id=None, params=None):
         return router._validate(GenerateInput(request_id, prompt, params or SamplingParams(), None))
 
     rid, prompt, params = validate("héllo")
     assert prompt == list("héllo".encode()) and params.seed is not None and rid
-    for bad, code, text in [([], "INVALID_ARGUMENT", "must not be empty"),
-                            ("", "INVALID_ARGUMENT", "must not be empty"),
-                            ([1, 300], "INVALID_ARGUMENT", "[0, 260)"),
-                            ([1] * 64, "INVALID_ARGUMENT", "max_model_len=64")]:
+    for bad, code, text in [
+        ([], "INVALID_ARGUMENT", "must not be empty"),
+        ("", "INVALID_ARGUMENT", "must not be empty"),
+        ([1, 300], "INVALID_ARGUMENT", "[0, 260)"),
+        ([1] * 64, "INVALID_ARGUMENT", "max_model_len=64"),
+    ]:
         with pytest.raises(RequestError) as err:
             validate(bad)
         assert err.value.code == code and text in str(err.value)
@@ -102,6 +108,7 @@ def test_router_validation_limits_and_seeds():
     async def colocated_only():
         async for _ in router.generate(GenerateInput(None, [1, 2], SamplingParams(), "disaggregated")):
             pass
+
     router.active.clear()
     with pytest.raises(RequestError) as err:
         asyncio.run(colocated_only())

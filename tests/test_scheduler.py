@@ -6,11 +6,10 @@ import subprocess
 import sys
 
 import pytest
-
-from engine.block_manager import BlockManager, compute_block_hashes
-from engine.request import FinishReason, Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.block_manager import BlockManager, compute_block_hashes
+from pdserve.engine.request import FinishReason, Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 BS = 16
 
@@ -72,11 +71,18 @@ def test_decodes_first_then_partial_prefills_then_waiting_in_arrival_order():
     s.add(req("c", 5, max_tokens=2))
     out = fake_step(s)
     assert [(c.request_id, c.start, len(c.token_ids)) for c in out.chunks] == [
-        ("a", 10, 1), ("b", 10, 1), ("long", 0, 48)]  # c waits: the budget is spent
+        ("a", 10, 1),
+        ("b", 10, 1),
+        ("long", 0, 48),
+    ]  # c waits: the budget is spent
     out = fake_step(s)
     # running decodes, then the partially prefilled request, then the waiting one
     assert [(c.request_id, c.start, len(c.token_ids), c.samples) for c in out.chunks] == [
-        ("a", 11, 1, True), ("b", 11, 1, True), ("long", 48, 12, True), ("c", 0, 5, True)]
+        ("a", 11, 1, True),
+        ("b", 11, 1, True),
+        ("long", 48, 12, True),
+        ("c", 0, 5, True),
+    ]
 
 
 def test_arrival_order_and_exact_chunks():
@@ -87,7 +93,9 @@ def test_arrival_order_and_exact_chunks():
     assert [(c.request_id, c.start, len(c.token_ids)) for c in out.chunks] == [("first", 0, 32)]
     out = fake_step(s)
     assert [(c.request_id, c.start, len(c.token_ids), c.samples) for c in out.chunks] == [
-        ("first", 32, 8, True), ("second", 0, 20, True)]
+        ("first", 32, 8, True),
+        ("second", 0, 20, True),
+    ]
 
 
 def test_prompt_longer_than_budget_completes_over_several_steps():
@@ -160,8 +168,7 @@ def test_block_hashes_are_chained_and_stable():
     c = compute_block_hashes([99] + list(range(1, 40)), BS)
     assert c[0] != a[0] and c[1] != a[1]  # same tokens in block 1, different parent
     # stable across processes (Python's hash() is salted; ours must not be)
-    code = ("from engine.block_manager import compute_block_hashes as h; "
-            "print(h(list(range(40)), 16)[1].hex())")
+    code = "from pdserve.engine.block_manager import compute_block_hashes as h; print(h(list(range(40)), 16)[1].hex())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == a[1].hex()
 

@@ -11,17 +11,18 @@ import grpc
 import pytest
 import ray
 import torch
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.model_runner import gather_kv
+from pdserve.router.client import AsyncClient, Client
+from pdserve.router.policy import RouterConfig
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.model_runner import gather_kv
-from router.client import AsyncClient, Client
-from router.deployment import Deployment, DeploymentConfig
-from router.policy import RouterConfig
+from pdserve.deployment import Deployment, DeploymentConfig
 
 pytestmark = pytest.mark.cluster
 
-ENGINE = EngineConfig(model="tiny", device="cpu", num_kv_blocks=400, max_num_batched_tokens=48, torch_threads=1,
-                      max_model_len=1024)
+ENGINE = EngineConfig(
+    model="tiny", device="cpu", num_kv_blocks=400, max_num_batched_tokens=48, torch_threads=1, max_model_len=1024
+)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
@@ -50,10 +51,17 @@ def ray_cluster():
 
 
 def _deployment(transport: str) -> Deployment:
-    return Deployment(DeploymentConfig(
-        engine=ENGINE, mode="auto", num_prefill_workers=1, num_decode_workers=1, transport=transport, port=0,
-        router=RouterConfig(auto_min_remote_tokens=64),
-    )).start()
+    return Deployment(
+        DeploymentConfig(
+            engine=ENGINE,
+            mode="auto",
+            num_prefill_workers=1,
+            num_decode_workers=1,
+            transport=transport,
+            port=0,
+            router=RouterConfig(auto_min_remote_tokens=64),
+        )
+    ).start()
 
 
 @pytest.fixture(scope="module", params=["nixl", "grpc"])
@@ -133,8 +141,9 @@ def test_decode_worker_receives_exactly_the_locally_computed_kv(deployment, clie
 def test_first_token_reaches_the_client_before_the_second_is_decoded(deployment, client):
     prompt = [random.Random(6).randrange(256) for _ in range(180)]
     arrivals = []
-    for chunk in client.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
-                                 mode="disaggregated"):
+    for chunk in client.generate(
+        prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), mode="disaggregated"
+    ):
         arrivals.append((time.time(), chunk))
     first_time, first = arrivals[0]
     assert len(first.token_ids) == 1  # the prefill worker's token, streamed on its own
@@ -147,8 +156,10 @@ def test_first_token_reaches_the_client_before_the_second_is_decoded(deployment,
 def test_seeded_sampling_is_the_same_in_every_mode(deployment, client):
     params = SamplingParams(max_tokens=10, temperature=1.0, top_k=40, seed=77)
     prompt = _prompts()[5]
-    runs = {mode: [t for c in client.generate(prompt, params, mode=mode) for t in c.token_ids]
-            for mode in ("colocated", "disaggregated")}
+    runs = {
+        mode: [t for c in client.generate(prompt, params, mode=mode) for t in c.token_ids]
+        for mode in ("colocated", "disaggregated")
+    }
     reference = LLMEngine(ENGINE).generate([prompt], params)[0].token_ids
     assert runs["colocated"] == runs["disaggregated"] == reference
 
@@ -169,8 +180,8 @@ def test_bad_input_gets_invalid_argument(deployment, client, kwargs, code, match
 
 
 def test_bad_sampling_parameters_get_invalid_argument(deployment, client):
-    from pdserve_proto import pdserve_pb2 as pb
-    from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+    from pdserve.proto import pdserve_pb2 as pb
+    from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(deployment.address) as channel:
         stub = pb_grpc.PDServeStub(channel)
@@ -190,9 +201,11 @@ def test_abort_and_client_cancel_free_every_block(deployment, client):
     stream = client.generate(_prompts()[3], long, mode="disaggregated", request_id="to-abort")
     first = next(stream)
     assert first.token_ids
+
     def abort_from_elsewhere():
         with Client(deployment.address) as other:
             assert other.abort("to-abort")
+
     threading.Timer(0.05, abort_from_elsewhere).start()
     rest = list(stream)
     assert rest[-1].finished and rest[-1].finish_reason == "abort"
@@ -211,6 +224,7 @@ def test_abort_and_client_cancel_free_every_block(deployment, client):
             async for chunk in c.generate(_prompts()[7], long, mode="disaggregated"):
                 if chunk.token_ids:
                     break
+
     asyncio.run(walk_away())
     assert_no_leaks(deployment)
     assert client.abort("no-such-request") is False

@@ -6,18 +6,17 @@ import json
 import os
 
 import numpy as np
+import pdserve.engine.scheduler as engine_scheduler
 import pytest
-
-import engine.scheduler as engine_scheduler
-from bench.metrics import compute_metrics
-from bench.sim.calibrate import CalibrationGrid, MeasuredStep, fit_linear_profile, measure_step_records
-from bench.sim.cli import main
-from bench.sim.cost_model import LinearCostModel, RooflineCostModel, StepShape, chunk_context_tokens
-from bench.sim.demo import compare_chunking, run_chunked_prefill_demo
-from bench.sim.experiments import chunk_sweep, find_knee, max_rate_meeting_slo, pd_search
-from bench.sim.profiles import MODELS, LinearProfile, get_hardware, get_model
-from bench.sim.simulator import SimConfig, simulate
-from bench.workloads import (
+from pdserve.bench.metrics import compute_metrics
+from pdserve.bench.sim.calibrate import CalibrationGrid, MeasuredStep, fit_linear_profile, measure_step_records
+from pdserve.bench.sim.cli import main
+from pdserve.bench.sim.cost_model import LinearCostModel, RooflineCostModel, StepShape, chunk_context_tokens
+from pdserve.bench.sim.demo import compare_chunking, run_chunked_prefill_demo
+from pdserve.bench.sim.experiments import chunk_sweep, find_knee, max_rate_meeting_slo, pd_search
+from pdserve.bench.sim.profiles import MODELS, LinearProfile, get_hardware, get_model
+from pdserve.bench.sim.simulator import SimConfig, simulate
+from pdserve.bench.workloads import (
     WorkloadRequest,
     WorkloadSpec,
     interference_workload,
@@ -29,9 +28,7 @@ H100_8B = RooflineCostModel(get_hardware("H100"), get_model("Llama-3-8B"))
 
 
 def _steps(result):
-    return [
-        (s.instance, s.start, s.duration, s.prefill_tokens, s.decode_tokens, s.num_seqs) for s in result.steps
-    ]
+    return [(s.instance, s.start, s.duration, s.prefill_tokens, s.decode_tokens, s.num_seqs) for s in result.steps]
 
 
 def _worst_stream_itl(result) -> float:
@@ -54,9 +51,7 @@ def test_chunk_equal_to_prompt_reproduces_unchunked_timeline():
     )
     budget = 4096  # the whole prompt plus every stream fits one step either way
     chunked = simulate(reqs, H100_8B, SimConfig(chunk_size=3000, max_num_batched_tokens=budget))
-    unchunked = simulate(
-        reqs, H100_8B, SimConfig(enable_chunked_prefill=False, max_num_batched_tokens=budget)
-    )
+    unchunked = simulate(reqs, H100_8B, SimConfig(enable_chunked_prefill=False, max_num_batched_tokens=budget))
     assert _steps(chunked) == _steps(unchunked)
     assert [r.token_times for r in chunked.records] == [r.token_times for r in unchunked.records]
     assert max(s.prefill_tokens for s in chunked.steps) >= 3000  # the long prompt went through in one step
@@ -147,9 +142,7 @@ def test_disaggregated_kv_stream_overlaps_next_chunk():
     assert rec.meta["kv_done"] == pytest.approx(prefill[-1].end + 1024 * kvb / 50e9 + 1e-4)
     assert rec.token_times[1] > rec.meta["kv_done"] and len(rec.token_times) == 5
     decode = res.steps_of("decode-0")
-    assert all(s.prefill_tokens == 0 for s in decode) and decode[0].start == pytest.approx(
-        rec.meta["kv_done"]
-    )
+    assert all(s.prefill_tokens == 0 for s in decode) and decode[0].start == pytest.approx(rec.meta["kv_done"])
     # a slow link (1 GB/s: 134 ms per chunk) is busy back to back from the first chunk's end
     slow = simulate(req, H100_8B, SimConfig(**{**cfg.to_dict(), "kv_link_bw": 1e9}), mode="disaggregated")
     first_end = slow.steps_of("prefill-0")[0].end
@@ -164,9 +157,7 @@ def test_colocated_vs_disaggregated_same_work_and_prefix_hits_skip_transfer():
         assert all(r.ok for r in res.records)
         assert [len(r.token_times) for r in res.records] == [r.max_tokens for r in reqs]
     assert colo.kv_bytes_moved == 0 and colo.num_gpus == dis.num_gpus == 2
-    sp = shared_prefix_workload(
-        30, num_prefixes=2, prefix_len=512, suffix_len=16, output_len=4, rate=50.0, seed=1
-    )
+    sp = shared_prefix_workload(30, num_prefixes=2, prefix_len=512, suffix_len=16, output_len=4, rate=50.0, seed=1)
     full = sum(r.num_prompt_tokens for r in sp) * H100_8B.kv_bytes_per_token
     cached = simulate(sp, H100_8B, SimConfig(), mode="disaggregated")
     uncached = simulate(sp, H100_8B, SimConfig(enable_prefix_caching=False), mode="disaggregated")
@@ -176,9 +167,7 @@ def test_colocated_vs_disaggregated_same_work_and_prefix_hits_skip_transfer():
 
 def test_disaggregated_waits_for_decode_blocks():
     reqs = [WorkloadRequest(f"r{i}", [(3 * i) % 256] * 200, 50, 0.0) for i in range(6)]
-    res = simulate(
-        reqs, H100_8B, SimConfig(num_kv_blocks=40, block_size=16), mode="disaggregated", num_decode=1
-    )
+    res = simulate(reqs, H100_8B, SimConfig(num_kv_blocks=40, block_size=16), mode="disaggregated", num_decode=1)
     assert all(r.ok and len(r.token_times) == 50 for r in res.records)
     ttfts = sorted(r.ttft for r in res.records)
     assert ttfts[-1] > 3 * ttfts[0]  # later requests could only start once blocks were free
@@ -212,7 +201,7 @@ def test_roofline_cost_model():
 
 
 def test_presets_match_engine_configs():
-    from engine.config import ModelConfig
+    from pdserve.engine.config import ModelConfig
 
     for name in ("tiny", "bench"):
         c, p = ModelConfig.preset(name), MODELS[name]
@@ -241,9 +230,7 @@ def test_presets_match_engine_configs():
 
 
 def test_calibration_recovers_known_constants():
-    truth = dict(
-        fixed_overhead_s=0.004, per_prefill_token_s=5e-4, per_decode_token_s=2e-3, per_context_token_s=1e-7
-    )
+    truth = dict(fixed_overhead_s=0.004, per_prefill_token_s=5e-4, per_decode_token_s=2e-3, per_context_token_s=1e-7)
 
     def true_time(p: int, d: int, ctx: int) -> float:
         return (
@@ -317,9 +304,9 @@ def test_chunk_sweep_knee_and_rate_search():
     assert pts[0].prefill_throughput_tok_s < pts[1].prefill_throughput_tok_s < pts[2].prefill_throughput_tok_s
     assert find_knee(pts, 50.0).chunk_size == 1024
     # the search finds the threshold of a monotone attainment curve
-    assert max_rate_meeting_slo(
-        lambda r: 1.0 if r <= 37.0 else 0.0, 0.9, 4.0, iterations=12
-    ) == pytest.approx(37.0, rel=0.01)
+    assert max_rate_meeting_slo(lambda r: 1.0 if r <= 37.0 else 0.0, 0.9, 4.0, iterations=12) == pytest.approx(
+        37.0, rel=0.01
+    )
 
 
 def test_pd_search_small():
@@ -417,7 +404,7 @@ def test_cli_demo_sweep_and_errors(tmp_path, capsys):
 
 
 def test_cli_calibrate_then_simulate_on_cpu_profile(tmp_path, monkeypatch):
-    import bench.sim.calibrate as calibrate_mod
+    import pdserve.bench.sim.calibrate as calibrate_mod
 
     # the real engine measurement is covered above; here the CLI path gets known records
     synthetic = [

@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 TEXT = ["naïve café — 東京 and Zürich, déjà vu", "chunked prefill splits prompts", "€ 5 über alles"] * 20
 
@@ -23,23 +22,46 @@ def model_dir(tmp_path_factory):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=400, special_tokens=["<eos>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        TEXT,
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tok.save(str(path / "tokenizer.json"))
     vocab = tok.get_vocab_size()
-    config = dict(architectures=["LlamaForCausalLM"], vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True, eos_token_id=0)
+    config = dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        eos_token_id=0,
+    )
     (path / "config.json").write_text(json.dumps(config))
     g = torch.Generator().manual_seed(0)
     shapes = {"model.embed_tokens.weight": (vocab, 64), "model.norm.weight": (64,)}
     for i in range(2):
         p = f"model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (64, 64), p + "self_attn.k_proj.weight": (32, 64),
-                       p + "self_attn.v_proj.weight": (32, 64), p + "self_attn.o_proj.weight": (64, 64),
-                       p + "mlp.gate_proj.weight": (128, 64), p + "mlp.up_proj.weight": (128, 64),
-                       p + "mlp.down_proj.weight": (64, 128), p + "input_layernorm.weight": (64,),
-                       p + "post_attention_layernorm.weight": (64,)})
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (64, 64),
+                p + "self_attn.k_proj.weight": (32, 64),
+                p + "self_attn.v_proj.weight": (32, 64),
+                p + "self_attn.o_proj.weight": (64, 64),
+                p + "mlp.gate_proj.weight": (128, 64),
+                p + "mlp.up_proj.weight": (128, 64),
+                p + "mlp.down_proj.weight": (64, 128),
+                p + "input_layernorm.weight": (64,),
+                p + "post_attention_layernorm.weight": (64,),
+            }
+        )
     save_file({k: torch.randn(s, generator=g) * 0.1 for k, s in shapes.items()}, str(path / "model.safetensors"))
     return path
 

@@ -7,8 +7,7 @@ import math
 
 import numpy as np
 import pytest
-
-from bench.workloads import (
+from pdserve.bench.workloads import (
     WorkloadRequest,
     WorkloadSpec,
     arrival_offsets,
@@ -54,9 +53,7 @@ def test_random_lengths_bounds_tokens_and_mean():
     )
     lens = [r.num_prompt_tokens for r in clipped]
     assert min(lens) == 100 and max(lens) == 400  # sigma 1 certainly hits both bounds in 500 draws
-    const = random_workload(
-        10, prompt_len_mean=64, prompt_len_sigma=0.0, output_len_mean=8, output_len_sigma=0.0
-    )
+    const = random_workload(10, prompt_len_mean=64, prompt_len_sigma=0.0, output_len_mean=8, output_len_sigma=0.0)
     assert {r.num_prompt_tokens for r in const} == {64} and {r.max_tokens for r in const} == {8}
 
 
@@ -110,9 +107,7 @@ def test_interference_scenario():
 
 
 def test_shared_prefix():
-    reqs = shared_prefix_workload(
-        60, num_prefixes=3, prefix_len=100, suffix_len=10, output_len=5, rate=10.0, seed=4
-    )
+    reqs = shared_prefix_workload(60, num_prefixes=3, prefix_len=100, suffix_len=10, output_len=5, rate=10.0, seed=4)
     by_label: dict[str, set[tuple[int, ...]]] = {}
     for r in reqs:
         assert r.num_prompt_tokens == 110 and r.max_tokens == 5
@@ -143,9 +138,7 @@ def _sharegpt_file(tmp_path) -> str:
                 {"from": "gpt", "value": "Rayleigh scattering."},
             ]
         },
-        {
-            "conversations": [{"from": "human", "value": "ok"}, {"from": "gpt", "value": "sure, fine"}]
-        },  # prompt < 4
+        {"conversations": [{"from": "human", "value": "ok"}, {"from": "gpt", "value": "sure, fine"}]},  # prompt < 4
         {"id": "broken"},
     ]
     path = tmp_path / "sharegpt.json"
@@ -155,16 +148,12 @@ def _sharegpt_file(tmp_path) -> str:
 
 def test_sharegpt(tmp_path):
     path = _sharegpt_file(tmp_path)
-    reqs = sharegpt_workload(
-        path, byte_tokenize, 3, rate=2.0, seed=0, max_prompt_len=1024, max_output_len=512
-    )
+    reqs = sharegpt_workload(path, byte_tokenize, 3, rate=2.0, seed=0, max_prompt_len=1024, max_output_len=512)
     by_prompt = {bytes(r.prompt_token_ids).decode(): r.max_tokens for r in reqs}
     assert by_prompt["hello there, model"] == 40  # len("hi! " * 10) bytes
     assert by_prompt["why is the sky blue"] == len("Rayleigh scattering.")
     assert by_prompt["x" * 1024] == 512  # prompt truncated, output capped
-    assert reqs == sharegpt_workload(
-        path, byte_tokenize, 3, rate=2.0, seed=0, max_prompt_len=1024, max_output_len=512
-    )
+    assert reqs == sharegpt_workload(path, byte_tokenize, 3, rate=2.0, seed=0, max_prompt_len=1024, max_output_len=512)
     with pytest.raises(ValueError, match="only 3 usable"):
         sharegpt_workload(path, byte_tokenize, 4)
 
@@ -172,10 +161,7 @@ def test_sharegpt(tmp_path):
 def test_build_workload_and_spec_validation(tmp_path):
     spec = WorkloadSpec(kind="random", num_requests=20, rate=3.0, seed=5)
     assert build_workload(spec).requests == build_workload(spec).requests
-    assert (
-        build_workload(spec).requests
-        != build_workload(WorkloadSpec(num_requests=20, rate=3.0, seed=6)).requests
-    )
+    assert build_workload(spec).requests != build_workload(WorkloadSpec(num_requests=20, rate=3.0, seed=6)).requests
     inter = build_workload(WorkloadSpec(kind="interference", num_requests=2, num_streams=3)).requests
     assert sum(r.label == "long" for r in inter) == 2 and sum(r.label == "stream" for r in inter) == 3
     sg = build_workload(WorkloadSpec(kind="sharegpt", num_requests=2, dataset_path=_sharegpt_file(tmp_path)))

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-
-from bench.sim.cost_model import StepShape
-from bench.sim.profiles import LinearProfile
+from pdserve.bench.sim.cost_model import StepShape
+from pdserve.bench.sim.profiles import LinearProfile
 
 
 class MeasuredStep(NamedTuple):
@@ -142,7 +141,7 @@ def measure_step_records(
     progress: Callable[[str], None] | None = None,
 ) -> list[MeasuredStep]:
     """Run a real ``engine.LLMEngine(EngineConfig(model=...))`` through ``grid``; one record per step."""
-    from engine import EngineConfig, LLMEngine, SamplingParams
+    from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 
     grid = grid or CalibrationGrid()
     rng = random.Random(seed)
@@ -180,9 +179,7 @@ def measure_step_records(
             return
         stats = engine.step_history[-1]
         shape = StepShape.from_output(out)
-        records.append(
-            MeasuredStep(shape.prefill_tokens, shape.decode_tokens, shape.context_tokens, stats.duration_s)
-        )
+        records.append(MeasuredStep(shape.prefill_tokens, shape.decode_tokens, shape.context_tokens, stats.duration_s))
 
     for _ in range(grid.warmup_steps):  # first steps pay for allocator and kernel warm-up
         engine.add_request(prompt(max(16, min(grid.prefill_sizes, default=16))), SamplingParams(max_tokens=1))
@@ -198,13 +195,10 @@ def measure_step_records(
             if time.monotonic() > deadline:
                 return records
             streams = [
-                engine.add_request(prompt(ctx), SamplingParams(max_tokens=100_000, ignore_eos=True))
-                for _ in range(d)
+                engine.add_request(prompt(ctx), SamplingParams(max_tokens=100_000, ignore_eos=True)) for _ in range(d)
             ]
             for _ in range(10_000):  # ramp-up: prefill the streams until each has its first token
-                if not any(
-                    (r := engine.get_request(s)) is not None and r.num_output_tokens == 0 for s in streams
-                ):
+                if not any((r := engine.get_request(s)) is not None and r.num_output_tokens == 0 for s in streams):
                     break
                 if time.monotonic() > deadline:
                     return records
@@ -233,7 +227,7 @@ def calibrate(
     progress: Callable[[str], None] | None = None,
 ) -> LinearProfile:
     """Measure, fit, and (when ``out_path`` is given) write the cpu-measured profile JSON."""
-    from bench.sim.profiles import save_linear_profile
+    from pdserve.bench.sim.profiles import save_linear_profile
 
     t0 = time.monotonic()
     records = measure_step_records(model, grid, seed, torch_threads, progress)

@@ -21,14 +21,14 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from bench.workloads import add_workload_arguments, workload_spec_from_args
+from pdserve.bench.workloads import add_workload_arguments, workload_spec_from_args
 
 DEFAULT_CALIBRATION = os.path.join("results", "cpu-profile.json")
 DEFAULT_OUT = os.path.join("results", "sim")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bench.sim.profiles import HARDWARE_NAMES, MODELS
+    from pdserve.bench.sim.profiles import HARDWARE_NAMES, MODELS
 
     p = argparse.ArgumentParser(
         prog="pdserve sim",
@@ -136,16 +136,14 @@ def make_cost_model(
     combine: str = "max",
 ) -> tuple[Any, float, float]:
     """``(cost model, default KV link bytes/s, default KV link latency s)`` for the named profiles."""
-    from bench.sim.cost_model import LinearCostModel, RooflineCostModel
-    from bench.sim.profiles import CPU_MEASURED, get_hardware, get_model, load_linear_profile
+    from pdserve.bench.sim.cost_model import LinearCostModel, RooflineCostModel
+    from pdserve.bench.sim.profiles import CPU_MEASURED, get_hardware, get_model, load_linear_profile
 
     if hardware.lower() == CPU_MEASURED:
         prof = load_linear_profile(calibration)
         name = model_profile or prof.model
         if name.lower() != prof.model.lower():
-            raise ValueError(
-                f"hardware cpu-measured: {calibration} was measured on model {prof.model!r}, not {name!r}"
-            )
+            raise ValueError(f"hardware cpu-measured: {calibration} was measured on model {prof.model!r}, not {name!r}")
         if tp != 1:
             raise ValueError("hardware cpu-measured: --tp is not modelled (measured on one process)")
         return LinearCostModel(prof, get_model(name)), prof.kv_link_bw, prof.kv_link_latency_s
@@ -162,14 +160,14 @@ def _spec(args: argparse.Namespace, kind: str, default_requests: int = 100) -> A
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.metrics import find_knee, parse_slo
-    from bench.report import RunData, markdown_table, plot_step_timeline, write_report
-    from bench.sim.simulator import SimConfig, simulate
-    from bench.workloads import build_workload
+    from pdserve.bench.metrics import find_knee, parse_slo
+    from pdserve.bench.report import RunData, markdown_table, plot_step_timeline, write_report
+    from pdserve.bench.sim.simulator import SimConfig, simulate
+    from pdserve.bench.workloads import build_workload
 
     say = (lambda *a: None) if args.quiet else print
     if args.calibrate:
-        from bench.sim.calibrate import CalibrationGrid, calibrate
+        from pdserve.bench.sim.calibrate import CalibrationGrid, calibrate
 
         grid = CalibrationGrid.quick() if args.calibrate_quick else CalibrationGrid()
         grid = replace(grid, time_budget_s=args.calibrate_budget_s)
@@ -239,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     special = args.demo or args.sweep or args.pd_search
 
     if args.demo:
-        from bench.sim.demo import compare_chunking, run_chunked_prefill_demo
+        from pdserve.bench.sim.demo import compare_chunking, run_chunked_prefill_demo
 
         kw = dict(
             num_decodes=args.demo_decodes,
@@ -265,9 +263,7 @@ def run(args: argparse.Namespace) -> int:
             "long": cmp.to_dict(),
         }
         notes.append("Demo: " + main_on.summary().replace("\n", ";").replace("  ", " "))
-        notes.append(
-            f"Demo, {args.demo_long_prompt_len}-token prompt: worst ITL off/on = {cmp.worst_itl_ratio:.1f}x"
-        )
+        notes.append(f"Demo, {args.demo_long_prompt_len}-token prompt: worst ITL off/on = {cmp.worst_itl_ratio:.1f}x")
         for tag, res in (
             ("demo_on", main_on),
             ("demo_off", main_off),
@@ -283,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
             )
 
     if args.sweep:
-        from bench.sim.experiments import chunk_sweep
+        from pdserve.bench.sim.experiments import chunk_sweep
 
         sizes = parse_sweep(args.sweep)
         wl = build_workload(_spec(args, args.workload or "interference"))
@@ -302,14 +298,11 @@ def run(args: argparse.Namespace) -> int:
                 f"{pt.chunk_size:5d}  {pt.p99_itl_ms:10.1f}  {pt.p99_itl_all_ms:11.1f}  "
                 f"{pt.prefill_throughput_tok_s:13.0f}  {pt.mean_ttft_ms:12.1f}"
             )
-        say(
-            f"knee for {args.itl_target_ms:g} ms: "
-            + (f"chunk {knee.chunk_size}" if knee else "none meets it")
-        )
+        say(f"knee for {args.itl_target_ms:g} ms: " + (f"chunk {knee.chunk_size}" if knee else "none meets it"))
         cfg_dict["sweep_workload"] = wl.spec.to_dict()
 
     if args.pd_search:
-        from bench.sim.experiments import best_row, pd_search
+        from pdserve.bench.sim.experiments import best_row, pd_search
 
         spec = _spec(args, args.workload or "random", default_requests=400)
         pd_rows = pd_search(
@@ -352,9 +345,7 @@ def run(args: argparse.Namespace) -> int:
                 tp=args.tp,
                 max_concurrency=args.max_concurrency,
             )
-            name = (
-                f"colocated x{n}" if mode == "colocated" else f"disaggregated {args.prefill}P:{args.decode}D"
-            )
+            name = f"colocated x{n}" if mode == "colocated" else f"disaggregated {args.prefill}P:{args.decode}D"
             runs.append(
                 RunData(
                     name,

@@ -30,8 +30,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple, Protocol
 
-from bench.sim.profiles import HardwareProfile, LinearProfile, ModelProfile
-from engine.scheduler import chunk_context_tokens  # the engine's own count: simulator and StepStats agree
+from pdserve.bench.sim.profiles import HardwareProfile, LinearProfile, ModelProfile
+from pdserve.engine.scheduler import chunk_context_tokens  # the engine's own count: simulator and StepStats agree
 
 __all__ = ["CostModel", "LinearCostModel", "RooflineCostModel", "StepCost", "StepShape", "chunk_context_tokens"]
 
@@ -95,9 +95,7 @@ class StepCost(NamedTuple):
 class RooflineCostModel:
     """Roofline step time of ``model`` on ``tp`` GPUs of ``hardware`` (see the module docstring)."""
 
-    def __init__(
-        self, hardware: HardwareProfile, model: ModelProfile, tp: int = 1, combine: str = "max"
-    ) -> None:
+    def __init__(self, hardware: HardwareProfile, model: ModelProfile, tp: int = 1, combine: str = "max") -> None:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
         if combine not in ("max", "sum"):
@@ -127,9 +125,7 @@ class RooflineCostModel:
         all_reduce = 0.0
         if tp > 1 and tokens:
             payload = tokens * m.hidden_size * m.dtype_bytes
-            all_reduce = (
-                2 * m.num_layers * (hw.allreduce_latency_s + 2 * (tp - 1) / tp * payload / hw.interconnect_bw)
-            )
+            all_reduce = 2 * m.num_layers * (hw.allreduce_latency_s + 2 * (tp - 1) / tp * payload / hw.interconnect_bw)
         body = max(compute, memory) if self.combine == "max" else compute + memory
         total = hw.step_overhead_s + body + all_reduce if tokens else 0.0
         return StepCost(hw.step_overhead_s, compute, memory, all_reduce, total)
@@ -144,8 +140,7 @@ class RooflineCostModel:
         free = hw.mem_bytes * hw.gpu_memory_utilization * self.tp - m.weight_bytes
         if free <= 0:
             raise ValueError(
-                f"{m.name} ({m.weight_bytes / 1e9:.0f} GB of weights) does not fit on {self.tp} x "
-                f"{hw.name}; raise --tp"
+                f"{m.name} ({m.weight_bytes / 1e9:.0f} GB of weights) does not fit on {self.tp} x {hw.name}; raise --tp"
             )
         return int(free // m.kv_bytes_per_token)
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
-from bench.sim.cost_model import CostModel
-from bench.sim.simulator import SimConfig, SimResult, StepRecord, simulate
-from bench.workloads import WorkloadRequest, random_tokens
+from pdserve.bench.sim.cost_model import CostModel
+from pdserve.bench.sim.simulator import SimConfig, SimResult, StepRecord, simulate
+from pdserve.bench.workloads import WorkloadRequest, random_tokens
 
 STREAM_MAX_TOKENS = 1_000_000  # streams never finish inside the window
 
@@ -116,15 +116,9 @@ def run_chunked_prefill_demo(
     result = _run_until([*streams, long_req], cost_model, config, long_done, max(2 * arrival, 0.05))
     first = result.record("long").token_times[0]
     gaps = [
-        b - a
-        for r in result.records
-        if r.label == "stream"
-        for a, b in pairwise(r.token_times)
-        if arrival < b <= first
+        b - a for r in result.records if r.label == "stream" for a, b in pairwise(r.token_times) if arrival < b <= first
     ]
-    tokens = sum(
-        1 for r in result.records if r.label == "stream" for t in r.token_times if arrival < t <= first
-    )
+    tokens = sum(1 for r in result.records if r.label == "stream" for t in r.token_times if arrival < t <= first)
     window = [s for s in result.steps if s.start >= arrival and s.end <= first + 1e-12]
     over = sum(1 for s in window if s.duration * 1000.0 > itl_target_ms)
     return DemoResult(
@@ -152,11 +146,7 @@ class ChunkingComparison:
 
     @property
     def worst_itl_ratio(self) -> float:
-        return (
-            self.off.worst_decode_stall_ms / self.on.worst_decode_stall_ms
-            if self.on.worst_decode_stall_ms
-            else 0.0
-        )
+        return self.off.worst_decode_stall_ms / self.on.worst_decode_stall_ms if self.on.worst_decode_stall_ms else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"off": self.off.to_dict(), "on": self.on.to_dict(), "worst_itl_ratio": self.worst_itl_ratio}

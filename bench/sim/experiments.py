@@ -22,10 +22,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from bench.metrics import SweepPoint, find_knee, prefill_throughput, sweep_point
-from bench.sim.cost_model import CostModel
-from bench.sim.simulator import SimConfig, SimResult, simulate
-from bench.workloads import WorkloadRequest, WorkloadSpec, build_workload
+from pdserve.bench.metrics import SweepPoint, find_knee, prefill_throughput, sweep_point
+from pdserve.bench.sim.cost_model import CostModel
+from pdserve.bench.sim.simulator import SimConfig, SimResult, simulate
+from pdserve.bench.workloads import WorkloadRequest, WorkloadSpec, build_workload
 
 __all__ = [
     "PDRow",
@@ -54,9 +54,7 @@ def chunk_sweep(
     points = []
     for chunk in chunk_sizes:
         cfg = replace(base, chunk_size=chunk, enable_chunked_prefill=True, max_num_batched_tokens=None)
-        result = simulate(
-            requests, cost_model, cfg, num_instances=num_instances, max_concurrency=max_concurrency
-        )
+        result = simulate(requests, cost_model, cfg, num_instances=num_instances, max_concurrency=max_concurrency)
         points.append(sweep_point(chunk, result.records, result.steps))
     return points
 
@@ -87,9 +85,7 @@ class PDRow:
 def pd_configs(num_instances: int) -> list[tuple[str, str, int, int]]:
     """``(name, mode, P, D)`` for colocated and every split of ``num_instances`` (P, D >= 1)."""
     rows = [(f"colocated x{num_instances}", "colocated", 0, 0)]
-    rows += [
-        (f"{p}P:{num_instances - p}D", "disaggregated", p, num_instances - p) for p in range(1, num_instances)
-    ]
+    rows += [(f"{p}P:{num_instances - p}D", "disaggregated", p, num_instances - p) for p in range(1, num_instances)]
     return rows
 
 

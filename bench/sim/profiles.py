@@ -45,15 +45,9 @@ class HardwareProfile:
 # H100 SXM5 80GB (989 TFLOP/s, 3.35 TB/s, NVLink4 900 GB/s), H200 SXM 141GB (989 TFLOP/s, 4.8 TB/s).
 # kv_link_bw: one 200 Gb/s (A100) or 400 Gb/s (H100/H200) RDMA NIC per GPU.
 HARDWARE: dict[str, HardwareProfile] = {
-    "A100": HardwareProfile(
-        "A100", 312 * TFLOPS, 2.039e12, 80 * GB, interconnect_bw=300 * GB, kv_link_bw=25 * GB
-    ),
-    "H100": HardwareProfile(
-        "H100", 989 * TFLOPS, 3.35e12, 80 * GB, interconnect_bw=450 * GB, kv_link_bw=50 * GB
-    ),
-    "H200": HardwareProfile(
-        "H200", 989 * TFLOPS, 4.8e12, 141 * GB, interconnect_bw=450 * GB, kv_link_bw=50 * GB
-    ),
+    "A100": HardwareProfile("A100", 312 * TFLOPS, 2.039e12, 80 * GB, interconnect_bw=300 * GB, kv_link_bw=25 * GB),
+    "H100": HardwareProfile("H100", 989 * TFLOPS, 3.35e12, 80 * GB, interconnect_bw=450 * GB, kv_link_bw=50 * GB),
+    "H200": HardwareProfile("H200", 989 * TFLOPS, 4.8e12, 141 * GB, interconnect_bw=450 * GB, kv_link_bw=50 * GB),
 }
 CPU_MEASURED = "cpu-measured"
 HARDWARE_NAMES = (*HARDWARE, CPU_MEASURED)
@@ -85,11 +79,7 @@ class ModelProfile:
     def num_params(self) -> int:
         """All parameters (embedding counted once when tied)."""
         emb = self.vocab_size * self.hidden_size
-        return (
-            self.num_layers * self.params_per_layer
-            + emb * (1 if self.tie_word_embeddings else 2)
-            + self.hidden_size
-        )
+        return self.num_layers * self.params_per_layer + emb * (1 if self.tie_word_embeddings else 2) + self.hidden_size
 
     @property
     def matmul_params(self) -> int:

@@ -35,13 +35,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from bench.metrics import BenchmarkMetrics, RequestRecord, compute_metrics
-from bench.sim.cost_model import CostModel, StepShape
-from bench.workloads import WorkloadRequest
-from engine.block_manager import BlockManager
-from engine.request import FinishReason, Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.bench.metrics import BenchmarkMetrics, RequestRecord, compute_metrics
+from pdserve.bench.sim.cost_model import CostModel, StepShape
+from pdserve.bench.workloads import WorkloadRequest
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.request import FinishReason, Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 MODES = ("colocated", "disaggregated")
 DUMMY_TOKEN = 0  # what a simulated step "samples"; never EOS (requests run to max_tokens)
@@ -142,9 +142,7 @@ class SimResult:
 
 
 class _Instance:
-    def __init__(
-        self, name: str, role: str, scheduler: Scheduler, link_bw: float, link_latency: float
-    ) -> None:
+    def __init__(self, name: str, role: str, scheduler: Scheduler, link_bw: float, link_latency: float) -> None:
         self.name = name
         self.role = role
         self.scheduler = scheduler
@@ -213,9 +211,7 @@ class Simulator:
         self.now = 0.0
         self.num_blocks = config.num_kv_blocks or max(1, cost_model.kv_capacity_tokens() // config.block_size)
         self.link_bw = config.kv_link_bw or kv_link_bw
-        self.link_latency = (
-            config.kv_link_latency_s if config.kv_link_latency_s is not None else kv_link_latency_s
-        )
+        self.link_latency = config.kv_link_latency_s if config.kv_link_latency_s is not None else kv_link_latency_s
         self._counts = (num_instances, num_prefill, num_decode)
         self.instances: list[_Instance] = []
         self.steps: list[StepRecord] = []
@@ -258,9 +254,7 @@ class Simulator:
         budget = self.config.token_budget(longest)
         n, p, d = self._counts
         if self.mode == "colocated":
-            self.instances = [
-                self._make_instance(f"colo-{i}", "colocated", budget, max_model_len) for i in range(n)
-            ]
+            self.instances = [self._make_instance(f"colo-{i}", "colocated", budget, max_model_len) for i in range(n)]
         else:
             self.instances = [
                 self._make_instance(f"prefill-{i}", "prefill", budget, max_model_len) for i in range(p)
@@ -370,9 +364,7 @@ class Simulator:
                 continue
             client = self._clients[chunk.request_id]
             if inst.role == "prefill":
-                self._after_prefill_chunk(
-                    inst, client, request, chunk.start + len(chunk.token_ids), chunk.samples
-                )
+                self._after_prefill_chunk(inst, client, request, chunk.start + len(chunk.token_ids), chunk.samples)
                 continue
             if not chunk.samples:
                 continue
@@ -508,9 +500,7 @@ class Simulator:
         if self.mode == "colocated":
             config["num_instances"] = n
         else:
-            config.update(
-                num_prefill=p, num_decode=d, kv_link_bw=self.link_bw, kv_link_latency_s=self.link_latency
-            )
+            config.update(num_prefill=p, num_decode=d, kv_link_bw=self.link_bw, kv_link_latency_s=self.link_latency)
         return SimResult(
             self.mode,
             tuple(records),

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pdserve_proto import kv_transfer_pb2 as kv__transfer__pb2
+from pdserve.proto import kv_transfer_pb2 as kv__transfer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

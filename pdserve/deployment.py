@@ -18,13 +18,13 @@ from typing import Any
 
 import ray
 
-from decode_node.worker import DecodeWorker
-from engine.config import EngineConfig, ModelConfig
-from engine.tokenizer import load_tokenizer
-from prefill_node.worker import PrefillWorker
-from router.policy import RouterConfig
-from router.router import ModelLimits, Router, WorkerHandle
-from router.server import start_server
+from pdserve.decode_node.worker import DecodeWorker
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.prefill_node.worker import PrefillWorker
+from pdserve.router.policy import RouterConfig
+from pdserve.router.router import ModelLimits, Router, WorkerHandle
+from pdserve.router.server import start_server
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,8 @@ class Deployment:
             ray.init(address=cfg.address, **kwargs)
             self._started_ray = True
         use_gpu = engine_config.device.startswith("cuda") or (
-            engine_config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+            engine_config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
+        )
         if not use_gpu and engine_config.torch_threads is None and cfg.address is None:
             # CPU workers on this machine share its cores: oversubscribed OpenMP threads collapse
             workers = cfg.num_decode_workers + cfg.num_prefill_workers
@@ -97,8 +98,9 @@ class Deployment:
             prefill_cls = ray.remote(PrefillWorker).options(**options)
             for i in range(cfg.num_decode_workers):
                 wid = f"decode-{i}"
-                actor = decode_cls.remote(wid, engine_config, cfg.transport, cfg.transport_config,
-                                          cfg.reservation_timeout_s)
+                actor = decode_cls.remote(
+                    wid, engine_config, cfg.transport, cfg.transport_config, cfg.reservation_timeout_s
+                )
                 self.decode_workers.append(WorkerHandle(wid, "decode", actor))
             for i in range(cfg.num_prefill_workers):
                 wid = f"prefill-{i}"

@@ -16,13 +16,19 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
     if args.offline:
         return _generate_offline(args, params)
-    from router.client import Client
+    from pdserve.router.client import Client
 
     with Client(args.target) as client:
         final = None
@@ -37,7 +43,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate_offline(args: argparse.Namespace, params) -> int:
-    from engine import EngineConfig, LLMEngine
+    from pdserve.engine import EngineConfig, LLMEngine
 
     engine = LLMEngine(EngineConfig(model=args.model))
     if engine.tokenizer is None:
@@ -53,8 +59,11 @@ def _generate_offline(args: argparse.Namespace, params) -> int:
                 reason = out.finish_reason
     sys.stdout.write("\n")
     request_stats = engine.step_history
-    print(f"[finish_reason={reason.value if reason else None} steps={len(request_stats)} "
-          f"model={args.model} device={engine.device}]", file=sys.stderr)
+    print(
+        f"[finish_reason={reason.value if reason else None} steps={len(request_stats)} "
+        f"model={args.model} device={engine.device}]",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -74,20 +83,31 @@ def _add_engine_args(p: argparse.ArgumentParser, model_default: str = "tiny") ->
 
 
 def engine_config_from_args(args: argparse.Namespace):
-    from engine import EngineConfig
+    from pdserve.engine import EngineConfig
 
     return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_chunk_tokens=args.max_chunk_tokens, enable_chunked_prefill=not args.no_chunked_prefill,
-        enable_prefix_caching=not args.no_prefix_caching, torch_threads=args.torch_threads,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_chunk_tokens=args.max_chunk_tokens,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        enable_prefix_caching=not args.no_prefix_caching,
+        torch_threads=args.torch_threads,
     )
 
 
 def _add_deployment_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", default="colocated", choices=["colocated", "disaggregated", "auto"],
-                   help="default mode (requests may override it)")
+    p.add_argument(
+        "--mode",
+        default="colocated",
+        choices=["colocated", "disaggregated", "auto"],
+        help="default mode (requests may override it)",
+    )
     p.add_argument("--prefill-workers", type=int, default=None, help="default: 0 colocated, else 1")
     p.add_argument("--decode-workers", type=int, default=1)
     p.add_argument("--transport", default="nixl", choices=["nixl", "grpc"], help="KV transport")
@@ -99,16 +119,23 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
 
 
 def deployment_config_from_args(args: argparse.Namespace):
-    from router.deployment import DeploymentConfig
-    from router.policy import RouterConfig
+    from pdserve.deployment import DeploymentConfig
+    from pdserve.router.policy import RouterConfig
 
     prefill = args.prefill_workers if args.prefill_workers is not None else (0 if args.mode == "colocated" else 1)
     return DeploymentConfig(
-        engine=engine_config_from_args(args), mode=args.mode, num_prefill_workers=prefill,
-        num_decode_workers=args.decode_workers, transport=args.transport, host=args.host, port=args.port,
+        engine=engine_config_from_args(args),
+        mode=args.mode,
+        num_prefill_workers=prefill,
+        num_decode_workers=args.decode_workers,
+        transport=args.transport,
+        host=args.host,
+        port=args.port,
         address=args.address,
-        router=RouterConfig(auto_min_remote_tokens=args.auto_min_remote_tokens,
-                            auto_max_prefill_queue_tokens=args.auto_max_prefill_queue_tokens),
+        router=RouterConfig(
+            auto_min_remote_tokens=args.auto_min_remote_tokens,
+            auto_max_prefill_queue_tokens=args.auto_max_prefill_queue_tokens,
+        ),
     )
 
 
@@ -116,14 +143,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from router.deployment import Deployment
+    from pdserve.deployment import Deployment
 
     deployment = Deployment(deployment_config_from_args(args)).start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     workers = ", ".join(w.worker_id for w in deployment.workers)
-    print(f"pdserve listening on {deployment.address} (mode={args.mode}, transport={args.transport}, "
-          f"workers: {workers}); Ctrl-C stops", flush=True)
+    print(
+        f"pdserve listening on {deployment.address} (mode={args.mode}, transport={args.transport}, "
+        f"workers: {workers}); Ctrl-C stops",
+        flush=True,
+    )
     try:
         while not stop.wait(0.5):
             pass
@@ -136,7 +166,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from cli.demo import run_demo
+    from pdserve.cli.demo import run_demo
 
     return run_demo(args)
 
@@ -171,8 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 PASSTHROUGH = {  # sub-commands with parsers of their own
-    "bench": ("bench.runner", "A/B benchmark of the real system (pdserve bench --help)"),
-    "sim": ("bench.sim.cli", "step-time simulator (pdserve sim --help)"),
+    "bench": ("pdserve.bench.runner", "A/B benchmark of the real system (pdserve bench --help)"),
+    "sim": ("pdserve.bench.sim.cli", "step-time simulator (pdserve sim --help)"),
 }
 
 

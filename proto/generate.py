@@ -1,17 +1,17 @@
 #!/usr/bin/env python
-"""Regenerate the Python modules of every ``.proto`` file in ``pdserve_proto/``.
+"""Regenerate the Python modules of every ``.proto`` file in ``proto/``.
 
-For each ``pdserve_proto/<name>.proto`` this writes ``<name>_pb2.py``, ``<name>_pb2_grpc.py`` and
+For each ``proto/<name>.proto`` this writes ``<name>_pb2.py``, ``<name>_pb2_grpc.py`` and
 ``<name>_pb2.pyi`` next to it, using ``grpc_tools.protoc``. protoc emits flat imports between
 generated modules (``import kv_transfer_pb2 as kv__transfer__pb2``), which only work with
-``pdserve_proto/`` itself on ``sys.path``; they are rewritten to package imports
-(``from pdserve_proto import kv_transfer_pb2 as kv__transfer__pb2``) so that the modules import as
-``from pdserve_proto import x_pb2`` from the repository root or an installed package.
+``proto/`` itself on ``sys.path``; they are rewritten to package imports
+(``from pdserve.proto import kv_transfer_pb2 as kv__transfer__pb2``) so that the modules import as
+``from pdserve.proto import x_pb2`` from the repository root or an installed package.
 
 Usage::
 
-    python pdserve_proto/generate.py           # regenerate in place
-    python pdserve_proto/generate.py --check   # regenerate into a temp dir and compare; exit 1 if stale
+    python proto/generate.py           # regenerate in place
+    python proto/generate.py --check   # regenerate into a temp dir and compare; exit 1 if stale
 
 ``--check`` fails when a generated module differs from what the ``.proto`` files produce, when
 one is missing, or when a ``*_pb2*`` module has no ``.proto`` left behind it.
@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 PROTO_DIR = Path(__file__).resolve().parent
-PACKAGE = PROTO_DIR.name  # generated modules are imported as `from pdserve_proto import x_pb2`
+PACKAGE = "pdserve.proto"  # generated modules are imported as `from pdserve.proto import x_pb2`
 SUFFIXES = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
 _FLAT_IMPORT = re.compile(r"^import (?P<mod>\w+_pb2)(?P<alias> as \w+)?$", re.MULTILINE)
 
@@ -106,7 +106,7 @@ def check(proto_dir: Path = PROTO_DIR) -> list[str]:
             fresh = (Path(tmp) / name).read_text()
             committed_path = proto_dir / name
             if not committed_path.is_file():
-                problems.append(f"{name}: missing (run python pdserve_proto/generate.py)")
+                problems.append(f"{name}: missing (run python proto/generate.py)")
                 continue
             committed = committed_path.read_text()
             if committed != fresh:
@@ -121,7 +121,7 @@ def check(proto_dir: Path = PROTO_DIR) -> list[str]:
                         )
                     )[:40]
                 )
-                problems.append(f"{name}: stale (run python pdserve_proto/generate.py)\n{diff}")
+                problems.append(f"{name}: stale (run python proto/generate.py)\n{diff}")
     for suffix in SUFFIXES:
         for path in sorted(proto_dir.glob("*" + suffix)):
             if path.name not in expected:

@@ -1,0 +1,1 @@
+"""The ``pdserve`` command: serve, generate, demo, bench, sim."""
