@@ -24,13 +24,13 @@ from pdserve.deployment import Deployment, DeploymentConfig
 def run_once(client: Client, prompt: list[int], mode: str) -> dict:
     sent = time.time()
     first = None
-    meta: dict = {}
+    meta = None
     for chunk in client.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), mode=mode):
         if first is None and chunk.token_ids:
             first = time.time()
         meta = chunk.metadata or meta
-    assert first is not None and meta["mode"] == mode, meta
-    return {"ttft_s": first - sent, **meta}
+    assert first is not None and meta.mode == mode, meta
+    return {**meta._asdict(), "ttft_s": first - sent}
 
 
 def main(argv: list[str] | None = None) -> int:

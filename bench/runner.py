@@ -74,7 +74,8 @@ async def send_workload(
             async for chunk in client.generate(req.prompt_token_ids, params, mode=mode):
                 now = time.time()
                 times.extend([now] * len(chunk.token_ids))
-                meta = chunk.metadata or meta
+                if chunk.metadata is not None:
+                    meta = chunk.metadata._asdict()
         except grpc.aio.AioRpcError as e:
             error = f"{e.code().name}: {e.details()}"
         finally:
@@ -117,15 +118,31 @@ def measure(
     if warmup:
         asyncio.run(send_workload(address, warmup, mode, None, False))
     with Client(address) as client:
-        before = {w["worker_id"]: w["kv_bytes_moved"] for w in client.stats()}
+        before = {w.worker_id: w.kv_bytes_moved for w in client.stats()}
         t0 = time.time()
         records = asyncio.run(send_workload(address, requests, mode, max_concurrency, progress, desc))
         duration = time.time() - t0
         stats = client.stats(steps_since=t0)
-    steps = [TimelineStep(s[0] - t0, s[1], s[2], s[3], w["worker_id"]) for w in stats for s in w["steps"]]
+    steps = [
+        TimelineStep(s.started - t0, s.duration_s, s.num_prefill_tokens, s.num_decode_tokens, w.worker_id)
+        for w in stats
+        for s in w.steps
+    ]
     steps.sort(key=lambda s: s.start)
-    moved = sum(w["kv_bytes_moved"] - before.get(w["worker_id"], 0) for w in stats if w["role"] == "prefill")
-    raw = [(*s, w["worker_id"]) for w in stats for s in w["steps"]]
+    moved = sum(w.kv_bytes_moved - before.get(w.worker_id, 0) for w in stats if w.role == "prefill")
+    raw = [
+        (
+            s.started,
+            s.duration_s,
+            s.num_prefill_tokens,
+            s.num_decode_tokens,
+            s.num_seqs,
+            s.num_context_tokens,
+            w.worker_id,
+        )
+        for w in stats
+        for s in w.steps
+    ]
     return MeasuredRun(records, steps, moved, duration, raw)
 
 

@@ -5,6 +5,10 @@ Disaggregated requests go ``reserve`` → (a prefill worker pushes KV into the r
 notification per push) → ``decode(first_token)``; the request joins the running batch once every
 push has landed and the first token is known.
 
+Starting, reserving and aborting are actor calls that return at once. Tokens travel on one event
+stream per router (``events(router_id)``): after each step, one item with every new token of that
+router's requests on this worker, and on a request's last update how it ended and its statistics.
+
 Blocks reserved for remote KV belong to this worker until the request ends. Each reservation has
 a deadline: if the KV is not all here by then (prefill worker dead or stuck), the blocks are freed
 and the request's stream ends with an error. Nothing waits forever; no block leaks.
@@ -13,16 +17,19 @@ and the request's stream ends with an error. Nothing waits forever; no block lea
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pdserve.engine.async_engine import AsyncEngine, TokenEvent, WorkerStats, request_timings
+from pdserve.engine.async_engine import AsyncEngine, worker_request_stats
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.request import Request
 from pdserve.kv_transfer import TransferTarget, make_transport
+
+from pdserve.messages import StepEvents, TokenUpdate, WorkerRequestStats, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +57,13 @@ class _Pending:
     kv_done_at: float | None = None
 
 
+class _Served(NamedTuple):
+    """A request this worker streams: the engine's record, and what it measured of a remote KV."""
+
+    request: Request
+    remote_kv: WorkerRequestStats | None  # None for a request this worker prefilled itself
+
+
 class DecodeWorker:
     """A Ray actor (async). Construct through ``ray.remote(DecodeWorker)``; await ``ready()``."""
 
@@ -60,19 +74,17 @@ class DecodeWorker:
         transport: str = "nixl",
         transport_config: Any = None,
         reservation_timeout_s: float = 120.0,
-        stream_timeout_s: float = 600.0,
     ) -> None:
         self.worker_id = worker_id
         self.reservation_timeout_s = reservation_timeout_s
-        self.stream_timeout_s = stream_timeout_s
         engine = LLMEngine(engine_config)
         self.transport = make_transport(transport, transport_config)
         self.transport.register_pool(engine.kv_cache)
         self.target = self.transport.describe()
         self._pending: dict[str, _Pending] = {}  # touched on the loop thread only
-        self._requests: dict[str, tuple[Request, dict[str, Any]]] = {}  # live streams: request, metadata
+        self._served: dict[str, _Served] = {}  # loop thread only
         self._kv_bytes = 0
-        self.aengine = AsyncEngine(engine, on_step=self._on_step, on_tick=self._on_tick)
+        self.aengine = AsyncEngine(engine, on_step=self._on_step, on_tick=self._on_tick, on_orphans=self._on_orphans)
 
     async def ready(self) -> dict[str, Any]:
         engine = self.aengine.engine
@@ -83,25 +95,29 @@ class DecodeWorker:
             "block_size": engine.config.block_size,
             "device": str(engine.device),
             "transport": self.target.kind,
+            "pid": os.getpid(),
         }
+
+    async def events(self, router_id: str) -> AsyncIterator[StepEvents]:
+        """The router's event stream: an empty item once subscribed, then one item per step with news."""
+        async for updates in self.aengine.events(router_id):
+            yield StepEvents(self.worker_id, updates)
 
     # ---- colocated: prefill and decode here ----------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[list[TokenEvent]]:
-        """Stream batches of token events for a request that this worker prefills and decodes."""
-        self.aengine.open_stream(request_id)
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, router_id: str
+    ) -> None:
+        """Start a request that this worker prefills and decodes; its tokens go to ``router_id``'s stream."""
+        self.aengine.claim(request_id, router_id)
         try:
             await self.aengine.run(lambda e: self._add_local(e, request_id, prompt_token_ids, params))
         except Exception:
-            self.aengine.close_stream(request_id)
+            self.aengine.unclaim(request_id)
             raise
-        async for batch in self._stream(request_id):
-            yield batch
 
     def _add_local(self, engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         engine.add_request(prompt, params, request_id, detokenize=False)  # the router detokenizes
-        self._requests[request_id] = (engine.get_request(request_id), {"mode_local": True})  # type: ignore[assignment]
+        self._served[request_id] = _Served(engine.get_request(request_id), None)  # type: ignore[arg-type]
 
     # ---- disaggregated: KV comes from a prefill worker -----------------------------------------
     async def reserve(
@@ -116,18 +132,15 @@ class DecodeWorker:
             now = time.time()
             deadline = now + self.reservation_timeout_s
             self._pending[request_id] = _Pending(deadline=deadline, reserved_at=now)
-            self._requests[request_id] = (engine.get_request(request_id), {})  # type: ignore[assignment]
             return ReserveResult(
                 self.worker_id, self.target, reservation.block_ids, reservation.num_cached_tokens, deadline
             )
 
         return await self.aengine.run(do)
 
-    async def decode(
-        self, request_id: str, first_token: int, first_token_time: float, prefill_meta: dict[str, Any] | None = None
-    ) -> AsyncIterator[list[TokenEvent]]:
-        """Stream the tokens after ``first_token`` (already sent to the client by the router)."""
-        self.aengine.open_stream(request_id)
+    async def decode(self, request_id: str, first_token: int, first_token_time: float, router_id: str) -> None:
+        """Decode after ``first_token`` (the router already sent it) once the KV is here; tokens go to the stream."""
+        self.aengine.claim(request_id, router_id)
 
         def do(engine: LLMEngine) -> None:
             pending = self._pending.get(request_id)
@@ -137,16 +150,13 @@ class DecodeWorker:
                     "(never reserved, aborted, or its KV deadline passed)"
                 )
             pending.first_token, pending.first_token_time = first_token, first_token_time
-            self._requests[request_id][1].update(prefill_meta or {})
             self._admit_if_ready(engine, request_id, pending)
 
         try:
             await self.aengine.run(do)
         except Exception:
-            self.aengine.close_stream(request_id)
+            self.aengine.unclaim(request_id)
             raise
-        async for batch in self._stream(request_id):
-            yield batch
 
     def _on_tick(self, engine: LLMEngine) -> None:
         for note in self.transport.poll_notifications():
@@ -164,9 +174,7 @@ class DecodeWorker:
                     log.warning("%s: KV for %s did not arrive in time; freeing its blocks", self.worker_id, request_id)
                     self._pending.pop(request_id)
                     engine.abort(request_id)
-                    self._finish_stream(
-                        request_id, TokenEvent([], "", True, "abort", error="KV transfer deadline passed")
-                    )
+                    self._end(request_id, error="KV transfer deadline passed")
 
     def _admit_if_ready(self, engine: LLMEngine, request_id: str, pending: _Pending) -> None:
         if pending.last_push is None or len(pending.pushes_seen) < pending.last_push + 1:
@@ -176,72 +184,60 @@ class DecodeWorker:
         if pending.first_token is None:
             return
         del self._pending[request_id]
-        request, meta = self._requests[request_id]
-        block_bytes = self.target.block_bytes
+        request = engine.get_request(request_id)
+        assert request is not None
         pushed_blocks = len(request.block_ids) - request.num_cached_tokens // engine.config.block_size
-        self._kv_bytes += pushed_blocks * block_bytes
-        meta["kv_transfer_bytes"] = pushed_blocks * block_bytes
-        meta["kv_transfer_s"] = max(0.0, pending.kv_done_at - (pending.first_token_time or pending.kv_done_at))
-        meta["kv_wait_s"] = pending.kv_done_at - pending.reserved_at
+        kv_bytes = pushed_blocks * self.target.block_bytes
+        self._kv_bytes += kv_bytes
+        exposed = max(0.0, pending.kv_done_at - (pending.first_token_time or pending.kv_done_at))
+        remote_kv = WorkerRequestStats(kv_transfer_s=exposed, kv_transfer_bytes=kv_bytes)
+        self._served[request_id] = _Served(request, remote_kv)
         final = engine.admit_remote(request_id, pending.first_token)
         if final is not None:  # the first token already ended it (EOS, stop token, max_tokens=1)
-            self._emit_output(engine, final)
+            self.aengine.publish([self._update(final)])
 
-    # ---- streaming -----------------------------------------------------------------------------
+    # ---- streaming (loop thread) -----------------------------------------------------------------
     def _on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            self._emit_output(engine, out)
+        self.aengine.publish([self._update(out) for out in outputs])
 
-    def _emit_output(self, engine: LLMEngine, out: RequestOutput) -> None:
+    def _update(self, out: RequestOutput) -> TokenUpdate:
         if not out.finished:
-            self.aengine.emit(out.request_id, TokenEvent(out.new_token_ids, out.new_text, False))
-            return
-        entry = self._requests.pop(out.request_id, None)
-        meta: dict[str, Any] = {"decode_worker": self.worker_id}
-        if entry is not None:
-            request, extra = entry
-            local = extra.pop("mode_local", False)
-            meta.update(
-                request_timings(request)
-                if local
-                else {
-                    "num_cached_tokens": request.num_cached_tokens,
-                    "num_prompt_tokens": request.num_prompt_tokens,
-                    "num_output_tokens": request.num_output_tokens,
-                }
-            )
-            meta.update(extra)
-            if len(request.times.tokens) > 1:
-                meta["second_token_time"] = request.times.tokens[1]
-        reason = out.finish_reason.value if out.finish_reason else None
-        self.aengine.emit(out.request_id, TokenEvent(out.new_token_ids, out.new_text, True, reason, meta))
+            return TokenUpdate(out.request_id, out.new_token_ids)
+        reason = out.finish_reason.value if out.finish_reason else "abort"
+        return TokenUpdate(out.request_id, out.new_token_ids, reason, stats=self._final_stats(out.request_id))
 
-    def _finish_stream(self, request_id: str, event: TokenEvent) -> None:
-        self._requests.pop(request_id, None)
-        self.aengine.emit(request_id, event)
+    def _final_stats(self, request_id: str) -> WorkerRequestStats | None:
+        served = self._served.pop(request_id, None)
+        if served is None:
+            return None
+        request, remote_kv = served
+        if remote_kv is None:
+            return worker_request_stats(request)
+        second = request.times.tokens[1] if len(request.times.tokens) > 1 else 0.0
+        return remote_kv._replace(num_cached_tokens=request.num_cached_tokens, second_token_time=second)
 
-    async def _stream(self, request_id: str) -> AsyncIterator[list[TokenEvent]]:
-        finished = False
-        try:
-            async for batch in self.aengine.stream(request_id, self.stream_timeout_s):
-                finished = any(e.finished for e in batch)
-                yield batch
-        finally:
-            if not finished:  # the consumer went away or the stream timed out: stop the work
-                await self.abort(request_id)
+    def _end(self, request_id: str, error: str | None = None) -> None:
+        self._served.pop(request_id, None)
+        self.aengine.publish([TokenUpdate(request_id, [], "abort", error=error)])
 
     # ---- control -------------------------------------------------------------------------------
     async def abort(self, request_id: str) -> bool:
         """Stop a request (running, waiting, or reserved) and free its blocks."""
+        found = await self.aengine.run(lambda e: self._abort_on_loop(e, request_id))
+        if not found:
+            self.aengine.unclaim(request_id)
+        return found
 
-        def do(engine: LLMEngine) -> bool:
-            self._pending.pop(request_id, None)
-            found = engine.abort(request_id)
-            if found:
-                self._finish_stream(request_id, TokenEvent([], "", True, "abort"))
-            return found
+    def _abort_on_loop(self, engine: LLMEngine, request_id: str) -> bool:
+        self._pending.pop(request_id, None)
+        found = engine.abort(request_id)
+        if found:
+            self._end(request_id)
+        return found
 
-        return await self.aengine.run(do)
+    def _on_orphans(self, request_ids: list[str]) -> None:
+        log.warning("%s: the router went away; stopping its %d requests", self.worker_id, len(request_ids))
+        self.aengine.loop.call(lambda e: [self._abort_on_loop(e, rid) for rid in request_ids])
 
     async def stats(self, steps_since: float | None = None) -> WorkerStats:
         return await self.aengine.stats(self.worker_id, "decode", len(self._pending), self._kv_bytes, steps_since)

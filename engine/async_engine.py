@@ -1,77 +1,71 @@
-"""An engine for asyncio code: commands awaited, token events streamed per request.
+"""An engine for asyncio code: commands awaited, and one event stream per subscriber (a router).
 
 The engine runs in an ``EngineLoop`` thread; the node (a Ray actor) lives on an asyncio event loop.
-``AsyncEngine`` is the bridge: ``await run(fn)`` applies a command between steps, and the loop thread
-``emit``s events into per-request queues that ``stream`` drains. No Ray and no gRPC in here.
+``AsyncEngine`` is the bridge: ``await run(fn)`` applies a command between steps, and after each step
+the node ``publish``es the step's ``TokenUpdate``s in one call. Each update goes to the subscriber that
+``claim``ed its request; ``events(subscriber_id)`` yields a subscriber's updates one batch per step
+(several steps in one batch when the reader lags). The cost of the path is per step, not per token.
+No Ray and no gRPC in here.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import Any, NamedTuple, TypeVar
+from typing import TypeVar
 
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.engine.llm_engine import LLMEngine, RequestOutput, StepStats
+from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.request import Request
+
+from pdserve.messages import TokenUpdate, WorkerRequestStats, WorkerStats
 
 T = TypeVar("T")
 
 
-class TokenEvent(NamedTuple):
-    """What a worker streams for one request: new tokens, and on the last event the outcome."""
-
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None = None
-    metadata: dict[str, Any] | None = None
-    error: str | None = None  # set when the request failed on the worker (then finished is True)
-
-
-class WorkerStats(NamedTuple):
-    worker_id: str
-    role: str
-    blocks_total: int
-    blocks_free: int
-    blocks_cached: int
-    blocks_used: int
-    num_running: int
-    num_waiting: int
-    num_remote_pending: int
-    tokens_in_flight: int
-    num_steps: int
-    kv_bytes_moved: int
-    steps: list[StepStats]
-
-
-def request_timings(request: Request) -> dict[str, Any]:
-    """Queue and prefill times of a request as this worker saw them."""
+def worker_request_stats(request: Request, **extra: float) -> WorkerRequestStats:
+    """Queue and prefill times of a request that this worker prefilled, plus ``extra`` fields."""
     t = request.times
     scheduled = t.first_scheduled if t.first_scheduled is not None else t.arrival
     first = t.first_token if t.first_token is not None else scheduled
-    return {
-        "queue_s": max(0.0, scheduled - t.arrival),
-        "prefill_s": max(0.0, first - scheduled),
-        "first_token_time": first,
-        "num_prompt_tokens": request.num_prompt_tokens,
-        "num_output_tokens": request.num_output_tokens,
-        "num_cached_tokens": request.num_cached_tokens,
-    }
+    return WorkerRequestStats(
+        queue_s=max(0.0, scheduled - t.arrival),
+        prefill_s=max(0.0, first - scheduled),
+        num_cached_tokens=request.num_cached_tokens,
+        second_token_time=t.tokens[1] if len(t.tokens) > 1 else 0.0,
+        **extra,
+    )
+
+
+class _Subscriber:
+    __slots__ = ("closed", "pending", "wake")
+
+    def __init__(self) -> None:
+        self.pending: list[TokenUpdate] = []
+        self.wake = asyncio.Event()
+        self.closed = False
 
 
 class AsyncEngine:
-    """Binds to the event loop of its first ``run``/``open_stream`` (a Ray async actor's loop)."""
+    """Binds to the event loop of its first ``run``/``events`` call (a Ray async actor's loop).
+
+    ``on_orphans(request_ids)`` is called on the event loop when a subscriber goes away while it still
+    owns requests: the node must stop them, nobody will read their tokens.
+    """
 
     def __init__(
         self,
         engine: LLMEngine,
         on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
         on_tick: Callable[[LLMEngine], None] | None = None,
+        on_orphans: Callable[[list[str]], None] | None = None,
     ) -> None:
         self.engine = engine
         self._aio: asyncio.AbstractEventLoop | None = None
-        self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._subscribers: dict[str, _Subscriber] = {}
+        self._owners: dict[str, str] = {}  # request id -> subscriber id (event-loop side only)
+        self._on_orphans = on_orphans
+        self.num_items = 0  # event-stream items yielded, all subscribers together
         self.loop = EngineLoop(engine, on_step=on_step, on_tick=on_tick)
 
     def _bind(self) -> asyncio.AbstractEventLoop:
@@ -83,46 +77,72 @@ class AsyncEngine:
         """Apply ``fn(engine)`` on the loop thread between steps and return its result."""
         return await asyncio.wrap_future(self.loop.call(fn), loop=self._bind())
 
-    # ---- per-request streams (open on the event loop; emit from the loop thread) ----------------
-    def open_stream(self, request_id: str) -> None:
+    # ---- request ownership (event loop) ----------------------------------------------------------
+    def claim(self, request_id: str, subscriber_id: str) -> None:
+        """Route ``request_id``'s updates to ``subscriber_id``. ValueError when it is taken or unknown."""
         self._bind()
-        if request_id in self._queues:
-            raise ValueError(f"request_id {request_id!r} already has a stream on this worker")
-        self._queues[request_id] = asyncio.Queue()
+        if subscriber_id not in self._subscribers:
+            raise ValueError(f"router {subscriber_id!r} is not subscribed to this worker's events")
+        if request_id in self._owners:
+            raise ValueError(f"request_id {request_id!r} is already in use on this worker")
+        self._owners[request_id] = subscriber_id
 
-    def close_stream(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+    def unclaim(self, request_id: str) -> None:
+        self._owners.pop(request_id, None)
 
-    def emit(self, request_id: str, event: TokenEvent) -> None:
-        """Thread-safe: queue an event for the request's stream (dropped when nobody listens)."""
-        queue = self._queues.get(request_id)
-        if queue is not None and self._aio is not None:
-            self._aio.call_soon_threadsafe(queue.put_nowait, event)
+    def owns(self, request_id: str) -> bool:
+        return request_id in self._owners
 
-    async def stream(self, request_id: str, timeout_s: float | None = None) -> AsyncIterator[list[TokenEvent]]:
-        """Yield batches of events until the finished one; closes the stream whatever happens.
+    # ---- the event stream --------------------------------------------------------------------------
+    def publish(self, updates: list[TokenUpdate]) -> None:
+        """Thread-safe: hand one step's updates to their subscribers (one event-loop callback per call)."""
+        if updates and self._aio is not None:
+            self._aio.call_soon_threadsafe(self._dispatch, updates)
 
-        ``timeout_s`` bounds the wait for each next event (a stuck request ends with an error event).
+    def _dispatch(self, updates: list[TokenUpdate]) -> None:
+        owners, subscribers = self._owners, self._subscribers
+        for update in updates:
+            owner = owners.get(update.request_id)
+            if owner is None:
+                continue  # nobody reads it (aborted, or its router went away)
+            if update.finish_reason is not None:
+                del owners[update.request_id]
+            sub = subscribers.get(owner)
+            if sub is not None:
+                sub.pending.append(update)
+                sub.wake.set()
+
+    async def events(self, subscriber_id: str) -> AsyncIterator[list[TokenUpdate]]:
+        """Yield ``[]`` once subscribed, then each batch of the subscriber's updates as steps produce them.
+
+        A second subscription under the same id replaces the first (a router reconnecting). When the
+        reader goes away, the requests it owned are handed to ``on_orphans``.
         """
-        queue = self._queues[request_id]
+        self._bind()
+        old = self._subscribers.get(subscriber_id)
+        if old is not None:
+            old.closed = True
+            old.wake.set()
+        sub = self._subscribers[subscriber_id] = _Subscriber()
         try:
+            yield []
             while True:
-                try:
-                    first = await asyncio.wait_for(queue.get(), timeout_s)
-                except asyncio.TimeoutError:
-                    yield [TokenEvent([], "", True, "abort", error=f"no progress for {timeout_s} s")]
+                await sub.wake.wait()
+                sub.wake.clear()
+                if sub.closed:
                     return
-                batch = [first]
-                while not queue.empty():
-                    batch.append(queue.get_nowait())
-                yield batch
-                if any(e.finished for e in batch):
-                    return
+                batch, sub.pending = sub.pending, []
+                if batch:
+                    self.num_items += 1
+                    yield batch
         finally:
-            self._queues.pop(request_id, None)
-
-    def has_stream(self, request_id: str) -> bool:
-        return request_id in self._queues
+            if self._subscribers.get(subscriber_id) is sub:
+                del self._subscribers[subscriber_id]
+                orphans = [rid for rid, owner in self._owners.items() if owner == subscriber_id]
+                for rid in orphans:
+                    del self._owners[rid]
+                if orphans and self._on_orphans is not None:
+                    self._on_orphans(orphans)
 
     # ---- introspection -------------------------------------------------------------------------
     async def stats(
@@ -130,7 +150,9 @@ class AsyncEngine:
     ) -> WorkerStats:
         def collect(engine: LLMEngine) -> WorkerStats:
             s = engine.stats()
-            steps = [st for st in engine.step_history if st.started >= steps_since] if steps_since is not None else []
+            steps = (
+                tuple(st for st in engine.step_history if st.started >= steps_since) if steps_since is not None else ()
+            )
             return WorkerStats(
                 worker_id,
                 role,

@@ -18,6 +18,8 @@ from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from pdserve.engine.weights import build_model
 
+from pdserve.messages import StepStats
+
 
 class RequestOutput(NamedTuple):
     """What one step produced for one request."""
@@ -39,17 +41,6 @@ class Completion(NamedTuple):
     finish_reason: FinishReason
     num_cached_tokens: int
     times: RequestTimes
-
-
-class StepStats(NamedTuple):
-    started: float
-    duration_s: float
-    schedule_s: float
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_seqs: int
-    num_preempted: int
-    num_context_tokens: int  # keys attended, summed over the step's tokens (the attention cost driver)
 
 
 class Reservation(NamedTuple):

@@ -1,30 +1,30 @@
-"""A running pdserve: Ray actors for the workers, the router and its gRPC server on a background loop.
+"""A running pdserve: Ray actors for the workers and for the routers (each with its gRPC server).
 
     with Deployment(DeploymentConfig(mode="disaggregated", num_prefill_workers=1)) as d:
         Client(d.address) ...
 
 Starts a local Ray instance unless one is running or an ``address`` is given; places one actor per
-worker (a GPU each when the engine runs on CUDA); stops everything it started on ``stop()``.
+worker (a GPU each when the engine runs on CUDA) and ``num_routers`` router actors on this node, all
+listening on one port; stops everything it started on ``stop()``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.decode_node.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.messages import WorkerStats
 from pdserve.prefill_node.worker import PrefillWorker
 from pdserve.router.policy import RouterConfig
-from pdserve.router.router import ModelLimits, Router, WorkerHandle
-from pdserve.router.server import start_server
+from pdserve.router.process import RouterProcess
+from pdserve.router.router import WorkerHandle
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ class DeploymentConfig:
     transport_config: Any = None  # NixlConfig / GrpcConfig
     host: str = "127.0.0.1"
     port: int = 0  # 0 = any free port
+    num_routers: int = 1  # router processes, all on `port` (SO_REUSEPORT)
     address: str | None = None  # a Ray cluster to join ("auto" or host:port); None = local, started here
     router: RouterConfig | None = None  # None = defaults with `mode` as default_mode
     reservation_timeout_s: float = 120.0
@@ -51,6 +52,8 @@ class DeploymentConfig:
             raise ValueError(f"num_prefill_workers must be >= 0, got {self.num_prefill_workers}")
         if self.mode != "colocated" and self.num_prefill_workers < 1:
             raise ValueError(f"mode {self.mode!r} needs num_prefill_workers >= 1")
+        if self.num_routers < 1:
+            raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
         if self.transport not in ("nixl", "grpc"):
             raise ValueError(f"transport must be nixl or grpc, got {self.transport!r}")
 
@@ -64,12 +67,10 @@ class Deployment:
         self.config = config
         self.decode_workers: list[WorkerHandle] = []
         self.prefill_workers: list[WorkerHandle] = []
-        self.router: Router | None = None
+        self.routers: list[Any] = []  # RouterProcess actor handles
+        self.worker_info: list[dict[str, Any]] = []  # what each worker said when ready
         self.port: int | None = None
         self._started_ray = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._server = None
 
     @property
     def address(self) -> str:
@@ -106,22 +107,35 @@ class Deployment:
                 wid = f"prefill-{i}"
                 actor = prefill_cls.remote(wid, engine_config, cfg.transport, cfg.transport_config)
                 self.prefill_workers.append(WorkerHandle(wid, "prefill", actor))
-            ray.get([w.actor.ready.remote() for w in self.workers], timeout=300)
-            tokenizer = load_tokenizer(engine_config.model, model_config.eos_token_id)
-            limits = ModelLimits(model_config.vocab_size, engine_config.max_model_len)  # type: ignore[arg-type]
-            self.router = Router(cfg.router_config(), self.decode_workers, self.prefill_workers, limits, tokenizer)
-            self._start_loop()
-            self._server, self.port = self._run(start_server(self.router, cfg.host, cfg.port))
+            self.worker_info = ray.get([w.actor.ready.remote() for w in self.workers], timeout=300)
+            self._start_routers(engine_config)
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _start_routers(self, engine_config: EngineConfig) -> None:
+        cfg = self.config
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        router_cls = ray.remote(RouterProcess).options(num_cpus=0, scheduling_strategy=here, max_concurrency=100_000)
+        port = cfg.port
+        for i in range(cfg.num_routers):
+            router = router_cls.remote(
+                f"router-{i}", cfg.router_config(), engine_config, self.decode_workers, self.prefill_workers
+            )
+            self.routers.append(router)
+            port = ray.get(router.start.remote(cfg.host, port), timeout=120)  # the next ones share this port
+        self.port = port
+
     @property
     def workers(self) -> list[WorkerHandle]:
         return [*self.decode_workers, *self.prefill_workers]
 
-    def stats(self, steps_since: float | None = None) -> list[Any]:
+    def router_usage(self) -> list[dict[str, float]]:
+        """Per router process: pid, CPU seconds so far, event-stream items received."""
+        return ray.get([r.usage.remote() for r in self.routers], timeout=60)
+
+    def stats(self, steps_since: float | None = None) -> list[WorkerStats]:
         return ray.get([w.actor.stats.remote(steps_since) for w in self.workers], timeout=60)
 
     def check_integrity(self) -> None:
@@ -129,12 +143,13 @@ class Deployment:
 
     def stop(self) -> None:
         """Stop the server, the workers and (if started here) Ray. Safe to call twice."""
-        if self._server is not None and self._loop is not None:
+        for router in self.routers:
             try:
-                self._run(self._server.stop(grace=1.0))
+                ray.get(router.stop.remote(), timeout=30)
             except Exception as e:
-                log.warning("router server stop: %s", e)
-            self._server = None
+                log.warning("router stop: %s", e)
+            ray.kill(router)
+        self.routers = []
         for w in self.workers:
             try:
                 ray.get(w.actor.shutdown.remote(), timeout=30)
@@ -142,11 +157,6 @@ class Deployment:
                 log.warning("%s shutdown: %s", w.worker_id, e)
             ray.kill(w.actor)
         self.decode_workers, self.prefill_workers = [], []
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            if self._thread is not None:
-                self._thread.join(10)
-            self._loop = None
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
@@ -156,13 +166,3 @@ class Deployment:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-    # ---- the router's event loop runs in a thread, so a plain script can drive a deployment -----
-    def _start_loop(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="router-loop", daemon=True)
-        self._thread.start()
-
-    def _run(self, coro, timeout_s: float = 60.0):
-        assert self._loop is not None
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)

@@ -16,14 +16,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pdserve.engine.async_engine import AsyncEngine, WorkerStats, request_timings
+from pdserve.engine.async_engine import AsyncEngine, worker_request_stats
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.kv_transfer import ChunkNotification, KVTransferError, PushHandle, TransferTarget, make_transport
+
+from pdserve.messages import WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,7 @@ class PrefillWorker:
             "block_size": self.block_size,
             "device": str(engine.device),
             "transport": self.transport.kind,
+            "pid": os.getpid(),
         }
 
     async def prefill(
@@ -140,9 +144,9 @@ class PrefillWorker:
             self.worker_id,
             first_token,
             first_time,
-            timings["queue_s"],
-            timings["prefill_s"],
-            timings["num_cached_tokens"],
+            timings.queue_s,
+            timings.prefill_s,
+            timings.num_cached_tokens,
             job.push_index,
         )
 
@@ -178,8 +182,8 @@ class PrefillWorker:
             job = self._jobs.get(out.request_id)
             if job is not None and out.new_token_ids and job.error is None:
                 request = engine.get_request(out.request_id)
-                timings = request_timings(request)  # type: ignore[arg-type]
-                job.resolve(job.first_token, (out.new_token_ids[0], timings["first_token_time"], timings))
+                first_time = request.times.first_token  # type: ignore[union-attr]
+                job.resolve(job.first_token, (out.new_token_ids[0], first_time, worker_request_stats(request)))
 
     def _on_tick(self, engine: LLMEngine) -> None:
         for job in list(self._jobs.values()):

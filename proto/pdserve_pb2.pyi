@@ -57,7 +57,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
 
 class RequestMetadata(_message.Message):
-    __slots__ = ("request_id", "mode", "prefill_worker", "decode_worker", "queue_s", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "ttft_s", "e2e_s", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "second_token_time")
+    __slots__ = ("request_id", "mode", "prefill_worker", "decode_worker", "queue_s", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "ttft_s", "e2e_s", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "second_token_time", "router", "fallback")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,8 @@ class RequestMetadata(_message.Message):
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SECOND_TOKEN_TIME_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     mode: Mode
     prefill_worker: str
@@ -86,7 +88,9 @@ class RequestMetadata(_message.Message):
     num_output_tokens: int
     num_cached_tokens: int
     second_token_time: float
-    def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[Mode, str]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., second_token_time: _Optional[float] = ...) -> None: ...
+    router: str
+    fallback: str
+    def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[Mode, str]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., second_token_time: _Optional[float] = ..., router: _Optional[str] = ..., fallback: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finished", "finish_reason", "metadata")
@@ -141,20 +145,24 @@ class StatsRequest(_message.Message):
     def __init__(self, include_steps: _Optional[bool] = ..., steps_since: _Optional[float] = ...) -> None: ...
 
 class StepRecord(_message.Message):
-    __slots__ = ("started", "duration_s", "num_prefill_tokens", "num_decode_tokens", "num_seqs", "num_context_tokens")
+    __slots__ = ("started", "duration_s", "num_prefill_tokens", "num_decode_tokens", "num_seqs", "num_context_tokens", "schedule_s", "num_preempted")
     STARTED_FIELD_NUMBER: _ClassVar[int]
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     NUM_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     started: float
     duration_s: float
     num_prefill_tokens: int
     num_decode_tokens: int
     num_seqs: int
     num_context_tokens: int
-    def __init__(self, started: _Optional[float] = ..., duration_s: _Optional[float] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_seqs: _Optional[int] = ..., num_context_tokens: _Optional[int] = ...) -> None: ...
+    schedule_s: float
+    num_preempted: int
+    def __init__(self, started: _Optional[float] = ..., duration_s: _Optional[float] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_seqs: _Optional[int] = ..., num_context_tokens: _Optional[int] = ..., schedule_s: _Optional[float] = ..., num_preempted: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("worker_id", "role", "blocks_total", "blocks_free", "blocks_cached", "blocks_used", "num_running", "num_waiting", "num_remote_pending", "tokens_in_flight", "num_steps", "kv_bytes_moved", "steps")

@@ -8,13 +8,15 @@ with Client("127.0.0.1:50051") as client:
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import grpc
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
-from pdserve.router.wire import GRPC_OPTIONS, MODE_ENUMS, MODE_NAMES, params_to_proto
+from pdserve.router.wire import GRPC_OPTIONS, MODE_ENUMS, metrics_from_proto, params_to_proto, worker_stats_from_proto
+
+from pdserve.messages import RequestMetrics, WorkerStats
 
 
 class GenerateChunk(NamedTuple):
@@ -22,7 +24,7 @@ class GenerateChunk(NamedTuple):
     text: str
     finished: bool
     finish_reason: str | None
-    metadata: dict[str, Any] | None  # on the last chunk
+    metadata: RequestMetrics | None  # on the last chunk
 
 
 def _request(
@@ -42,24 +44,12 @@ def _request(
 
 
 def _chunk(resp: pb.GenerateResponse) -> GenerateChunk:
-    meta = None
-    if resp.HasField("metadata"):
-        m = resp.metadata
-        meta = {f.name: getattr(m, f.name) for f in m.DESCRIPTOR.fields}
-        meta["mode"] = MODE_NAMES.get(m.mode)
-    return GenerateChunk(list(resp.token_ids), resp.text, resp.finished, resp.finish_reason or None, meta)
+    metrics = metrics_from_proto(resp.metadata) if resp.HasField("metadata") else None
+    return GenerateChunk(list(resp.token_ids), resp.text, resp.finished, resp.finish_reason or None, metrics)
 
 
-def stats_to_dicts(resp: pb.StatsResponse) -> list[dict[str, Any]]:
-    out = []
-    for w in resp.workers:
-        d = {f.name: getattr(w, f.name) for f in w.DESCRIPTOR.fields if f.name != "steps"}
-        d["steps"] = [
-            (s.started, s.duration_s, s.num_prefill_tokens, s.num_decode_tokens, s.num_seqs, s.num_context_tokens)
-            for s in w.steps
-        ]
-        out.append(d)
-    return out
+def _stats(resp: pb.StatsResponse) -> list[WorkerStats]:
+    return [worker_stats_from_proto(w) for w in resp.workers]
 
 
 class Client:
@@ -92,9 +82,9 @@ class Client:
     def health(self) -> pb.HealthResponse:
         return self._stub.Health(pb.HealthRequest(), timeout=30)
 
-    def stats(self, steps_since: float | None = None) -> list[dict[str, Any]]:
+    def stats(self, steps_since: float | None = None) -> list[WorkerStats]:
         req = pb.StatsRequest(include_steps=steps_since is not None, steps_since=steps_since or 0.0)
-        return stats_to_dicts(self._stub.Stats(req, timeout=30))
+        return _stats(self._stub.Stats(req, timeout=30))
 
     def close(self) -> None:
         self._channel.close()
@@ -132,9 +122,9 @@ class AsyncClient:
     async def health(self) -> pb.HealthResponse:
         return await self._stub.Health(pb.HealthRequest(), timeout=30)
 
-    async def stats(self, steps_since: float | None = None) -> list[dict[str, Any]]:
+    async def stats(self, steps_since: float | None = None) -> list[WorkerStats]:
         req = pb.StatsRequest(include_steps=steps_since is not None, steps_since=steps_since or 0.0)
-        return stats_to_dicts(await self._stub.Stats(req, timeout=30))
+        return _stats(await self._stub.Stats(req, timeout=30))
 
     async def close(self) -> None:
         await self._channel.close()

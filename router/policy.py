@@ -25,6 +25,7 @@ class RouterConfig:
     auto_max_prefill_queue_tokens: int = 16384  # ...and some prefill worker has fewer tokens queued than this
     max_active_requests: int = 4096  # beyond this, RESOURCE_EXHAUSTED
     reserve_timeout_s: float = 60.0  # how long a request may wait for a decode worker to have room
+    stream_idle_timeout_s: float = 600.0  # a stream with no token for this long fails with UNAVAILABLE
     prefix_index_blocks: int = 65536  # per decode worker
 
     def __post_init__(self) -> None:
@@ -35,8 +36,9 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.auto_min_remote_tokens < 0 or self.auto_max_prefill_queue_tokens < 0:
             raise ValueError("auto thresholds must be >= 0")
-        if not self.reserve_timeout_s > 0:
-            raise ValueError(f"reserve_timeout_s must be > 0, got {self.reserve_timeout_s!r}")
+        for name in ("reserve_timeout_s", "stream_idle_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
 
 @dataclass

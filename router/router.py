@@ -1,9 +1,13 @@
 """The router's core: validate, route, drive the workers, stream tokens back. No gRPC in here.
 
-Colocated: ``decode.generate`` streams everything. Disaggregated: ``decode.reserve`` → blocks;
-``prefill.prefill`` → chunked prefill with per-chunk KV pushes, returns the first token (sent to
-the client at once); ``decode.decode(first_token)`` streams the rest once the KV has landed.
-If the prefill worker fails, the request falls back to a local prefill on its decode worker.
+Tokens come back on one event stream per decode worker (``DecodeWorker.events``), subscribed once at
+``start``: each item carries every new token of this router's requests from one worker step, and a
+reader task per worker demultiplexes them into the requests' queues. Starting, reserving and aborting
+are plain actor calls. Colocated: ``decode.generate`` starts the request. Disaggregated:
+``decode.reserve`` → blocks; ``prefill.prefill`` → chunked prefill with per-chunk KV pushes, returns
+the first token (sent to the client at once); ``decode.decode(first_token)`` decodes the rest once the
+KV has landed. If the prefill worker fails, the request falls back to a local prefill on its decode
+worker. Several routers can serve the same workers: each subscribes under its own id.
 """
 
 from __future__ import annotations
@@ -14,13 +18,15 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.router.policy import Route, RouterConfig, RoutingPolicy
 from ray.exceptions import RayActorError, RayTaskError
+
+from pdserve.messages import RequestMetrics, TokenUpdate, WorkerRequestStats, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +47,16 @@ class GenerateInput(NamedTuple):
 
 
 class RouterEvent(NamedTuple):
+    """What the client stream gets: new tokens and their text; on the last event how it ended."""
+
     token_ids: list[int]
     text: str
-    finished: bool
     finish_reason: str | None = None
-    metadata: dict[str, Any] | None = None
+    metrics: RequestMetrics | None = None  # on the last event
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class WorkerHandle(NamedTuple):
@@ -59,6 +70,26 @@ class ModelLimits(NamedTuple):
     max_model_len: int
 
 
+@dataclass
+class _InFlight:
+    """A request the router is serving: where it went, what came back, what the client has been sent."""
+
+    request_id: str
+    route: Route  # as routed (the policy's bookkeeping uses it)
+    served: Route  # as served (differs after a fallback to local prefill)
+    received: float
+    num_prompt_tokens: int
+    updates: asyncio.Queue[TokenUpdate]
+    detokenizer: IncrementalDetokenizer | None
+    prefill: Any = None  # the prefill worker's PrefillResult
+    num_cached_tokens: int = 0  # on the decode worker, as its reservation found it
+    fallback: str = ""
+    ttft_s: float | None = None
+    num_output_tokens: int = 0
+    prefill_pending: bool = False
+    aborted: bool = False
+
+
 class Router:
     def __init__(
         self,
@@ -67,17 +98,67 @@ class Router:
         prefill_workers: list[WorkerHandle],
         limits: ModelLimits,
         tokenizer: Tokenizer | None,
+        router_id: str = "router-0",
     ) -> None:
         self.config = config
+        self.router_id = router_id
         self.policy = RoutingPolicy(
             config, [w.worker_id for w in decode_workers], [w.worker_id for w in prefill_workers]
         )
+        self.decode_workers = {w.worker_id: w for w in decode_workers}
         self.workers = {w.worker_id: w for w in [*decode_workers, *prefill_workers]}
         self.limits = limits
         self.tokenizer = tokenizer
-        self.active: dict[str, Route | None] = {}
+        self.active: dict[str, _InFlight] = {}
+        self.num_stream_items = 0  # event-stream items received from the workers
+        self._readers: list[asyncio.Task] = []
         self._ids = itertools.count()
         self._seeds = random.Random()
+
+    # ---- the workers' event streams --------------------------------------------------------------
+    async def start(self, timeout_s: float = 60.0) -> None:
+        """Subscribe to every decode worker's event stream; returns once all of them confirmed."""
+        loop = asyncio.get_running_loop()
+        subscribed = [loop.create_future() for _ in self.decode_workers]
+        for worker, confirmed in zip(self.decode_workers.values(), subscribed, strict=True):
+            self._readers.append(asyncio.create_task(self._read_events(worker, confirmed)))
+        await asyncio.wait_for(asyncio.gather(*subscribed), timeout_s)
+
+    async def close(self) -> None:
+        for task in self._readers:
+            task.cancel()
+        await asyncio.gather(*self._readers, return_exceptions=True)
+        self._readers = []
+
+    async def _read_events(self, worker: WorkerHandle, subscribed: asyncio.Future) -> None:
+        """Demultiplex one worker's stream into the requests' queues; resubscribe if it breaks."""
+        delay = 0.1
+        while True:
+            try:
+                stream = worker.actor.events.options(num_returns="streaming").remote(self.router_id)
+                async for ref in stream:
+                    item = await ref
+                    if not subscribed.done():
+                        subscribed.set_result(None)
+                    delay = 0.1
+                    self.num_stream_items += 1
+                    active = self.active
+                    for update in item.updates:
+                        request = active.get(update.request_id)
+                        if request is not None:
+                            request.updates.put_nowait(update)
+                reason = "ended its event stream"
+            except Exception as e:  # the worker died or restarts: its requests cannot finish
+                reason = f"dropped its event stream ({type(e).__name__})"
+            log.warning(
+                "%s: worker %s %s; failing its requests and resubscribing", self.router_id, worker.worker_id, reason
+            )
+            for request in list(self.active.values()):
+                if request.served.decode_worker == worker.worker_id:
+                    error = f"decode worker {worker.worker_id} {reason}"
+                    request.updates.put_nowait(TokenUpdate(request.request_id, [], "abort", error=error))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
     # ---- validation ----------------------------------------------------------------------------
     def _validate(self, req: GenerateInput) -> tuple[str, list[int], SamplingParams]:
@@ -105,7 +186,7 @@ class Router:
         params = req.params
         if params.seed is None:  # prefill and decode workers must draw from the same seed
             params = replace(params, seed=self._seeds.getrandbits(63))
-        request_id = req.request_id or f"rt-{next(self._ids)}-{random.getrandbits(32):08x}"
+        request_id = req.request_id or f"{self.router_id}-{next(self._ids)}-{random.getrandbits(32):08x}"
         if request_id in self.active:
             raise RequestError("ALREADY_EXISTS", f"request_id {request_id!r} is already in use")
         if len(self.active) >= self.config.max_active_requests:
@@ -123,69 +204,57 @@ class Router:
             route = self.policy.route(prompt, params.max_tokens, req.mode)
         except ValueError as e:
             raise RequestError("INVALID_ARGUMENT", str(e)) from None
-        self.active[request_id] = route
+        request = _InFlight(
+            request_id,
+            route,
+            route,
+            received,
+            len(prompt),
+            asyncio.Queue(),
+            self.tokenizer.detokenizer() if self.tokenizer else None,
+            num_cached_tokens=route.expected_cached_tokens,
+            prefill_pending=route.prefill_worker is not None,
+        )
+        self.active[request_id] = request
         self.policy.start(route, prompt, params.max_tokens)
-        detok = self.tokenizer.detokenizer() if self.tokenizer else None
-        meta: dict[str, Any] = {
-            "request_id": request_id,
-            "mode": route.mode,
-            "decode_worker": route.decode_worker,
-            "prefill_worker": route.prefill_worker or "",
-        }
-        prefill_pending = route.prefill_worker is not None
-        first_sent: float | None = None
-        num_out = 0
         finished = False
         try:
             if route.mode == "disaggregated":
-                events = self._disaggregated(request_id, prompt, params, route, meta)
+                events = self._disaggregated(request, prompt, params)
             else:
-                events = self._colocated(request_id, prompt, params, route)
-            async for token_ids, done, reason, worker_meta in events:
-                if prefill_pending and worker_meta is not None and worker_meta.get("prefill_done"):
-                    self.policy.prefill_done(route, prompt)
-                    prefill_pending = False
-                    continue
-                text = detok.push(token_ids) if detok is not None and token_ids else ""
-                if done and detok is not None:
-                    text += detok.flush()
-                num_out += len(token_ids)
-                if token_ids and first_sent is None:
-                    first_sent = time.time()
-                    meta["ttft_s"] = first_sent - received
-                if done:
-                    finished = True
-                    meta.update({k: v for k, v in (worker_meta or {}).items() if k in _META_KEYS})
-                    meta.update(e2e_s=time.time() - received, num_prompt_tokens=len(prompt), num_output_tokens=num_out)
-                    meta.setdefault("ttft_s", time.time() - received)
-                    yield RouterEvent(token_ids, text, True, reason, meta)
+                events = self._colocated(request, prompt, params)
+            async for event in events:
+                finished = event.finished
+                yield event
+                if finished:
                     return
-                yield RouterEvent(token_ids, text, False)
-            raise RequestError("INTERNAL", f"worker stream for {request_id} ended without a final message")
+            raise RequestError("INTERNAL", f"the stream of {request_id} ended without a final message")
         finally:
-            if prefill_pending:
-                self.policy.prefill_done(route, prompt)
+            self._prefill_finished(request, prompt)
             self.policy.finish(route, prompt, params.max_tokens)
-            self.active.pop(request_id, None)
             if not finished:  # cancelled or failed: make sure no worker keeps working on it
-                await asyncio.shield(self._abort_on_workers(request_id, route))
+                await asyncio.shield(self._abort_on_workers(request_id, request.served))
+            self.active.pop(request_id, None)
 
-    async def _colocated(self, request_id: str, prompt: list[int], params: SamplingParams, route: Route):
-        decode = self.workers[route.decode_worker].actor
-        stream = decode.generate.options(num_returns="streaming").remote(request_id, prompt, params)
-        async for item in self._worker_stream(stream):
-            yield item
+    async def _colocated(
+        self, request: _InFlight, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[RouterEvent]:
+        decode = self.workers[request.served.decode_worker].actor
+        await _call(decode.generate.remote(request.request_id, prompt, params, self.router_id))
+        async for event in self._stream(request):
+            yield event
 
     async def _disaggregated(
-        self, request_id: str, prompt: list[int], params: SamplingParams, route: Route, meta: dict[str, Any]
-    ):
+        self, request: _InFlight, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[RouterEvent]:
+        route = request.route
         decode = self.workers[route.decode_worker].actor
         prefill = self.workers[route.prefill_worker].actor  # type: ignore[index]
-        reservation = await self._reserve(decode, request_id, prompt, params)
-        meta["num_cached_tokens"] = reservation.num_cached_tokens
+        reservation = await self._reserve(decode, request, prompt, params)
+        request.num_cached_tokens = reservation.num_cached_tokens
         try:
             result = await prefill.prefill.remote(
-                request_id,
+                request.request_id,
                 prompt,
                 params,
                 reservation.target,
@@ -196,34 +265,41 @@ class Router:
         except (RayActorError, RayTaskError) as e:
             if _is_value_error(e):
                 raise RequestError("INVALID_ARGUMENT", _cause(e)) from None
+            if request.aborted:
+                yield self._event(request, [], "abort")
+                return
             log.warning(
-                "prefill worker %s failed on %s (%s); prefilling locally", route.prefill_worker, request_id, _cause(e)
+                "prefill worker %s failed on %s (%s); prefilling locally",
+                route.prefill_worker,
+                request.request_id,
+                _cause(e),
             )
-            await asyncio.shield(self._abort_on_workers(request_id, route))
-            meta.update(mode="colocated", prefill_worker="", fallback=f"prefill worker failed: {_cause(e)}")
-            yield [], False, None, {"prefill_done": True}
-            async for item in self._colocated(request_id, prompt, params, route._replace(mode="colocated")):
-                yield item
+            await asyncio.shield(self._abort_on_workers(request.request_id, route))
+            self._prefill_finished(request, prompt)
+            request.served = route._replace(mode="colocated", prefill_worker=None)
+            request.fallback = f"prefill worker failed: {_cause(e)}"
+            async for event in self._colocated(request, prompt, params):
+                yield event
             return
-        meta.update(queue_s=result.queue_s, prefill_s=result.prefill_s)
-        yield [], False, None, {"prefill_done": True}
-        yield [result.first_token], False, None, None
-        prefill_meta = {"queue_s": result.queue_s, "prefill_s": result.prefill_s}
-        stream = decode.decode.options(num_returns="streaming").remote(
-            request_id, result.first_token, result.first_token_time, prefill_meta
+        request.prefill = result
+        self._prefill_finished(request, prompt)
+        yield self._event(request, [result.first_token])
+        await _call(
+            decode.decode.remote(request.request_id, result.first_token, result.first_token_time, self.router_id)
         )
-        async for item in self._worker_stream(stream):
-            yield item
+        async for event in self._stream(request):
+            yield event
 
-    async def _reserve(self, decode, request_id: str, prompt: list[int], params: SamplingParams):
+    def _prefill_finished(self, request: _InFlight, prompt: list[int]) -> None:
+        if request.prefill_pending:
+            request.prefill_pending = False
+            self.policy.prefill_done(request.route, prompt)
+
+    async def _reserve(self, decode: Any, request: _InFlight, prompt: list[int], params: SamplingParams) -> Any:
         deadline = time.monotonic() + self.config.reserve_timeout_s
         delay = 0.005
-        while True:
-            try:
-                reservation = await decode.reserve.remote(request_id, prompt, params)
-            except RayTaskError as e:
-                code = "INVALID_ARGUMENT" if _is_value_error(e) else "INTERNAL"
-                raise RequestError(code, _cause(e)) from None
+        while not request.aborted:
+            reservation = await _call(decode.reserve.remote(request.request_id, prompt, params))
             if reservation is not None:
                 return reservation
             if time.monotonic() > deadline:
@@ -233,21 +309,68 @@ class Router:
                 )
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
+        raise RequestError("CANCELLED", f"request {request.request_id!r} was aborted")
 
-    async def _worker_stream(self, stream):
-        try:
-            async for ref in stream:
-                for event in await ref:
-                    if event.error:
-                        raise RequestError("UNAVAILABLE", f"worker: {event.error}")
-                    yield event.token_ids, event.finished, event.finish_reason, event.metadata
-                    if event.finished:
-                        return
-        except RayTaskError as e:
-            code = "INVALID_ARGUMENT" if _is_value_error(e) else "INTERNAL"
-            raise RequestError(code, _cause(e)) from None
-        except RayActorError as e:
-            raise RequestError("UNAVAILABLE", f"worker died: {_cause(e)}") from None
+    async def _stream(self, request: _InFlight) -> AsyncIterator[RouterEvent]:
+        """The request's updates from its decode worker, coalesced into one event when the client lags."""
+        queue = request.updates
+        while True:
+            try:
+                async with asyncio.timeout(self.config.stream_idle_timeout_s):
+                    update = await queue.get()
+            except TimeoutError:
+                raise RequestError(
+                    "UNAVAILABLE", f"no token from the decode worker for {self.config.stream_idle_timeout_s} s"
+                ) from None
+            token_ids = list(update.token_ids)
+            while not update.finished and not queue.empty():
+                update = queue.get_nowait()
+                token_ids += update.token_ids
+            if update.error:
+                raise RequestError("UNAVAILABLE", update.error)
+            yield self._event(request, token_ids, update.finish_reason, update.stats)
+            if update.finished:
+                return
+
+    def _event(
+        self,
+        request: _InFlight,
+        token_ids: list[int],
+        finish_reason: str | None = None,
+        stats: WorkerRequestStats | None = None,
+    ) -> RouterEvent:
+        detok = request.detokenizer
+        text = detok.push(token_ids) if detok is not None and token_ids else ""
+        request.num_output_tokens += len(token_ids)
+        now = time.time()
+        if token_ids and request.ttft_s is None:
+            request.ttft_s = now - request.received
+        if finish_reason is None:
+            return RouterEvent(token_ids, text)
+        if detok is not None:
+            text += detok.flush()
+        return RouterEvent(token_ids, text, finish_reason, self._metrics(request, stats or WorkerRequestStats(), now))
+
+    def _metrics(self, request: _InFlight, stats: WorkerRequestStats, now: float) -> RequestMetrics:
+        served, prefill = request.served, request.prefill
+        return RequestMetrics(
+            request_id=request.request_id,
+            mode=served.mode,
+            decode_worker=served.decode_worker,
+            prefill_worker=served.prefill_worker or "",
+            router=self.router_id,
+            queue_s=prefill.queue_s if prefill is not None else stats.queue_s,
+            prefill_s=prefill.prefill_s if prefill is not None else stats.prefill_s,
+            kv_transfer_s=stats.kv_transfer_s,
+            kv_transfer_bytes=stats.kv_transfer_bytes,
+            ttft_s=request.ttft_s if request.ttft_s is not None else now - request.received,
+            e2e_s=now - request.received,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=stats.num_cached_tokens if request.prefill is None else request.num_cached_tokens,
+            second_token_time=stats.second_token_time,
+            fallback=request.fallback,
+        )
 
     async def _abort_on_workers(self, request_id: str, route: Route) -> None:
         # Prefill first: it returns once none of its pushes can still write into the decode pool.
@@ -260,13 +383,14 @@ class Router:
                 log.warning("abort of %s on %s failed: %s", request_id, worker_id, e)
 
     async def abort(self, request_id: str) -> bool:
-        route = self.active.get(request_id)
-        if route is None:
+        request = self.active.get(request_id)
+        if request is None:
             return False
-        await self._abort_on_workers(request_id, route)
+        request.aborted = True
+        await self._abort_on_workers(request_id, request.served)
         return True
 
-    async def stats(self, steps_since: float | None = None) -> list[Any]:
+    async def stats(self, steps_since: float | None = None) -> list[WorkerStats]:
         refs = [w.actor.stats.remote(steps_since) for w in self.workers.values()]
         return list(await asyncio.gather(*refs))
 
@@ -278,15 +402,15 @@ class Router:
         return True, "serving"
 
 
-_META_KEYS = {
-    "queue_s",
-    "prefill_s",
-    "kv_transfer_s",
-    "kv_transfer_bytes",
-    "num_cached_tokens",
-    "decode_worker",
-    "second_token_time",
-}
+async def _call(ref: Any) -> Any:
+    """Await an actor call, turning its failure into the RequestError a client should see."""
+    try:
+        return await ref
+    except RayTaskError as e:
+        code = "INVALID_ARGUMENT" if _is_value_error(e) else "INTERNAL"
+        raise RequestError(code, _cause(e)) from None
+    except RayActorError as e:
+        raise RequestError("UNAVAILABLE", f"worker died: {_cause(e)}") from None
 
 
 def _cause(e: BaseException) -> str:

@@ -8,28 +8,16 @@ import grpc
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.router import GenerateInput, RequestError, Router
-from pdserve.router.wire import GRPC_OPTIONS, MODE_ENUMS, MODE_NAMES, params_from_proto
+from pdserve.router.wire import (
+    GRPC_OPTIONS,
+    MODE_ENUMS,
+    MODE_NAMES,
+    metrics_to_proto,
+    params_from_proto,
+    worker_stats_to_proto,
+)
 
 log = logging.getLogger(__name__)
-
-
-def metadata_to_proto(meta: dict) -> pb.RequestMetadata:
-    return pb.RequestMetadata(
-        request_id=meta.get("request_id", ""),
-        mode=MODE_ENUMS.get(meta.get("mode", ""), pb.MODE_UNSPECIFIED),
-        prefill_worker=meta.get("prefill_worker", ""),
-        decode_worker=meta.get("decode_worker", ""),
-        queue_s=meta.get("queue_s", 0.0),
-        prefill_s=meta.get("prefill_s", 0.0),
-        kv_transfer_s=meta.get("kv_transfer_s", 0.0),
-        kv_transfer_bytes=meta.get("kv_transfer_bytes", 0),
-        ttft_s=meta.get("ttft_s", 0.0),
-        e2e_s=meta.get("e2e_s", 0.0),
-        num_prompt_tokens=meta.get("num_prompt_tokens", 0),
-        num_output_tokens=meta.get("num_output_tokens", 0),
-        num_cached_tokens=meta.get("num_cached_tokens", 0),
-        second_token_time=meta.get("second_token_time", 0.0),
-    )
 
 
 class PDServeServicer(pb_grpc.PDServeServicer):
@@ -50,13 +38,16 @@ class PDServeServicer(pb_grpc.PDServeServicer):
         req = GenerateInput(request.request_id or None, prompt, params, MODE_NAMES[request.mode])
         try:
             async for event in self.router.generate(req):
-                yield pb.GenerateResponse(
-                    token_ids=event.token_ids,
-                    text=event.text,
-                    finished=event.finished,
-                    finish_reason=event.finish_reason or "",
-                    metadata=metadata_to_proto(event.metadata) if event.metadata else None,
-                )
+                if event.metrics is None:
+                    yield pb.GenerateResponse(token_ids=event.token_ids, text=event.text)
+                else:
+                    yield pb.GenerateResponse(
+                        token_ids=event.token_ids,
+                        text=event.text,
+                        finished=True,
+                        finish_reason=event.finish_reason,
+                        metadata=metrics_to_proto(event.metrics),
+                    )
         except RequestError as e:
             await context.abort(getattr(grpc.StatusCode, e.code), str(e))
 
@@ -77,35 +68,7 @@ class PDServeServicer(pb_grpc.PDServeServicer):
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         since = request.steps_since if request.include_steps else None
-        workers = []
-        for s in await self.router.stats(since):
-            workers.append(
-                pb.WorkerStats(
-                    worker_id=s.worker_id,
-                    role=s.role,
-                    blocks_total=s.blocks_total,
-                    blocks_free=s.blocks_free,
-                    blocks_cached=s.blocks_cached,
-                    blocks_used=s.blocks_used,
-                    num_running=s.num_running,
-                    num_waiting=s.num_waiting,
-                    num_remote_pending=s.num_remote_pending,
-                    tokens_in_flight=s.tokens_in_flight,
-                    num_steps=s.num_steps,
-                    kv_bytes_moved=s.kv_bytes_moved,
-                    steps=[
-                        pb.StepRecord(
-                            started=st.started,
-                            duration_s=st.duration_s,
-                            num_prefill_tokens=st.num_prefill_tokens,
-                            num_decode_tokens=st.num_decode_tokens,
-                            num_seqs=st.num_seqs,
-                            num_context_tokens=st.num_context_tokens,
-                        )
-                        for st in s.steps
-                    ],
-                )
-            )
+        workers = [worker_stats_to_proto(w) for w in await self.router.stats(since)]
         return pb.StatsResponse(workers=workers, num_active_requests=len(self.router.active))
 
 

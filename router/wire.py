@@ -8,6 +8,8 @@ from __future__ import annotations
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import pdserve_pb2 as pb
 
+from pdserve.messages import RequestMetrics, StepStats, WorkerStats
+
 MODE_NAMES = {pb.MODE_UNSPECIFIED: None, pb.COLOCATED: "colocated", pb.DISAGGREGATED: "disaggregated", pb.AUTO: "auto"}
 MODE_ENUMS = {name: enum for enum, name in MODE_NAMES.items() if name}
 
@@ -39,3 +41,23 @@ def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
     if params.seed is not None:
         sampling.seed = params.seed
     return sampling
+
+
+def metrics_to_proto(metrics: RequestMetrics) -> pb.RequestMetadata:
+    return pb.RequestMetadata(**{**metrics._asdict(), "mode": MODE_ENUMS.get(metrics.mode, pb.MODE_UNSPECIFIED)})
+
+
+def metrics_from_proto(p: pb.RequestMetadata) -> RequestMetrics:
+    fields = {name: getattr(p, name) for name in RequestMetrics._fields}
+    return RequestMetrics(**{**fields, "mode": MODE_NAMES.get(p.mode) or ""})
+
+
+def worker_stats_to_proto(stats: WorkerStats) -> pb.WorkerStats:
+    steps = [pb.StepRecord(**step._asdict()) for step in stats.steps]
+    return pb.WorkerStats(**{**stats._asdict(), "steps": steps})
+
+
+def worker_stats_from_proto(p: pb.WorkerStats) -> WorkerStats:
+    fields = {name: getattr(p, name) for name in WorkerStats._fields if name != "steps"}
+    steps = tuple(StepStats(**{name: getattr(s, name) for name in StepStats._fields}) for s in p.steps)
+    return WorkerStats(**fields, steps=steps)

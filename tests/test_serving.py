@@ -84,7 +84,7 @@ def assert_no_leaks(deployment: Deployment) -> None:
     with Client(deployment.address) as c:
         while True:
             stats = c.stats()
-            if all(w["blocks_free"] + w["blocks_cached"] == w["blocks_total"] for w in stats):
+            if all(w.blocks_free + w.blocks_cached == w.blocks_total for w in stats):
                 break
             assert time.monotonic() < deadline, f"KV blocks still in use: {stats}"
             time.sleep(0.05)
@@ -111,22 +111,22 @@ def test_every_mode_gives_the_engines_greedy_tokens(deployment, client, expected
     results = _run_concurrently(deployment.address, _prompts(), mode)
     assert [tokens for tokens, _ in results] == expected
     for (_, meta), prompt in zip(results, _prompts(), strict=True):
-        assert meta["num_prompt_tokens"] == len(prompt) and meta["num_output_tokens"] == 12
-        assert meta["decode_worker"] == "decode-0"
+        assert meta.num_prompt_tokens == len(prompt) and meta.num_output_tokens == 12
+        assert meta.decode_worker == "decode-0"
         if mode == "auto":  # long uncached prompts went remote, short ones stayed local
-            remote = len(prompt) - meta["num_cached_tokens"] > 64
-            assert meta["mode"] == ("disaggregated" if remote else "colocated"), (len(prompt), meta)
+            remote = len(prompt) - meta.num_cached_tokens > 64
+            assert meta.mode == ("disaggregated" if remote else "colocated"), (len(prompt), meta)
         else:
-            assert meta["mode"] == mode
-        assert meta["prefill_worker"] == ("prefill-0" if meta["mode"] == "disaggregated" else "")
+            assert meta.mode == mode
+        assert meta.prefill_worker == ("prefill-0" if meta.mode == "disaggregated" else "")
 
 
 def test_decode_worker_receives_exactly_the_locally_computed_kv(deployment, client):
     prompt = [random.Random(5).randrange(256) for _ in range(157)]  # fresh: nothing cached anywhere
     [chunks] = [list(client.generate(prompt, GREEDY, mode="disaggregated"))]
     meta = chunks[-1].metadata
-    assert meta["mode"] == "disaggregated" and meta["num_cached_tokens"] == 0
-    assert meta["kv_transfer_bytes"] > 0
+    assert meta.mode == "disaggregated" and meta.num_cached_tokens == 0
+    assert meta.kv_transfer_bytes > 0
     decode = deployment.decode_workers[0].actor
     received = ray.get(decode.cached_prompt_kv.remote(prompt))  # the 9 full prompt blocks (144 tokens)
     local = LLMEngine(ENGINE)
@@ -148,9 +148,9 @@ def test_first_token_reaches_the_client_before_the_second_is_decoded(deployment,
     first_time, first = arrivals[0]
     assert len(first.token_ids) == 1  # the prefill worker's token, streamed on its own
     meta = arrivals[-1][1].metadata
-    assert meta["mode"] == "disaggregated" and meta["prefill_worker"] == "prefill-0"
-    assert meta["second_token_time"] > 0 and first_time < meta["second_token_time"]
-    assert meta["ttft_s"] > 0 and meta["prefill_s"] > 0 and meta["kv_transfer_s"] >= 0
+    assert meta.mode == "disaggregated" and meta.prefill_worker == "prefill-0"
+    assert meta.second_token_time > 0 and first_time < meta.second_token_time
+    assert meta.ttft_s > 0 and meta.prefill_s > 0 and meta.kv_transfer_s >= 0
 
 
 def test_seeded_sampling_is_the_same_in_every_mode(deployment, client):
@@ -235,9 +235,9 @@ def test_health_and_stats(deployment, client):
     assert health.ok and health.num_prefill_workers == 1 and health.num_decode_workers == 1
     since = time.time()
     list(client.generate(_prompts()[1], GREEDY, mode="colocated"))
-    stats = {w["worker_id"]: w for w in client.stats(steps_since=since)}
+    stats = {w.worker_id: w for w in client.stats(steps_since=since)}
     assert set(stats) == {"decode-0", "prefill-0"}
-    assert stats["decode-0"]["role"] == "decode" and stats["prefill-0"]["role"] == "prefill"
-    steps = stats["decode-0"]["steps"]
-    assert steps and all(s[0] >= since for s in steps)
-    assert sum(s[2] for s in steps) > 0 and sum(s[3] for s in steps) > 0  # prefill and decode tokens
+    assert stats["decode-0"].role == "decode" and stats["prefill-0"].role == "prefill"
+    steps = stats["decode-0"].steps
+    assert steps and all(s.started >= since for s in steps)
+    assert sum(s.num_prefill_tokens for s in steps) > 0 and sum(s.num_decode_tokens for s in steps) > 0

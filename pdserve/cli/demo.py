@@ -77,15 +77,15 @@ def run_demo(args: argparse.Namespace) -> int:
                 for chunk in client.generate(prompt, params, mode=mode):
                     tokens += chunk.token_ids
                     text.append(chunk.text)
-                    meta = chunk.metadata or meta
+                    meta = chunk.metadata._asdict() if chunk.metadata else meta
                 print(f"[{mode:>13}] prompt={len(prompt.encode())} bytes -> {len(tokens)} tokens: {tokens[:12]} ...")
                 print(f"                text={''.join(text)!r}")
                 print(f"                {_fmt_meta(meta)}\n", flush=True)
             for w in client.stats():
                 print(
-                    f"worker {w['worker_id']:>10} ({w['role']}): blocks total={w['blocks_total']} "
-                    f"free={w['blocks_free']} cached={w['blocks_cached']} used={w['blocks_used']} "
-                    f"steps={w['num_steps']} kv_bytes_moved={w['kv_bytes_moved']}"
+                    f"worker {w.worker_id:>10} ({w.role}): blocks total={w.blocks_total} "
+                    f"free={w.blocks_free} cached={w.blocks_cached} used={w.blocks_used} "
+                    f"steps={w.num_steps} kv_bytes_moved={w.kv_bytes_moved}"
                 )
     if not args.skip_bench:
         from pdserve.bench.runner import main as bench_main

@@ -38,7 +38,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             final = chunk
         sys.stdout.write("\n")
         if final is not None and final.metadata is not None:
-            print(f"[{final.metadata}]", file=sys.stderr)
+            print(f"[{final.metadata._asdict()}]", file=sys.stderr)
     return 0
 
 

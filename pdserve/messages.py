@@ -1,0 +1,101 @@
+"""Typed messages that cross a boundary: engine → node → router → client, and into the benchmarks.
+
+Plain NamedTuples (cheap to build, pickle through Ray, compare in tests), converted to protobuf only at
+the gRPC edge (``pdserve.router.wire``). Data flows one way: a worker reports what it alone knows
+(``WorkerRequestStats`` on a request's last update, ``StepStats``/``WorkerStats`` on request), and the
+router, which routed the request and holds the prefill worker's answer, composes ``RequestMetrics``.
+
+This module imports nothing from pdserve, so every layer (and a client with neither torch nor Ray) can.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class StepStats(NamedTuple):
+    """One engine step, as the worker that ran it measured it. The only shape a step record has."""
+
+    started: float  # unix time
+    duration_s: float
+    schedule_s: float = 0.0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_seqs: int = 0
+    num_preempted: int = 0
+    num_context_tokens: int = 0  # keys attended, summed over the step's tokens (the attention cost driver)
+
+
+class WorkerRequestStats(NamedTuple):
+    """What one worker knows of a request it finished; travels on the request's last ``TokenUpdate``."""
+
+    queue_s: float = 0.0  # arrival at this worker -> first scheduled (0 when it did not prefill)
+    prefill_s: float = 0.0  # first scheduled -> first token sampled (0 when it did not prefill)
+    num_cached_tokens: int = 0  # prompt tokens found in this worker's prefix cache
+    kv_transfer_s: float = 0.0  # first token sampled (prefill side) -> all KV here: the exposed transfer time
+    kv_transfer_bytes: int = 0
+    second_token_time: float = 0.0  # unix time output token #2 was sampled here (0 if none)
+
+
+class TokenUpdate(NamedTuple):
+    """One request's news from one step: new tokens, and on the last update how it ended."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length" or "abort" on the last update
+    error: str | None = None  # the request failed on the worker (finish_reason is then "abort")
+    stats: WorkerRequestStats | None = None  # on the last update
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class StepEvents(NamedTuple):
+    """One item on a worker's event stream: every update its steps produced since the previous item.
+
+    A worker emits one per step (several steps coalesce when the reader lags), carrying the updates of
+    all the requests of one router; the router demultiplexes them to the requests' client streams.
+    """
+
+    worker_id: str
+    updates: list[TokenUpdate]
+
+
+class RequestMetrics(NamedTuple):
+    """How a request was served, as the client sees it on the last message of its stream."""
+
+    request_id: str
+    mode: str  # "colocated" or "disaggregated" (auto resolved)
+    decode_worker: str
+    prefill_worker: str = ""  # empty when prefilled on the decode worker
+    router: str = ""
+    queue_s: float = 0.0  # arrival at the prefilling worker -> first scheduled
+    prefill_s: float = 0.0  # first scheduled -> first token sampled
+    kv_transfer_s: float = 0.0  # first token sampled -> all KV on the decode worker (exposed transfer)
+    kv_transfer_bytes: int = 0
+    ttft_s: float = 0.0  # router receipt -> first token handed to the client stream
+    e2e_s: float = 0.0
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the decode worker's prefix cache
+    second_token_time: float = 0.0  # unix time the decode worker sampled output token #2 (0 if none)
+    fallback: str = ""  # why a disaggregated request was prefilled locally instead (empty if it was not)
+
+
+class WorkerStats(NamedTuple):
+    """A worker's KV usage, queues and (optionally) recent steps, for ``Stats`` and the benchmarks."""
+
+    worker_id: str
+    role: str  # "prefill" or "decode"
+    blocks_total: int
+    blocks_free: int
+    blocks_cached: int
+    blocks_used: int
+    num_running: int
+    num_waiting: int
+    num_remote_pending: int  # decode: reservations waiting for KV; prefill: pushes in flight
+    tokens_in_flight: int
+    num_steps: int
+    kv_bytes_moved: int  # prefill: bytes pushed; decode: bytes received
+    steps: tuple[StepStats, ...] = ()
