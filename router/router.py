@@ -18,7 +18,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from pdserve.engine.sampling_params import SamplingParams
@@ -79,7 +79,6 @@ class _InFlight:
     served: Route  # as served (differs after a fallback to local prefill)
     received: float
     num_prompt_tokens: int
-    updates: asyncio.Queue[TokenUpdate]
     detokenizer: IncrementalDetokenizer | None
     prefill: Any = None  # the prefill worker's PrefillResult
     num_cached_tokens: int = 0  # on the decode worker, as its reservation found it
@@ -88,6 +87,27 @@ class _InFlight:
     num_output_tokens: int = 0
     prefill_pending: bool = False
     aborted: bool = False
+    pending: list[TokenUpdate] = field(default_factory=list)  # delivered, not yet streamed
+    waiter: asyncio.Future | None = None  # set while the client stream waits for updates
+    last_update: float = field(default_factory=time.monotonic)
+
+    def deliver(self, update: TokenUpdate) -> None:
+        self.pending.append(update)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def next_updates(self) -> list[TokenUpdate]:
+        """Everything delivered since the last call (waits for at least one update)."""
+        if not self.pending:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        updates, self.pending = self.pending, []
+        self.last_update = time.monotonic()
+        return updates
 
 
 class Router:
@@ -122,6 +142,7 @@ class Router:
         subscribed = [loop.create_future() for _ in self.decode_workers]
         for worker, confirmed in zip(self.decode_workers.values(), subscribed, strict=True):
             self._readers.append(asyncio.create_task(self._read_events(worker, confirmed)))
+        self._readers.append(asyncio.create_task(self._watch_idle_streams()))
         await asyncio.wait_for(asyncio.gather(*subscribed), timeout_s)
 
     async def close(self) -> None:
@@ -146,7 +167,7 @@ class Router:
                     for update in item.updates:
                         request = active.get(update.request_id)
                         if request is not None:
-                            request.updates.put_nowait(update)
+                            request.deliver(update)
                 reason = "ended its event stream"
             except Exception as e:  # the worker died or restarts: its requests cannot finish
                 reason = f"dropped its event stream ({type(e).__name__})"
@@ -156,7 +177,7 @@ class Router:
             for request in list(self.active.values()):
                 if request.served.decode_worker == worker.worker_id:
                     error = f"decode worker {worker.worker_id} {reason}"
-                    request.updates.put_nowait(TokenUpdate(request.request_id, [], "abort", error=error))
+                    request.deliver(TokenUpdate(request.request_id, [], "abort", error=error))
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
 
@@ -197,7 +218,11 @@ class Router:
 
     # ---- serving -------------------------------------------------------------------------------
     async def generate(self, req: GenerateInput) -> AsyncIterator[RouterEvent]:
-        """Stream a request's tokens. Raises RequestError before the first event for bad input."""
+        """Stream a request's tokens. Raises RequestError before the first event for bad input.
+
+        The hot path is this one loop: one wake-up per batch of the request's updates, coalesced into
+        one event when the client lags behind.
+        """
         received = time.time()
         request_id, prompt, params = self._validate(req)
         try:
@@ -210,7 +235,6 @@ class Router:
             route,
             received,
             len(prompt),
-            asyncio.Queue(),
             self.tokenizer.detokenizer() if self.tokenizer else None,
             num_cached_tokens=route.expected_cached_tokens,
             prefill_pending=route.prefill_worker is not None,
@@ -220,15 +244,20 @@ class Router:
         finished = False
         try:
             if route.mode == "disaggregated":
-                events = self._disaggregated(request, prompt, params)
+                first = await self._start_disaggregated(request, prompt, params)
             else:
-                events = self._colocated(request, prompt, params)
-            async for event in events:
-                finished = event.finished
-                yield event
-                if finished:
-                    return
-            raise RequestError("INTERNAL", f"the stream of {request_id} ended without a final message")
+                first = await self._start_colocated(request, prompt, params)
+            if first is not None:
+                finished = first.finished
+                yield first
+            while not finished:
+                updates = await request.next_updates()
+                last = updates[-1]
+                token_ids = updates[0].token_ids if len(updates) == 1 else [t for u in updates for t in u.token_ids]
+                if last.error:
+                    raise RequestError("UNAVAILABLE", last.error)
+                finished = last.finish_reason is not None
+                yield self._event(request, token_ids, last.finish_reason, last.stats)
         finally:
             self._prefill_finished(request, prompt)
             self.policy.finish(route, prompt, params.max_tokens)
@@ -236,17 +265,17 @@ class Router:
                 await asyncio.shield(self._abort_on_workers(request_id, request.served))
             self.active.pop(request_id, None)
 
-    async def _colocated(
-        self, request: _InFlight, prompt: list[int], params: SamplingParams
-    ) -> AsyncIterator[RouterEvent]:
+    async def _start_colocated(self, request: _InFlight, prompt: list[int], params: SamplingParams) -> None:
         decode = self.workers[request.served.decode_worker].actor
         await _call(decode.generate.remote(request.request_id, prompt, params, self.router_id))
-        async for event in self._stream(request):
-            yield event
 
-    async def _disaggregated(
+    async def _start_disaggregated(
         self, request: _InFlight, prompt: list[int], params: SamplingParams
-    ) -> AsyncIterator[RouterEvent]:
+    ) -> RouterEvent | None:
+        """Reserve, prefill remotely, hand the first token to the decode worker; returns the first token's event.
+
+        When the prefill worker fails, the request is prefilled on its decode worker instead (None).
+        """
         route = request.route
         decode = self.workers[route.decode_worker].actor
         prefill = self.workers[route.prefill_worker].actor  # type: ignore[index]
@@ -266,29 +295,22 @@ class Router:
             if _is_value_error(e):
                 raise RequestError("INVALID_ARGUMENT", _cause(e)) from None
             if request.aborted:
-                yield self._event(request, [], "abort")
-                return
+                return self._event(request, [], "abort")
             log.warning(
-                "prefill worker %s failed on %s (%s); prefilling locally",
-                route.prefill_worker,
-                request.request_id,
-                _cause(e),
+                "prefill %s failed on %s (%s); prefilling locally", route.prefill_worker, request.request_id, _cause(e)
             )
             await asyncio.shield(self._abort_on_workers(request.request_id, route))
             self._prefill_finished(request, prompt)
             request.served = route._replace(mode="colocated", prefill_worker=None)
             request.fallback = f"prefill worker failed: {_cause(e)}"
-            async for event in self._colocated(request, prompt, params):
-                yield event
-            return
+            await self._start_colocated(request, prompt, params)
+            return None
         request.prefill = result
         self._prefill_finished(request, prompt)
-        yield self._event(request, [result.first_token])
-        await _call(
-            decode.decode.remote(request.request_id, result.first_token, result.first_token_time, self.router_id)
-        )
-        async for event in self._stream(request):
-            yield event
+        first = self._event(request, [result.first_token])
+        first_token, first_time = result.first_token, result.first_token_time
+        await _call(decode.decode.remote(request.request_id, first_token, first_time, self.router_id))
+        return first
 
     def _prefill_finished(self, request: _InFlight, prompt: list[int]) -> None:
         if request.prefill_pending:
@@ -303,34 +325,22 @@ class Router:
             if reservation is not None:
                 return reservation
             if time.monotonic() > deadline:
-                raise RequestError(
-                    "RESOURCE_EXHAUSTED",
-                    f"no KV blocks free on the decode worker for {self.config.reserve_timeout_s} s",
-                )
+                wait_s = self.config.reserve_timeout_s
+                raise RequestError("RESOURCE_EXHAUSTED", f"no KV blocks free on the decode worker for {wait_s} s")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
         raise RequestError("CANCELLED", f"request {request.request_id!r} was aborted")
 
-    async def _stream(self, request: _InFlight) -> AsyncIterator[RouterEvent]:
-        """The request's updates from its decode worker, coalesced into one event when the client lags."""
-        queue = request.updates
+    async def _watch_idle_streams(self) -> None:
+        """Fail a stream that got no update for ``stream_idle_timeout_s`` (one timer for all requests)."""
+        limit = self.config.stream_idle_timeout_s
         while True:
-            try:
-                async with asyncio.timeout(self.config.stream_idle_timeout_s):
-                    update = await queue.get()
-            except TimeoutError:
-                raise RequestError(
-                    "UNAVAILABLE", f"no token from the decode worker for {self.config.stream_idle_timeout_s} s"
-                ) from None
-            token_ids = list(update.token_ids)
-            while not update.finished and not queue.empty():
-                update = queue.get_nowait()
-                token_ids += update.token_ids
-            if update.error:
-                raise RequestError("UNAVAILABLE", update.error)
-            yield self._event(request, token_ids, update.finish_reason, update.stats)
-            if update.finished:
-                return
+            await asyncio.sleep(min(1.0, limit / 4))
+            now = time.monotonic()
+            for request in list(self.active.values()):
+                if request.waiter is not None and now - request.last_update > limit:
+                    error = f"no token from the decode worker for {limit} s"
+                    request.deliver(TokenUpdate(request.request_id, [], "abort", error=error))
 
     def _event(
         self,

@@ -241,3 +241,33 @@ def test_health_and_stats(deployment, client):
     steps = stats["decode-0"].steps
     assert steps and all(s.started >= since for s in steps)
     assert sum(s.num_prefill_tokens for s in steps) > 0 and sum(s.num_decode_tokens for s in steps) > 0
+
+
+def test_two_routers_share_one_port_and_serve_the_same_tokens(ray_cluster, expected):
+    """Two router processes on one port (SO_REUSEPORT) in front of the same workers, tokens as with one."""
+    config = DeploymentConfig(
+        engine=ENGINE,
+        mode="auto",
+        num_prefill_workers=1,
+        num_decode_workers=1,
+        transport="grpc",
+        num_routers=2,
+        router=RouterConfig(auto_min_remote_tokens=64),
+    )
+    with Deployment(config) as d:
+        assert len(d.routers) == 2
+        routers_seen: dict[str, list[list[int]]] = {}
+        for _ in range(32):  # each channel is a new connection; the kernel picks a router for it
+            with Client(d.address) as c:
+                chunks = list(c.generate(_prompts()[0], GREEDY, mode="colocated"))
+                routers_seen.setdefault(chunks[-1].metadata.router, []).append(
+                    [t for ch in chunks for t in ch.token_ids]
+                )
+            if len(routers_seen) == 2:
+                break
+        assert set(routers_seen) == {"router-0", "router-1"}
+        assert all(tokens == expected[0] for runs in routers_seen.values() for tokens in runs)
+        for mode in ("colocated", "disaggregated", "auto"):
+            results = _run_concurrently(d.address, _prompts(), mode)
+            assert [tokens for tokens, _ in results] == expected
+        assert_no_leaks(d)

@@ -113,6 +113,7 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default="nixl", choices=["nixl", "grpc"], help="KV transport")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--routers", type=int, default=1, help="router processes, all on --port (SO_REUSEPORT)")
     p.add_argument("--address", default=None, help="Ray cluster to join ('auto' or host:port); default: local")
     p.add_argument("--auto-min-remote-tokens", type=int, default=512)
     p.add_argument("--auto-max-prefill-queue-tokens", type=int, default=16384)
@@ -131,6 +132,7 @@ def deployment_config_from_args(args: argparse.Namespace):
         transport=args.transport,
         host=args.host,
         port=args.port,
+        num_routers=args.routers,
         address=args.address,
         router=RouterConfig(
             auto_min_remote_tokens=args.auto_min_remote_tokens,
@@ -151,7 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     workers = ", ".join(w.worker_id for w in deployment.workers)
     print(
         f"pdserve listening on {deployment.address} (mode={args.mode}, transport={args.transport}, "
-        f"workers: {workers}); Ctrl-C stops",
+        f"routers: {len(deployment.routers)}, workers: {workers}); Ctrl-C stops",
         flush=True,
     )
     try:

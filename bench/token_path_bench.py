@@ -1,0 +1,159 @@
+"""The token path: does serving cost more than the engine? Offline vs served throughput, side by side.
+
+For each preset and number of concurrent streams, the same greedy requests run (1) through
+``LLMEngine.generate`` in this process and (2) through a deployment (one decode worker, colocated, the
+router(s) in their own processes, an ``AsyncClient`` here), each with one torch thread. Printed per row:
+tokens/s both ways and their ratio, event-stream items per streamed token, and CPU seconds per 1000
+streamed tokens in the router process(es), the worker and this client process. Then 1 vs 2 routers.
+
+    python bench/token_path_bench.py            # about 4 minutes on 2 cores
+    python bench/token_path_bench.py --quick    # tiny preset, 64 streams, 1 vs 2 routers
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import resource
+import time
+from typing import NamedTuple
+
+import psutil
+import ray
+
+from pdserve.deployment import Deployment, DeploymentConfig
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.router.client import AsyncClient
+
+PROMPT_TOKENS = 64
+OUTPUT_TOKENS = {"tiny": 128, "bench": 64}
+
+
+class Row(NamedTuple):
+    model: str
+    streams: int
+    routers: int
+    offline_tok_s: float
+    served_tok_s: float
+    items_per_token: float
+    router_cpu_ms_per_1k: float
+    worker_cpu_ms_per_1k: float
+    client_cpu_ms_per_1k: float
+
+
+def engine_config(model: str, streams: int) -> EngineConfig:
+    blocks = streams * -(-(PROMPT_TOKENS + OUTPUT_TOKENS[model] + 16) // 16) + 64
+    return EngineConfig(
+        model=model, device="cpu", torch_threads=1, max_num_seqs=max(streams, 16), num_kv_blocks=blocks, seed=0
+    )
+
+
+def prompts(streams: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(PROMPT_TOKENS)] for _ in range(streams)]
+
+
+def offline_throughput(model: str, streams: int) -> float:
+    engine = LLMEngine(engine_config(model, streams))
+    params = SamplingParams(max_tokens=OUTPUT_TOKENS[model], temperature=0.0, ignore_eos=True)
+    engine.generate(prompts(4, seed=99), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts(streams), params)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
+async def _send_all(address: str, batch: list[list[int]], params: SamplingParams, channels: int) -> int:
+    clients = [AsyncClient(address) for _ in range(channels)]
+
+    async def one(client: AsyncClient, prompt: list[int]) -> int:
+        return sum([len(c.token_ids) async for c in client.generate(prompt, params, mode="colocated")])
+
+    try:
+        counts = await asyncio.gather(*[one(clients[i % channels], p) for i, p in enumerate(batch)])
+    finally:
+        for c in clients:
+            await c.close()
+    return sum(counts)
+
+
+def _cpu_s(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def served(model: str, streams: int, routers: int) -> tuple[float, float, float, float, float]:
+    """Served tokens/s, items per token, and router / worker / client CPU ms per 1000 tokens."""
+    config = DeploymentConfig(engine=engine_config(model, streams), num_routers=routers)
+    params = SamplingParams(max_tokens=OUTPUT_TOKENS[model], temperature=0.0, ignore_eos=True)
+    channels = 8 if routers > 1 else 1  # SO_REUSEPORT spreads connections, not calls
+    with Deployment(config) as d:
+        warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        asyncio.run(_send_all(d.address, prompts(4, seed=99), warm, channels))
+        worker_pid = d.worker_info[0]["pid"]
+        before_routers, before_worker = d.router_usage(), _cpu_s(worker_pid)
+        before_client = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.perf_counter()
+        tokens = asyncio.run(_send_all(d.address, prompts(streams), params, channels))
+        elapsed = time.perf_counter() - t0
+        after_client = resource.getrusage(resource.RUSAGE_SELF)
+        after_routers, after_worker = d.router_usage(), _cpu_s(worker_pid)
+    per_1k = 1000.0 / tokens * 1000.0  # seconds -> ms per 1000 tokens
+    router_cpu = sum(a["cpu_s"] - b["cpu_s"] for a, b in zip(after_routers, before_routers, strict=True))
+    items = sum(a["stream_items"] - b["stream_items"] for a, b in zip(after_routers, before_routers, strict=True))
+    client_cpu = (after_client.ru_utime + after_client.ru_stime) - (before_client.ru_utime + before_client.ru_stime)
+    return (
+        tokens / elapsed,
+        items / tokens,
+        router_cpu * per_1k,
+        (after_worker - before_worker) * per_1k,
+        client_cpu * per_1k,
+    )
+
+
+def measure(model: str, streams: int, routers: int = 1) -> Row:
+    offline = offline_throughput(model, streams)
+    tok_s, items, router_ms, worker_ms, client_ms = served(model, streams, routers)
+    return Row(model, streams, routers, offline, tok_s, items, router_ms, worker_ms, client_ms)
+
+
+def print_rows(rows: list[Row]) -> None:
+    print(
+        f"{'model':>6} {'streams':>7} {'routers':>7} {'offline tok/s':>13} {'served tok/s':>12} {'ratio':>6} "
+        f"{'items/token':>11} {'router ms/1k':>12} {'worker ms/1k':>12} {'client ms/1k':>12}"
+    )
+    for r in rows:
+        print(
+            f"{r.model:>6} {r.streams:>7} {r.routers:>7} {r.offline_tok_s:>13.0f} {r.served_tok_s:>12.0f} "
+            f"{r.served_tok_s / r.offline_tok_s:>6.2f} {r.items_per_token:>11.3f} {r.router_cpu_ms_per_1k:>12.1f} "
+            f"{r.worker_cpu_ms_per_1k:>12.1f} {r.client_cpu_ms_per_1k:>12.1f}",
+            flush=True,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny preset at 64 streams only, then 1 vs 2 routers")
+    args = p.parse_args(argv)
+    grid = [("tiny", 64)] if args.quick else [(m, n) for m in ("tiny", "bench") for n in (16, 64, 256)]
+    ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        rows = [measure(model, streams) for model, streams in grid]
+        rows.append(measure("tiny", 64, routers=2))
+    finally:
+        ray.shutdown()
+    print_rows(rows)
+    targets = {r.model: r for r in rows if r.streams == 64 and r.routers == 1}
+    tiny, bench = targets.get("tiny"), targets.get("bench")
+    print()
+    if tiny is not None:
+        print(f"tiny @64 served/offline {tiny.served_tok_s / tiny.offline_tok_s:.2f} (target >= 0.85)")
+        print(f"tiny @64 stream items per token {tiny.items_per_token:.3f} (target <= 0.05)")
+        print(f"tiny @64 router CPU {tiny.router_cpu_ms_per_1k:.1f} us per token (target <= 50)")
+    if bench is not None:
+        print(f"bench @64 served/offline {bench.served_tok_s / bench.offline_tok_s:.2f} (target >= 0.95)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
