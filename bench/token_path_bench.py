@@ -21,10 +21,10 @@ from typing import NamedTuple
 
 import psutil
 import ray
-
-from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.router.client import AsyncClient
+
+from pdserve.deployment import Deployment, DeploymentConfig
 
 PROMPT_TOKENS = 64
 OUTPUT_TOKENS = {"tiny": 128, "bench": 64}
