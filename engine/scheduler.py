@@ -116,12 +116,16 @@ class Scheduler:
         for request in decodes:
             if budget == 0:
                 break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step, for another decode's sake
             while not self.block_manager.allocate_slots(request, 1):
                 victim = self._newest_unscheduled(scheduled)
                 if victim is None:
                     break
                 self._preempt(victim)
                 preempted.append(victim.request_id)
+                if victim is request:
+                    break
             if request.status != RequestStatus.RUNNING or not self._owns_slots(request, 1):
                 continue
             chunks.append(self._chunk(request, 1))

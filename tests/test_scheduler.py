@@ -46,7 +46,7 @@ def run_all(s: Scheduler, limit: int = 10_000) -> list[SchedulerOutput]:
 
 
 def test_scheduler_module_has_no_torch():
-    code = "import sys, engine.scheduler, engine.block_manager; sys.exit('torch' in sys.modules)"
+    code = "import sys, pdserve.engine.scheduler, pdserve.engine.block_manager; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
@@ -135,6 +135,25 @@ def test_preemption_frees_newest_and_everything_completes():
     preempted = [rid for o in steps for rid in o.preempted]
     assert preempted and set(preempted) == {"new"}
     bm.check_integrity()
+    assert bm.usage().used == 0
+
+
+def test_a_request_is_preempted_at_most_once_per_step():
+    # 4 blocks of 4 slots: a 12-token prompt prefilled 4 tokens a step, next to two 3-token requests.
+    # Once the short ones decode past their first block, blocks run out: a request preempted earlier in
+    # the step must not allocate again (and evict another request for its own sake).
+    bm = BlockManager(4, 4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(64, 8, 64, max_chunk_tokens=4), bm)
+    s.add(Request("P", list(range(12)), SamplingParams(max_tokens=2)))
+    s.add(Request("r1", [20, 21, 22], SamplingParams(max_tokens=6)))
+    s.add(Request("r2", [30, 31, 32], SamplingParams(max_tokens=6)))
+    steps = run_all(s)
+    for out in steps:
+        assert len(out.preempted) == len(set(out.preempted)), out.preempted
+        scheduled = {c.request_id for c in out.chunks}
+        assert not scheduled & set(out.preempted), (scheduled, out.preempted)
+        bm.check_integrity()
+    assert any(out.preempted for out in steps)
     assert bm.usage().used == 0
 
 
