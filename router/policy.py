@@ -23,7 +23,10 @@ class RouterConfig:
     block_size: int = 16
     auto_min_remote_tokens: int = 512  # auto: prefill remotely when more uncached prompt tokens than this...
     auto_max_prefill_queue_tokens: int = 16384  # ...and some prefill worker has fewer tokens queued than this
-    max_active_requests: int = 4096  # beyond this, RESOURCE_EXHAUSTED
+    max_active_requests: int = 4096  # requests in flight through one router; beyond this, RESOURCE_EXHAUSTED
+    max_queued_requests: int = 512  # requests waiting for their first token; beyond this, RESOURCE_EXHAUSTED
+    max_queued_prompt_tokens: int = 262144  # their prompt tokens; beyond this, RESOURCE_EXHAUSTED
+    max_request_bytes: int = 8 << 20  # a larger request body is refused before it is parsed
     reserve_timeout_s: float = 60.0  # how long a request may wait for a decode worker to have room
     stream_idle_timeout_s: float = 600.0  # a stream with no token for this long fails with UNAVAILABLE
     prefix_index_blocks: int = 65536  # per decode worker
@@ -31,7 +34,14 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.default_mode not in MODES:
             raise ValueError(f"default_mode must be one of {', '.join(MODES)}, got {self.default_mode!r}")
-        for name in ("block_size", "max_active_requests", "prefix_index_blocks"):
+        for name in (
+            "block_size",
+            "max_active_requests",
+            "max_queued_requests",
+            "max_queued_prompt_tokens",
+            "max_request_bytes",
+            "prefix_index_blocks",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.auto_min_remote_tokens < 0 or self.auto_max_prefill_queue_tokens < 0:

@@ -30,6 +30,8 @@ from pdserve.messages import RequestMetrics, TokenUpdate, WorkerRequestStats, Wo
 
 log = logging.getLogger(__name__)
 
+REUSE_GRACE_S = 0.5  # how long a new request waits for a live request with its id to end
+
 
 class RequestError(Exception):
     """A request the router refuses or could not serve; ``code`` names the gRPC status to use."""
@@ -74,7 +76,8 @@ class ModelLimits(NamedTuple):
 class _InFlight:
     """A request the router is serving: where it went, what came back, what the client has been sent."""
 
-    request_id: str
+    request_id: str  # the client's id
+    key: str  # the id the workers know it by: unique per router and incarnation, so ids can be reused
     route: Route  # as routed (the policy's bookkeeping uses it)
     served: Route  # as served (differs after a fallback to local prefill)
     received: float
@@ -87,6 +90,8 @@ class _InFlight:
     num_output_tokens: int = 0
     prefill_pending: bool = False
     aborted: bool = False
+    queued: bool = True  # counted in the router's queue until its first token
+    done: asyncio.Event = field(default_factory=asyncio.Event)  # set once no worker holds it any more
     pending: list[TokenUpdate] = field(default_factory=list)  # delivered, not yet streamed
     waiter: asyncio.Future | None = None  # set while the client stream waits for updates
     last_update: float = field(default_factory=time.monotonic)
@@ -129,8 +134,12 @@ class Router:
         self.workers = {w.worker_id: w for w in [*decode_workers, *prefill_workers]}
         self.limits = limits
         self.tokenizer = tokenizer
-        self.active: dict[str, _InFlight] = {}
+        self.active: dict[str, _InFlight] = {}  # by the client's request id
+        self._by_key: dict[str, _InFlight] = {}  # by the workers' request id
+        self._serial = itertools.count()
         self.num_stream_items = 0  # event-stream items received from the workers
+        self.num_queued = 0  # requests waiting for their first token
+        self.queued_prompt_tokens = 0
         self._readers: list[asyncio.Task] = []
         self._ids = itertools.count()
         self._seeds = random.Random()
@@ -163,9 +172,9 @@ class Router:
                         subscribed.set_result(None)
                     delay = 0.1
                     self.num_stream_items += 1
-                    active = self.active
+                    by_key = self._by_key
                     for update in item.updates:
-                        request = active.get(update.request_id)
+                        request = by_key.get(update.request_id)
                         if request is not None:
                             request.deliver(update)
                 reason = "ended its event stream"
@@ -177,19 +186,33 @@ class Router:
             for request in list(self.active.values()):
                 if request.served.decode_worker == worker.worker_id:
                     error = f"decode worker {worker.worker_id} {reason}"
-                    request.deliver(TokenUpdate(request.request_id, [], "abort", error=error))
+                    request.deliver(TokenUpdate(request.key, [], "abort", error=error))
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
 
-    # ---- validation ----------------------------------------------------------------------------
-    def _validate(self, req: GenerateInput) -> tuple[str, list[int], SamplingParams]:
+    # ---- validation and admission ----------------------------------------------------------------
+    async def _validate(self, req: GenerateInput) -> tuple[str, list[int], SamplingParams]:
+        """Check everything a worker would refuse, cheapest first; RequestError names the field."""
+        max_len = self.limits.max_model_len
         if isinstance(req.prompt, str):
             if not req.prompt:
                 raise RequestError("INVALID_ARGUMENT", "prompt: must not be empty")
             if self.tokenizer is None:
                 raise RequestError("INVALID_ARGUMENT", "prompt: this model has no tokenizer; send token ids")
-            prompt = self.tokenizer.encode(req.prompt)
+            if len(req.prompt) > max_len * 64:  # no tokenizer packs 64 characters per token
+                raise RequestError(
+                    "INVALID_ARGUMENT", f"prompt: {len(req.prompt)} characters cannot fit max_model_len={max_len}"
+                )
+            if len(req.prompt) > 16384:  # long texts are tokenized off the event loop
+                prompt = await asyncio.to_thread(self.tokenizer.encode, req.prompt)
+            else:
+                prompt = self.tokenizer.encode(req.prompt)
         else:
+            if len(req.prompt) >= max_len:
+                raise RequestError(
+                    "INVALID_ARGUMENT",
+                    f"prompt: {len(req.prompt)} tokens leaves no room to generate within max_model_len={max_len}",
+                )
             prompt = list(req.prompt)
         if not prompt:
             raise RequestError("INVALID_ARGUMENT", "prompt: must not be empty")
@@ -198,23 +221,52 @@ class Router:
             raise RequestError(
                 "INVALID_ARGUMENT", f"prompt: token ids must be in [0, {self.limits.vocab_size}), got {bad[:5]}"
             )
-        if len(prompt) >= self.limits.max_model_len:
+        if len(prompt) >= max_len:
             raise RequestError(
                 "INVALID_ARGUMENT",
-                f"prompt: {len(prompt)} tokens leaves no room to generate "
-                f"within max_model_len={self.limits.max_model_len}",
+                f"prompt: {len(prompt)} tokens leaves no room to generate within max_model_len={max_len}",
             )
         params = req.params
+        if params.max_tokens > max_len:
+            raise RequestError(
+                "INVALID_ARGUMENT", f"max_tokens: must be <= max_model_len={max_len}, got {params.max_tokens}"
+            )
         if params.seed is None:  # prefill and decode workers must draw from the same seed
             params = replace(params, seed=self._seeds.getrandbits(63))
         request_id = req.request_id or f"{self.router_id}-{next(self._ids)}-{random.getrandbits(32):08x}"
-        if request_id in self.active:
-            raise RequestError("ALREADY_EXISTS", f"request_id {request_id!r} is already in use")
-        if len(self.active) >= self.config.max_active_requests:
-            raise RequestError(
-                "RESOURCE_EXHAUSTED", f"router is at its limit of {self.config.max_active_requests} active requests"
-            )
+        previous = self.active.get(request_id)
+        if previous is not None:
+            # A client that cancelled a stream may reuse its id before the cancel has reached us:
+            # give the old request a moment to be torn down before calling the id taken.
+            try:
+                await asyncio.wait_for(previous.done.wait(), REUSE_GRACE_S)
+            except TimeoutError:
+                raise RequestError("ALREADY_EXISTS", f"request_id {request_id!r} is already in use") from None
+        self._admit(len(prompt))
         return request_id, prompt, params
+
+    def _admit(self, num_prompt_tokens: int) -> None:
+        """Shed load at once (RESOURCE_EXHAUSTED) rather than queue without bound."""
+        c = self.config
+        if len(self.active) >= c.max_active_requests:
+            raise RequestError(
+                "RESOURCE_EXHAUSTED", f"router is at its limit of {c.max_active_requests} active requests"
+            )
+        if (
+            self.num_queued >= c.max_queued_requests
+            or self.queued_prompt_tokens + num_prompt_tokens > c.max_queued_prompt_tokens
+        ):
+            raise RequestError(
+                "RESOURCE_EXHAUSTED",
+                f"router queue is full: {self.num_queued} requests with {self.queued_prompt_tokens} prompt tokens wait "
+                f"for their first token (limits {c.max_queued_requests} requests, {c.max_queued_prompt_tokens} tokens)",
+            )
+
+    def _dequeue(self, request: _InFlight) -> None:
+        if request.queued:
+            request.queued = False
+            self.num_queued -= 1
+            self.queued_prompt_tokens -= request.num_prompt_tokens
 
     # ---- serving -------------------------------------------------------------------------------
     async def generate(self, req: GenerateInput) -> AsyncIterator[RouterEvent]:
@@ -224,13 +276,14 @@ class Router:
         one event when the client lags behind.
         """
         received = time.time()
-        request_id, prompt, params = self._validate(req)
+        request_id, prompt, params = await self._validate(req)
         try:
             route = self.policy.route(prompt, params.max_tokens, req.mode)
         except ValueError as e:
             raise RequestError("INVALID_ARGUMENT", str(e)) from None
         request = _InFlight(
             request_id,
+            f"{request_id}@{self.router_id}.{next(self._serial)}",
             route,
             route,
             received,
@@ -240,6 +293,9 @@ class Router:
             prefill_pending=route.prefill_worker is not None,
         )
         self.active[request_id] = request
+        self._by_key[request.key] = request
+        self.num_queued += 1
+        self.queued_prompt_tokens += len(prompt)
         self.policy.start(route, prompt, params.max_tokens)
         finished = False
         try:
@@ -259,15 +315,18 @@ class Router:
                 finished = last.finish_reason is not None
                 yield self._event(request, token_ids, last.finish_reason, last.stats)
         finally:
+            self._dequeue(request)
             self._prefill_finished(request, prompt)
             self.policy.finish(route, prompt, params.max_tokens)
             if not finished:  # cancelled or failed: make sure no worker keeps working on it
-                await asyncio.shield(self._abort_on_workers(request_id, request.served))
+                await asyncio.shield(self._abort_on_workers(request.key, request.served))
             self.active.pop(request_id, None)
+            self._by_key.pop(request.key, None)
+            request.done.set()
 
     async def _start_colocated(self, request: _InFlight, prompt: list[int], params: SamplingParams) -> None:
         decode = self.workers[request.served.decode_worker].actor
-        await _call(decode.generate.remote(request.request_id, prompt, params, self.router_id))
+        await _call(decode.generate.remote(request.key, prompt, params, self.router_id))
 
     async def _start_disaggregated(
         self, request: _InFlight, prompt: list[int], params: SamplingParams
@@ -283,7 +342,7 @@ class Router:
         request.num_cached_tokens = reservation.num_cached_tokens
         try:
             result = await prefill.prefill.remote(
-                request.request_id,
+                request.key,
                 prompt,
                 params,
                 reservation.target,
@@ -299,7 +358,7 @@ class Router:
             log.warning(
                 "prefill %s failed on %s (%s); prefilling locally", route.prefill_worker, request.request_id, _cause(e)
             )
-            await asyncio.shield(self._abort_on_workers(request.request_id, route))
+            await asyncio.shield(self._abort_on_workers(request.key, route))
             self._prefill_finished(request, prompt)
             request.served = route._replace(mode="colocated", prefill_worker=None)
             request.fallback = f"prefill worker failed: {_cause(e)}"
@@ -309,7 +368,7 @@ class Router:
         self._prefill_finished(request, prompt)
         first = self._event(request, [result.first_token])
         first_token, first_time = result.first_token, result.first_token_time
-        await _call(decode.decode.remote(request.request_id, first_token, first_time, self.router_id))
+        await _call(decode.decode.remote(request.key, first_token, first_time, self.router_id))
         return first
 
     def _prefill_finished(self, request: _InFlight, prompt: list[int]) -> None:
@@ -321,7 +380,7 @@ class Router:
         deadline = time.monotonic() + self.config.reserve_timeout_s
         delay = 0.005
         while not request.aborted:
-            reservation = await _call(decode.reserve.remote(request.request_id, prompt, params))
+            reservation = await _call(decode.reserve.remote(request.key, prompt, params))
             if reservation is not None:
                 return reservation
             if time.monotonic() > deadline:
@@ -340,7 +399,7 @@ class Router:
             for request in list(self.active.values()):
                 if request.waiter is not None and now - request.last_update > limit:
                     error = f"no token from the decode worker for {limit} s"
-                    request.deliver(TokenUpdate(request.request_id, [], "abort", error=error))
+                    request.deliver(TokenUpdate(request.key, [], "abort", error=error))
 
     def _event(
         self,
@@ -355,6 +414,7 @@ class Router:
         now = time.time()
         if token_ids and request.ttft_s is None:
             request.ttft_s = now - request.received
+            self._dequeue(request)
         if finish_reason is None:
             return RouterEvent(token_ids, text)
         if detok is not None:
@@ -382,22 +442,22 @@ class Router:
             fallback=request.fallback,
         )
 
-    async def _abort_on_workers(self, request_id: str, route: Route) -> None:
+    async def _abort_on_workers(self, key: str, route: Route) -> None:
         # Prefill first: it returns once none of its pushes can still write into the decode pool.
         for worker_id in (route.prefill_worker, route.decode_worker):
             if worker_id is None:
                 continue
             try:
-                await asyncio.wait_for(self.workers[worker_id].actor.abort.remote(request_id), 30.0)
+                await asyncio.wait_for(self.workers[worker_id].actor.abort.remote(key), 30.0)
             except Exception as e:  # a dead worker has nothing left to abort
-                log.warning("abort of %s on %s failed: %s", request_id, worker_id, e)
+                log.warning("abort of %s on %s failed: %s", key, worker_id, e)
 
     async def abort(self, request_id: str) -> bool:
         request = self.active.get(request_id)
         if request is None:
             return False
         request.aborted = True
-        await self._abort_on_workers(request_id, request.served)
+        await self._abort_on_workers(request.key, request.served)
         return True
 
     async def stats(self, steps_since: float | None = None) -> list[WorkerStats]:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import grpc
+from google.protobuf import empty_pb2, unknown_fields
+from google.protobuf.message import DecodeError, Message
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.router import GenerateInput, RequestError, Router
@@ -20,11 +24,54 @@ from pdserve.router.wire import (
 log = logging.getLogger(__name__)
 
 
+class Malformed(NamedTuple):
+    """A request body that was refused before parsing or could not be parsed; answered INVALID_ARGUMENT."""
+
+    reason: str
+
+
+def lenient_parser(message_cls: type[Message], max_bytes: int) -> Callable[[bytes], Message | Malformed]:
+    """A request deserializer that turns oversized and undecodable bodies into a ``Malformed`` value.
+
+    gRPC's own deserializer failure reaches the client as UNKNOWN; this lets the handler answer
+    INVALID_ARGUMENT naming the field (e.g. ``text: not valid UTF-8``), and refuses a body over
+    ``max_bytes`` before parsing it.
+    """
+    string_fields = {f.number: f.name for f in message_cls.DESCRIPTOR.fields if f.type == f.TYPE_STRING}
+
+    def parse(raw: bytes) -> Message | Malformed:
+        if len(raw) > max_bytes:
+            return Malformed(f"request: {len(raw)} bytes is over the limit of {max_bytes} bytes")
+        try:
+            return message_cls.FromString(raw)
+        except DecodeError:
+            return Malformed(_why_undecodable(raw, string_fields))
+
+    return parse
+
+
+def _why_undecodable(raw: bytes, string_fields: dict[int, str]) -> str:
+    try:
+        fields = unknown_fields.UnknownFieldSet(empty_pb2.Empty.FromString(raw))
+    except DecodeError:
+        return "request: not a valid protobuf message"
+    for field in fields:
+        name = string_fields.get(field.field_number)
+        if name is not None and isinstance(field.data, bytes):
+            try:
+                field.data.decode("utf-8")
+            except UnicodeDecodeError:
+                return f"{name}: not valid UTF-8"
+    return "request: not a valid protobuf message"
+
+
 class PDServeServicer(pb_grpc.PDServeServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def Generate(self, request: pb.GenerateRequest | Malformed, context: grpc.aio.ServicerContext):
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         try:
             params = params_from_proto(request.sampling)
         except ValueError as e:
@@ -32,7 +79,7 @@ class PDServeServicer(pb_grpc.PDServeServicer):
         which = request.WhichOneof("prompt")
         if which is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: give text or token_ids")
-        prompt = request.text if which == "text" else list(request.token_ids.ids)
+        prompt = request.text if which == "text" else request.token_ids.ids
         if request.mode not in MODE_NAMES:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"mode: unknown value {request.mode}")
         req = GenerateInput(request.request_id or None, prompt, params, MODE_NAMES[request.mode])
@@ -51,7 +98,9 @@ class PDServeServicer(pb_grpc.PDServeServicer):
         except RequestError as e:
             await context.abort(getattr(grpc.StatusCode, e.code), str(e))
 
-    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+    async def Abort(self, request: pb.AbortRequest | Malformed, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
         return pb.AbortResponse(found=await self.router.abort(request.request_id))
@@ -72,10 +121,34 @@ class PDServeServicer(pb_grpc.PDServeServicer):
         return pb.StatsResponse(workers=workers, num_active_requests=len(self.router.active))
 
 
+def _handlers(servicer: PDServeServicer, max_bytes: int) -> grpc.GenericRpcHandler:
+    """The PDServe service's method table, with lenient, size-bounded request parsing."""
+
+    def method(
+        kind: Callable[..., Any], fn: Callable[..., Any], request_cls: type[Message], response_cls: type[Message]
+    ):
+        return kind(
+            fn,
+            request_deserializer=lenient_parser(request_cls, max_bytes),
+            response_serializer=response_cls.SerializeToString,
+        )
+
+    unary = grpc.unary_unary_rpc_method_handler
+    methods = {
+        "Generate": method(
+            grpc.unary_stream_rpc_method_handler, servicer.Generate, pb.GenerateRequest, pb.GenerateResponse
+        ),
+        "Abort": method(unary, servicer.Abort, pb.AbortRequest, pb.AbortResponse),
+        "Health": method(unary, servicer.Health, pb.HealthRequest, pb.HealthResponse),
+        "Stats": method(unary, servicer.Stats, pb.StatsRequest, pb.StatsResponse),
+    }
+    return grpc.method_handlers_generic_handler("pdserve.PDServe", methods)
+
+
 async def start_server(router: Router, host: str, port: int) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the bound port (``port=0`` picks a free one)."""
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    pb_grpc.add_PDServeServicer_to_server(PDServeServicer(router), server)
+    server.add_generic_rpc_handlers((_handlers(PDServeServicer(router), router.config.max_request_bytes),))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")

@@ -67,6 +67,30 @@ def test_explicit_modes_and_errors():
         RouterConfig(default_mode="fast")
 
 
+def test_router_sheds_load_beyond_its_queue_at_once():
+    import asyncio
+
+    from pdserve.engine import SamplingParams
+    from pdserve.router.router import GenerateInput, ModelLimits, RequestError, Router, WorkerHandle
+
+    config = RouterConfig(max_queued_requests=2, max_queued_prompt_tokens=100)
+    router = Router(config, [WorkerHandle("d0", "decode", None)], [], ModelLimits(260, 1024), None)
+
+    def validate(n_tokens):
+        return asyncio.run(router._validate(GenerateInput(None, [1] * n_tokens, SamplingParams(), None)))
+
+    validate(100)  # fits exactly
+    router.num_queued, router.queued_prompt_tokens = 1, 60
+    with pytest.raises(RequestError) as err:
+        validate(41)
+    assert err.value.code == "RESOURCE_EXHAUSTED" and "queue is full" in str(err.value)
+    validate(40)
+    router.num_queued = 2
+    with pytest.raises(RequestError) as err:
+        validate(1)
+    assert err.value.code == "RESOURCE_EXHAUSTED"
+
+
 def test_router_validation_limits_and_seeds():
     """The router's own checks (no worker is called: validation comes first)."""
     import asyncio
@@ -84,7 +108,7 @@ def test_router_validation_limits_and_seeds():
     )
 
     def validate(prompt, request_id=None, params=None):
-        return router._validate(GenerateInput(request_id, prompt, params or SamplingParams(), None))
+        return asyncio.run(router._validate(GenerateInput(request_id, prompt, params or SamplingParams(), None)))
 
     rid, prompt, params = validate("héllo")
     assert prompt == list("héllo".encode()) and params.seed is not None and rid
@@ -93,11 +117,19 @@ def test_router_validation_limits_and_seeds():
         ("", "INVALID_ARGUMENT", "must not be empty"),
         ([1, 300], "INVALID_ARGUMENT", "[0, 260)"),
         ([1] * 64, "INVALID_ARGUMENT", "max_model_len=64"),
+        ("x" * 64 * 64 + "x", "INVALID_ARGUMENT", "characters cannot fit"),
     ]:
         with pytest.raises(RequestError) as err:
             validate(bad)
         assert err.value.code == code and text in str(err.value)
-    router.active["busy"] = None
+    with pytest.raises(RequestError) as err:
+        validate([1, 2], params=SamplingParams(max_tokens=65))
+    assert err.value.code == "INVALID_ARGUMENT" and str(err.value).startswith("max_tokens:")
+
+    class Busy:
+        done = asyncio.Event()
+
+    router.active["busy"] = Busy()
     with pytest.raises(RequestError) as err:
         validate([1, 2], request_id="busy")
     assert err.value.code == "ALREADY_EXISTS"

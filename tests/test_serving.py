@@ -271,3 +271,69 @@ def test_two_routers_share_one_port_and_serve_the_same_tokens(ray_cluster, expec
             results = _run_concurrently(d.address, _prompts(), mode)
             assert [tokens for tokens, _ in results] == expected
         assert_no_leaks(d)
+
+
+def _raw_generate(address: str, body: bytes) -> grpc.RpcError:
+    """Send an arbitrary request body to Generate; returns the error it must end with."""
+    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+        call = channel.unary_stream("/pdserve.PDServe/Generate", request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(body, timeout=30))
+        return err.value
+
+
+def test_every_bad_input_gets_a_clear_status_and_changes_nothing(deployment, client):
+    from pdserve.proto import pdserve_pb2 as pb
+
+    ids = pb.TokenIds
+    before = {w.worker_id: (w.num_steps, w.blocks_free, w.blocks_cached) for w in client.stats()}
+    ok_sampling = pb.SamplingParams(max_tokens=4)
+    cases = [
+        ("empty prompt", pb.GenerateRequest(token_ids=ids(ids=[]), sampling=ok_sampling), "prompt:"),
+        ("no prompt", pb.GenerateRequest(sampling=ok_sampling), "prompt:"),
+        ("prompt over max_model_len", pb.GenerateRequest(token_ids=ids(ids=[1] * 1024)), "max_model_len"),
+        ("token id outside the vocabulary", pb.GenerateRequest(token_ids=ids(ids=[1, 99999])), "prompt: token ids"),
+        (
+            "huge max_tokens",
+            pb.GenerateRequest(token_ids=ids(ids=[1]), sampling=pb.SamplingParams(max_tokens=2**32 - 1)),
+            "max_tokens:",
+        ),
+        (
+            "negative temperature",
+            pb.GenerateRequest(token_ids=ids(ids=[1]), sampling=pb.SamplingParams(temperature=-1)),
+            "temperature",
+        ),
+        (
+            "infinite temperature",
+            pb.GenerateRequest(token_ids=ids(ids=[1]), sampling=pb.SamplingParams(temperature=float("inf"))),
+            "temperature",
+        ),
+        ("top_p above 1", pb.GenerateRequest(token_ids=ids(ids=[1]), sampling=pb.SamplingParams(top_p=1.5)), "top_p"),
+        ("top_p negative", pb.GenerateRequest(token_ids=ids(ids=[1]), sampling=pb.SamplingParams(top_p=-0.5)), "top_p"),
+        ("unknown mode", pb.GenerateRequest(token_ids=ids(ids=[1]), mode=7), "mode:"),
+    ]
+    for name, request, field in cases:
+        error = _raw_generate(deployment.address, request.SerializeToString())
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, error.details())
+        assert field in error.details(), (name, error.details())
+    invalid_utf8 = b"\x12\x03\xff\xfeA"  # field 2 (text), three bytes that are not UTF-8
+    error = _raw_generate(deployment.address, invalid_utf8)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details() == "text: not valid UTF-8"
+    oversized = pb.GenerateRequest(text="x" * (9 << 20)).SerializeToString()  # over the 8 MiB request limit
+    started = time.monotonic()
+    error = _raw_generate(deployment.address, oversized)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "over the limit" in error.details()
+    assert time.monotonic() - started < 5
+    assert client.health().ok
+    after = {w.worker_id: (w.num_steps, w.blocks_free, w.blocks_cached) for w in client.stats()}
+    assert after == before
+
+
+def test_a_request_id_is_free_again_as_soon_as_its_stream_is_cancelled(deployment, client):
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    for _ in range(3):
+        stream = client.generate(_prompts()[4], long, mode="colocated", request_id="reused")
+        next(stream)
+        stream.close()
+    tokens = [t for c in client.generate(_prompts()[0], GREEDY, request_id="reused") for t in c.token_ids]
+    assert len(tokens) == 12
