@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -64,6 +65,12 @@ class _Served(NamedTuple):
     remote_kv: WorkerRequestStats | None  # None for a request this worker prefilled itself
 
 
+def exit_after_crash(worker_id: str, delay_s: float = 0.5) -> None:
+    """Leave the process shortly (the failed requests' messages go out first); Ray restarts the actor."""
+    log.error("%s: engine loop crashed; exiting so that the worker is replaced", worker_id)
+    threading.Timer(delay_s, os._exit, args=(1,)).start()
+
+
 class DecodeWorker:
     """A Ray actor (async). Construct through ``ray.remote(DecodeWorker)``; await ``ready()``."""
 
@@ -84,9 +91,15 @@ class DecodeWorker:
         self._pending: dict[str, _Pending] = {}  # touched on the loop thread only
         self._served: dict[str, _Served] = {}  # loop thread only
         self._kv_bytes = 0
-        self.aengine = AsyncEngine(engine, on_step=self._on_step, on_tick=self._on_tick, on_orphans=self._on_orphans)
+        self._fault: str | None = None
+        self.aengine = AsyncEngine(
+            engine, on_step=self._on_step, on_tick=self._on_tick, on_orphans=self._on_orphans, on_crash=self._on_crash
+        )
 
     async def ready(self) -> dict[str, Any]:
+        """This worker's description; raises while its engine loop is dead (the process is being replaced)."""
+        if not self.aengine.loop.alive:
+            raise RuntimeError(f"{self.worker_id}: engine loop stopped: {self.aengine.loop.error!r}")
         engine = self.aengine.engine
         return {
             "worker_id": self.worker_id,
@@ -198,7 +211,14 @@ class DecodeWorker:
 
     # ---- streaming (loop thread) -----------------------------------------------------------------
     def _on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        if self._fault == "step":
+            raise RuntimeError("injected engine fault")
         self.aengine.publish([self._update(out) for out in outputs])
+
+    def _on_crash(self, error: BaseException) -> None:
+        """The engine loop died: fail every request now, then exit so that Ray starts a fresh worker."""
+        self.aengine.fail_all(f"decode worker {self.worker_id} failed: {error!r}")
+        exit_after_crash(self.worker_id)
 
     def _update(self, out: RequestOutput) -> TokenUpdate:
         if not out.finished:
@@ -241,6 +261,10 @@ class DecodeWorker:
 
     async def stats(self, steps_since: float | None = None) -> WorkerStats:
         return await self.aengine.stats(self.worker_id, "decode", len(self._pending), self._kv_bytes, steps_since)
+
+    async def inject_fault(self, where: str = "step") -> None:
+        """Fault tests: the next step raises inside the engine loop (as a bug or a device error would)."""
+        self._fault = where
 
     async def check_integrity(self) -> None:
         await self.aengine.run(lambda e: e.block_manager.check_integrity())

@@ -59,6 +59,7 @@ class AsyncEngine:
         on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
         on_tick: Callable[[LLMEngine], None] | None = None,
         on_orphans: Callable[[list[str]], None] | None = None,
+        on_crash: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self._aio: asyncio.AbstractEventLoop | None = None
@@ -66,7 +67,7 @@ class AsyncEngine:
         self._owners: dict[str, str] = {}  # request id -> subscriber id (event-loop side only)
         self._on_orphans = on_orphans
         self.num_items = 0  # event-stream items yielded, all subscribers together
-        self.loop = EngineLoop(engine, on_step=on_step, on_tick=on_tick)
+        self.loop = EngineLoop(engine, on_step=on_step, on_tick=on_tick, on_crash=on_crash)
 
     def _bind(self) -> asyncio.AbstractEventLoop:
         if self._aio is None:
@@ -98,6 +99,13 @@ class AsyncEngine:
         """Thread-safe: hand one step's updates to their subscribers (one event-loop callback per call)."""
         if updates and self._aio is not None:
             self._aio.call_soon_threadsafe(self._dispatch, updates)
+
+    def fail_all(self, error: str) -> None:
+        """Thread-safe: end every claimed request with ``error`` (the engine cannot finish them)."""
+        if self._aio is not None:
+            self._aio.call_soon_threadsafe(
+                lambda: self._dispatch([TokenUpdate(rid, [], "abort", error=error) for rid in self._owners])
+            )
 
     def _dispatch(self, updates: list[TokenUpdate]) -> None:
         owners, subscribers = self._owners, self._subscribers

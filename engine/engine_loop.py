@@ -25,6 +25,8 @@ class EngineLoop:
 
     ``on_step(engine, outputs)`` and ``on_tick(engine)`` run on the loop thread, after each step and
     on every turn of the loop (also when idle, every ``idle_wait_s``), so they may use the engine.
+    If a step or a hook raises, the loop stops for good: pending calls fail, ``error`` holds the cause
+    and ``on_crash(error)`` runs (on the loop thread, once) so the node can fail its requests.
     """
 
     def __init__(
@@ -32,12 +34,14 @@ class EngineLoop:
         engine: LLMEngine,
         on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
         on_tick: Callable[[LLMEngine], None] | None = None,
+        on_crash: Callable[[BaseException], None] | None = None,
         idle_wait_s: float = 0.002,
         name: str = "engine-loop",
     ) -> None:
         self.engine = engine
         self._on_step = on_step
         self._on_tick = on_tick
+        self._on_crash = on_crash
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future]] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -79,10 +83,12 @@ class EngineLoop:
                     self.num_steps += 1
                     if self._on_step is not None:
                         self._on_step(engine, outputs)
-        except BaseException as e:  # the loop must not die silently: fail every waiter
+        except BaseException as e:  # the loop must not die silently: fail every waiter, tell the node
             log.exception("engine loop crashed")
             self.error = e
             self._stop.set()
+            if self._on_crash is not None:
+                self._on_crash(e)
         finally:
             self._fail_pending()
 

@@ -99,3 +99,4 @@ class WorkerStats(NamedTuple):
     num_steps: int
     kv_bytes_moved: int  # prefill: bytes pushed; decode: bytes received
     steps: tuple[StepStats, ...] = ()
+    state: str = "serving"  # "serving", or "unavailable" when the worker did not answer

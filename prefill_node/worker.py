@@ -21,10 +21,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from pdserve.decode_node.worker import exit_after_crash
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine, worker_request_stats
 from pdserve.engine.llm_engine import RequestOutput
-from pdserve.kv_transfer import ChunkNotification, KVTransferError, PushHandle, TransferTarget, make_transport
+from pdserve.kv_transfer import ChunkNotification, PushHandle, TransferTarget, make_transport
 
 from pdserve.messages import WorkerStats
 
@@ -85,9 +86,12 @@ class PrefillWorker:
         self._jobs: dict[str, _Job] = {}  # touched on the loop thread only (after creation)
         self._kv_bytes = 0
         self._num_pushes = 0
-        self.aengine = AsyncEngine(engine, on_step=self._on_step, on_tick=self._on_tick)
+        self.aengine = AsyncEngine(engine, on_step=self._on_step, on_tick=self._on_tick, on_crash=self._on_crash)
 
     async def ready(self) -> dict[str, Any]:
+        """This worker's description; raises while its engine loop is dead (the process is being replaced)."""
+        if not self.aengine.loop.alive:
+            raise RuntimeError(f"{self.worker_id}: engine loop stopped: {self.aengine.loop.error!r}")
         engine = self.aengine.engine
         return {
             "worker_id": self.worker_id,
@@ -171,8 +175,8 @@ class PrefillWorker:
                 handle = self.transport.push(
                     job.target, [chunk.block_ids[i] for i in blocks], [job.dst_block_ids[i] for i in blocks], note
                 )
-            except (ValueError, KVTransferError) as e:
-                self._fail(engine, job, f"KV push failed: {e}")
+            except Exception as e:  # one request's push failing must not stop the worker
+                self._fail(engine, job, f"KV push failed: {e!r}")
                 continue
             job.handles.append(handle)
             job.next_block, job.push_index, job.last_pushed = end, job.push_index + 1, is_last
@@ -189,8 +193,8 @@ class PrefillWorker:
         for job in list(self._jobs.values()):
             try:
                 job.handles = [h for h in job.handles if not h.done()]
-            except KVTransferError as e:
-                self._fail(engine, job, f"KV push failed: {e}")
+            except Exception as e:
+                self._fail(engine, job, f"KV push failed: {e!r}")
                 continue
             if job.handles:
                 continue
@@ -199,6 +203,12 @@ class PrefillWorker:
                 job.resolve(job.aborted, True)
             elif job.last_pushed:
                 self._teardown(engine, job)
+
+    def _on_crash(self, error: BaseException) -> None:
+        """The engine loop died: fail every prefill (the router prefills them locally), then exit."""
+        for job in list(self._jobs.values()):
+            job.resolve(job.first_token, error=RuntimeError(f"prefill worker {self.worker_id} failed: {error!r}"))
+        exit_after_crash(self.worker_id)
 
     def _fail(self, engine: LLMEngine, job: _Job, error: str) -> None:
         log.warning("%s: request %s: %s", self.worker_id, job.request_id, error)

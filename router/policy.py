@@ -56,6 +56,7 @@ class WorkerView:
     worker_id: str
     outstanding_tokens: int = 0
     num_requests: int = 0
+    available: bool = True  # False while the worker is dead or restarting: nothing is routed to it
     prefix_blocks: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
 
     def matched_tokens(self, hashes: list[bytes], block_size: int) -> int:
@@ -72,6 +73,10 @@ class WorkerView:
             self.prefix_blocks.move_to_end(h)
         while len(self.prefix_blocks) > capacity:
             self.prefix_blocks.popitem(last=False)
+
+
+class NoWorkerAvailable(LookupError):
+    """Every worker a request needs is down; the router answers UNAVAILABLE."""
 
 
 class Route(NamedTuple):
@@ -99,15 +104,21 @@ class RoutingPolicy:
         if mode != "colocated" and not self.prefill:
             raise ValueError(f"mode {mode!r} needs a prefill worker; this deployment has none")
         hashes = compute_block_hashes(prompt, self.config.block_size)[: (len(prompt) - 1) // self.config.block_size]
+        decodes = [v for v in self.decode.values() if v.available]
+        if not decodes:
+            raise NoWorkerAvailable("no decode worker is available (all are dead or restarting)")
+        prefills = [v for v in self.prefill.values() if v.available]
+        if mode == "disaggregated" and not prefills:
+            mode = "colocated"  # every prefill worker is down: prefill on the decode worker
 
         def decode_cost(view: WorkerView) -> tuple[int, int]:
             # the work this request adds there (its uncached prompt and its outputs) on top of what is queued
             cached = view.matched_tokens(hashes, self.config.block_size)
             return view.outstanding_tokens + len(prompt) - cached + max_tokens, view.num_requests
 
-        decode = min(self.decode.values(), key=decode_cost)
+        decode = min(decodes, key=decode_cost)
         cached = decode.matched_tokens(hashes, self.config.block_size)
-        prefill = min(self.prefill.values(), key=lambda v: (v.outstanding_tokens, v.num_requests), default=None)
+        prefill = min(prefills, key=lambda v: (v.outstanding_tokens, v.num_requests), default=None)
         if mode == "auto":
             uncached = len(prompt) - cached
             remote = (
@@ -117,6 +128,15 @@ class RoutingPolicy:
             )
             mode = "disaggregated" if remote else "colocated"
         return Route(mode, decode.worker_id, prefill.worker_id if mode == "disaggregated" and prefill else None, cached)
+
+    def set_available(self, worker_id: str, available: bool) -> None:
+        view = self.decode.get(worker_id) or self.prefill.get(worker_id)
+        if view is not None:
+            view.available = available
+
+    def is_available(self, worker_id: str) -> bool:
+        view = self.decode.get(worker_id) or self.prefill.get(worker_id)
+        return view is not None and view.available
 
     # ---- bookkeeping: the router calls these as requests move ----------------------------------
     def start(self, route: Route, prompt: list[int], max_tokens: int) -> None:

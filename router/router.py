@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from pdserve.router.policy import Route, RouterConfig, RoutingPolicy
+from pdserve.router.policy import NoWorkerAvailable, Route, RouterConfig, RoutingPolicy
 from ray.exceptions import RayActorError, RayTaskError
 
 from pdserve.messages import RequestMetrics, TokenUpdate, WorkerRequestStats, WorkerStats
@@ -152,6 +152,7 @@ class Router:
         for worker, confirmed in zip(self.decode_workers.values(), subscribed, strict=True):
             self._readers.append(asyncio.create_task(self._read_events(worker, confirmed)))
         self._readers.append(asyncio.create_task(self._watch_idle_streams()))
+        self._readers.append(asyncio.create_task(self._probe_prefill_workers()))
         await asyncio.wait_for(asyncio.gather(*subscribed), timeout_s)
 
     async def close(self) -> None:
@@ -161,7 +162,7 @@ class Router:
         self._readers = []
 
     async def _read_events(self, worker: WorkerHandle, subscribed: asyncio.Future) -> None:
-        """Demultiplex one worker's stream into the requests' queues; resubscribe if it breaks."""
+        """Demultiplex one worker's stream into the requests; while it is down, route nothing to it."""
         delay = 0.1
         while True:
             try:
@@ -170,6 +171,9 @@ class Router:
                     item = await ref
                     if not subscribed.done():
                         subscribed.set_result(None)
+                    if not self.policy.is_available(worker.worker_id):
+                        log.info("%s: worker %s is back", self.router_id, worker.worker_id)
+                        self.policy.set_available(worker.worker_id, True)
                     delay = 0.1
                     self.num_stream_items += 1
                     by_key = self._by_key
@@ -180,15 +184,29 @@ class Router:
                 reason = "ended its event stream"
             except Exception as e:  # the worker died or restarts: its requests cannot finish
                 reason = f"dropped its event stream ({type(e).__name__})"
-            log.warning(
-                "%s: worker %s %s; failing its requests and resubscribing", self.router_id, worker.worker_id, reason
-            )
+            if self.policy.is_available(worker.worker_id):
+                log.warning("%s: worker %s %s; failing its requests", self.router_id, worker.worker_id, reason)
+            self.policy.set_available(worker.worker_id, False)
             for request in list(self.active.values()):
                 if request.served.decode_worker == worker.worker_id:
                     error = f"decode worker {worker.worker_id} {reason}"
                     request.deliver(TokenUpdate(request.key, [], "abort", error=error))
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
+
+    async def _probe_prefill_workers(self) -> None:
+        """Bring a prefill worker that failed back into the pool once it answers again (Ray restarts it)."""
+        while True:
+            await asyncio.sleep(0.5)
+            for worker_id in self.policy.prefill:
+                if self.policy.is_available(worker_id):
+                    continue
+                try:
+                    await asyncio.wait_for(self.workers[worker_id].actor.ready.remote(), 2.0)
+                except Exception:
+                    continue
+                log.info("%s: prefill worker %s is back", self.router_id, worker_id)
+                self.policy.set_available(worker_id, True)
 
     # ---- validation and admission ----------------------------------------------------------------
     async def _validate(self, req: GenerateInput) -> tuple[str, list[int], SamplingParams]:
@@ -279,6 +297,8 @@ class Router:
         request_id, prompt, params = await self._validate(req)
         try:
             route = self.policy.route(prompt, params.max_tokens, req.mode)
+        except NoWorkerAvailable as e:
+            raise RequestError("UNAVAILABLE", str(e)) from None
         except ValueError as e:
             raise RequestError("INVALID_ARGUMENT", str(e)) from None
         request = _InFlight(
@@ -292,6 +312,8 @@ class Router:
             num_cached_tokens=route.expected_cached_tokens,
             prefill_pending=route.prefill_worker is not None,
         )
+        if req.mode == "disaggregated" and route.mode == "colocated":
+            request.fallback = "no prefill worker available"
         self.active[request_id] = request
         self._by_key[request.key] = request
         self.num_queued += 1
@@ -355,6 +377,8 @@ class Router:
                 raise RequestError("INVALID_ARGUMENT", _cause(e)) from None
             if request.aborted:
                 return self._event(request, [], "abort")
+            if isinstance(e, RayActorError):
+                self.policy.set_available(route.prefill_worker, False)  # type: ignore[arg-type]
             log.warning(
                 "prefill %s failed on %s (%s); prefilling locally", route.prefill_worker, request.request_id, _cause(e)
             )
@@ -461,15 +485,33 @@ class Router:
         return True
 
     async def stats(self, steps_since: float | None = None) -> list[WorkerStats]:
+        """Every worker's statistics; a worker that does not answer is listed as unavailable."""
         refs = [w.actor.stats.remote(steps_since) for w in self.workers.values()]
-        return list(await asyncio.gather(*refs))
+        answers = await asyncio.gather(*[asyncio.wait_for(r, 5.0) for r in refs], return_exceptions=True)
+        out = []
+        for worker, answer in zip(self.workers.values(), answers, strict=True):
+            if isinstance(answer, BaseException):
+                answer = WorkerStats(worker.worker_id, worker.role, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, state="unavailable")
+            out.append(answer)
+        return out
 
-    async def health(self, timeout_s: float = 5.0) -> tuple[bool, str]:
-        try:
-            await asyncio.wait_for(asyncio.gather(*[w.actor.ready.remote() for w in self.workers.values()]), timeout_s)
-        except Exception as e:
-            return False, f"a worker is not answering: {e}"
-        return True, "serving"
+    async def health(self, timeout_s: float = 1.0) -> tuple[bool, str]:
+        """Serving while some decode worker answers; the status names every worker that does not."""
+
+        async def answers(worker: WorkerHandle) -> bool:
+            try:
+                await asyncio.wait_for(worker.actor.ready.remote(), timeout_s)
+            except Exception:
+                return False
+            return True
+
+        workers = list(self.workers.values())
+        alive = await asyncio.gather(*[answers(w) for w in workers])
+        down = [w.worker_id for w, ok in zip(workers, alive, strict=True) if not ok]
+        serving = any(ok and w.role == "decode" for w, ok in zip(workers, alive, strict=True))
+        if not serving:
+            return False, f"no decode worker answers (down: {', '.join(down)})"
+        return True, "serving" if not down else f"serving; down: {', '.join(down)}"
 
 
 async def _call(ref: Any) -> Any:
