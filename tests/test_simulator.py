@@ -331,7 +331,7 @@ def test_cli_run_writes_every_file(tmp_path):
             "40",
             "--slo",
             "ttft=300,tpot=50",
-            "--chunk-size",
+            "--max-chunk-tokens",
             "512",
             "--prefill",
             "1",
