@@ -10,7 +10,7 @@ from dataclasses import fields
 import pytest
 from pdserve.bench.runner import build_parser as bench_parser
 from pdserve.bench.sim.cli import build_parser as sim_parser
-from pdserve.bench.sim.simulator import SimConfig
+from pdserve.bench.sim.config import SimConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.options import add_engine_arguments, engine_config_from_args, engine_fields, option_flag
 

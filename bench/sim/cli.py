@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from pdserve.bench.sim.simulator import ENGINE_OPTIONS, SimConfig
+from pdserve.bench.sim.config import ENGINE_OPTIONS, SimConfig
 from pdserve.bench.workloads import add_workload_arguments, workload_spec_from_args
 from pdserve.engine.options import add_engine_arguments, engine_config_from_args
 
@@ -281,7 +281,7 @@ def make_setup(args: argparse.Namespace, say: Callable[..., None]) -> SimSetup:
 
 def run_demo(args: argparse.Namespace, setup: SimSetup) -> Findings:
     """``--demo``: the chunked-prefill demo, chunking on and off, and the long prompt's off/on ratio."""
-    from pdserve.bench.report import plot_step_timeline
+    from pdserve.bench.plots import plot_step_timeline
     from pdserve.bench.sim.demo import compare_chunking, run_chunked_prefill_demo
 
     cost_model = setup.cost_model
