@@ -19,7 +19,7 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -64,6 +64,27 @@ class RunData:
 
     def metrics(self, slo_ms: Mapping[str, float] | None = None) -> BenchmarkMetrics:
         return compute_metrics(self.records, slo_ms or {}, self.duration_s)
+
+
+@dataclass(frozen=True)
+class ReportContent:
+    """Everything one report shows; ``metrics`` pairs each run with its figures, ``plots`` maps a
+    plot's name to its PNG. Raises ValueError for a non-positive ITL target."""
+
+    title: str
+    config: Mapping[str, Any]
+    slo_ms: Mapping[str, float]
+    itl_target_ms: float | None
+    metrics: Sequence[tuple[RunData, BenchmarkMetrics]]
+    sweep: Sequence[SweepPoint] | None = None
+    pd_rows: Sequence[Any] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    notes: Sequence[str] = ()
+    plots: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.itl_target_ms is not None and not self.itl_target_ms > 0:
+            raise ValueError(f"report: itl_target_ms must be > 0, got {self.itl_target_ms}")
 
 
 @dataclass(frozen=True)
@@ -188,38 +209,42 @@ def write_report(
     """
     os.makedirs(out_dir, exist_ok=True)
     slo = dict(slo_ms or {})
-    metrics = [(run, run.metrics(slo)) for run in runs]
-    plots = {**(extra_plots or {}), **write_plots(out_dir, metrics, slo, itl_target_ms, sweep, pd_rows)}
-    results = results_document(title, config, slo, itl_target_ms, metrics, sweep, pd_rows, extra, plots)
+    content = ReportContent(
+        title,
+        dict(config or {}),
+        slo,
+        itl_target_ms,
+        [(run, run.metrics(slo)) for run in runs],
+        sweep,
+        pd_rows,
+        dict(extra or {}),
+        list(notes),
+    )
+    content = replace(content, plots={**(extra_plots or {}), **write_plots(out_dir, content)})
     results_json = os.path.join(out_dir, "results.json")
     with open(results_json, "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=1, default=str)
+        json.dump(results_document(content), f, indent=1, default=str)
         f.write("\n")
-    md = report_markdown(title, config, slo, itl_target_ms, metrics, sweep, pd_rows, notes, plots)
     report_md = os.path.join(out_dir, "report.md")
     with open(report_md, "w", encoding="utf-8") as f:
-        f.write(md)
-    return ReportFiles(out_dir, results_json, report_md, plots)
+        f.write(report_markdown(content))
+    return ReportFiles(out_dir, results_json, report_md, content.plots)
 
 
-def write_plots(
-    out_dir: str,
-    metrics: Sequence[tuple[RunData, BenchmarkMetrics]],
-    slo_ms: Mapping[str, float],
-    itl_target_ms: float | None,
-    sweep: Sequence[SweepPoint] | None,
-    pd_rows: Sequence[Any] | None,
-) -> dict[str, str]:
+def write_plots(out_dir: str, content: ReportContent) -> dict[str, str]:
     """Every plot of a report: CDFs, throughput vs latency and per-step timelines of the runs, and the
     sweep and P:D search when given. Returns name → path."""
     plots: dict[str, str] = {}
+    metrics, sweep, itl_target_ms = content.metrics, content.sweep, content.itl_target_ms
     runs = [run for run, _ in metrics]
     if runs:
         plots["itl_cdf"] = plot_itl_cdf(
             {r.name: itl_values(r.records) for r in runs}, os.path.join(out_dir, "itl_cdf.png"), itl_target_ms
         )
         plots["ttft_cdf"] = plot_ttft_cdf(
-            {r.name: ttft_values(r.records) for r in runs}, os.path.join(out_dir, "ttft_cdf.png"), slo_ms.get("ttft")
+            {r.name: ttft_values(r.records) for r in runs},
+            os.path.join(out_dir, "ttft_cdf.png"),
+            content.slo_ms.get("ttft"),
         )
         series: dict[str, list[tuple[float, float, float]]] = {}
         for r, m in metrics:
@@ -229,8 +254,8 @@ def write_plots(
         plots.update(_timeline_plots(out_dir, run, itl_target_ms))
     if sweep:
         plots["chunk_sweep"] = plot_chunk_sweep(sweep, os.path.join(out_dir, "chunk_sweep.png"), itl_target_ms)
-    if pd_rows:
-        plots["pd_search"] = plot_pd_search(pd_rows, os.path.join(out_dir, "pd_search.png"))
+    if content.pd_rows:
+        plots["pd_search"] = plot_pd_search(content.pd_rows, os.path.join(out_dir, "pd_search.png"))
     return plots
 
 
@@ -251,22 +276,13 @@ def _timeline_plots(out_dir: str, run: RunData, itl_target_ms: float | None) -> 
     return plots
 
 
-def results_document(
-    title: str,
-    config: Mapping[str, Any] | None,
-    slo_ms: Mapping[str, float],
-    itl_target_ms: float | None,
-    metrics: Sequence[tuple[RunData, BenchmarkMetrics]],
-    sweep: Sequence[SweepPoint] | None,
-    pd_rows: Sequence[Any] | None,
-    extra: Mapping[str, Any] | None,
-    plots: Mapping[str, str],
-) -> dict[str, Any]:
+def results_document(content: ReportContent) -> dict[str, Any]:
     """The content of results.json: every request and step of every run, with the figures."""
+    sweep, itl_target_ms, pd_rows = content.sweep, content.itl_target_ms, content.pd_rows
     return {
-        "title": title,
-        "config": _jsonable(dict(config or {})),
-        "slo_ms": dict(slo_ms),
+        "title": content.title,
+        "config": _jsonable(dict(content.config)),
+        "slo_ms": dict(content.slo_ms),
         "itl_target_ms": itl_target_ms,
         "runs": [
             {
@@ -279,31 +295,23 @@ def results_document(
                 "requests": [rec.to_dict() for rec in run.records],
                 "steps": [s._asdict() for s in as_timeline_steps(run.steps)],
             }
-            for run, m in metrics
+            for run, m in content.metrics
         ],
         "chunk_sweep": [p.to_dict() for p in sweep] if sweep else None,
         "chunk_sweep_knee": (
             None if not sweep or itl_target_ms is None else _jsonable(find_knee(sweep, itl_target_ms))
         ),
         "pd_search": _jsonable(list(pd_rows)) if pd_rows else None,
-        "extra": _jsonable(dict(extra or {})),
-        "plots": {k: os.path.basename(v) for k, v in plots.items()},
+        "extra": _jsonable(dict(content.extra)),
+        "plots": {k: os.path.basename(v) for k, v in content.plots.items()},
     }
 
 
-def report_markdown(
-    title: str,
-    config: Mapping[str, Any] | None,
-    slo_ms: Mapping[str, float],
-    itl_target_ms: float | None,
-    metrics: Sequence[tuple[RunData, BenchmarkMetrics]],
-    sweep: Sequence[SweepPoint] | None,
-    pd_rows: Sequence[Any] | None,
-    notes: Sequence[str],
-    plots: Mapping[str, str],
-) -> str:
+def report_markdown(content: ReportContent) -> str:
     """The content of report.md: config, SLOs, the comparison table, the sweep and P:D tables, notes, plots."""
-    md = [f"# {title}", ""]
+    config, slo_ms, metrics, sweep = content.config, content.slo_ms, content.metrics, content.sweep
+    itl_target_ms, pd_rows, notes, plots = content.itl_target_ms, content.pd_rows, content.notes, content.plots
+    md = [f"# {content.title}", ""]
     if config:
         md += [
             "Config: " + ", ".join(f"`{k}={_jsonable(v)}`" for k, v in config.items() if not isinstance(v, Mapping)),
