@@ -1,3 +1,4 @@
+# Over 500 lines: one script, three sections that share its helpers and one summary (HF side: hf_reference.py).
 """Single-engine benchmark: pdserve's LLMEngine against Hugging Face ``generate``, in one process.
 
 Three measurements, side by side in one run (the machines are shared: never compare across runs):
@@ -8,7 +9,7 @@ Three measurements, side by side in one run (the machines are shared: never comp
    batched as a user would: sorted by prompt length, batches of 16, left padding with an attention mask,
    ``max_new_tokens`` = the batch's largest request; only each request's own requested tokens count.
    Logits of one prompt are compared first. HF runs half its batches before pdserve and half after.
-   Target: pdserve >= 1.5x.
+   pdserve runs at the engine's defaults (token budget 512, ``EngineConfig``). Target: pdserve >= 1.5x.
 2. Interference: 16 streaming decodes, then a 4096-token prompt arrives. Worst inter-token latency of the
    decodes while it prefills, and its TTFT, with chunked prefill off and with chunks of 256 and 512
    (the step's token budget); 3 interleaved trials per setting, medians. Target: worst ITL >= 5x lower.

@@ -177,12 +177,15 @@ class NixlTransport(KVTransport):
             self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, _mem_type(pool.device))
             self._metadata = self._agent.get_agent_metadata()
         except Exception as e:
-            if self._local_dlist is not None:
-                _quiet(self._local_dlist.release)
-            if self._reg_descs is not None:
-                _quiet(self._agent.deregister_memory, self._reg_descs)
-            self._local_dlist = self._reg_descs = None
+            self._release_registration()
             raise RuntimeError(f"NIXL could not register the KV pool ({layout}): {e}") from e
+
+    def _release_registration(self) -> None:
+        if self._local_dlist is not None:
+            _quiet(self._local_dlist.release)
+        if self._reg_descs is not None:
+            _quiet(self._agent.deregister_memory, self._reg_descs)
+        self._local_dlist = self._reg_descs = None
 
     def close(self) -> None:
         with self._lock:
@@ -196,11 +199,7 @@ class NixlTransport(KVTransport):
                 if remote.loaded:
                     _quiet(self._agent.remove_remote_agent, remote.agent_name)
             self._remotes.clear()
-            if self._local_dlist is not None:
-                _quiet(self._local_dlist.release)
-            if self._reg_descs is not None:
-                _quiet(self._agent.deregister_memory, self._reg_descs)
-            self._local_dlist = self._reg_descs = None
+            self._release_registration()
             self._pool = None
             self._agent = None
 
