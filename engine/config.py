@@ -9,9 +9,10 @@ from typing import Any
 
 PRESETS = ("tiny", "bench")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# Token budget per step, the same for every command. On the `bench` preset on 2 CPU cores a 512-token step
-# takes about 0.4 s and a 2048-token one about 1.4 s, a stall every running decode waits out; the serving
-# figures in the README are measured at 512. On a GPU, 2048 or more is the usual choice.
+# Token budget per step unless one is given, the same for every command (with chunked prefill off, at least
+# max_model_len). On the `bench` preset on 2 CPU cores a 512-token step takes about 0.4 s and a 2048-token one
+# about 1.4 s, a stall every running decode waits out; the serving figures in the README are measured at 512.
+# On a GPU, 2048 or more is the usual choice.
 DEFAULT_TOKEN_BUDGET = 512
 
 
@@ -159,10 +160,10 @@ class EngineConfig:
     block_size: int = _option(16, "tokens per KV block")
     num_kv_blocks: int | None = _option(None, "KV blocks per engine; default: as many as --kv-cache-memory-gb holds")
     kv_cache_memory_gb: float = _option(0.5, "KV cache size per engine when --num-kv-blocks is not given")
-    max_num_batched_tokens: int = _option(
-        DEFAULT_TOKEN_BUDGET,
-        "token budget per step: one per running decode plus prompt chunks (raised to max_model_len when "
-        "chunked prefill is off)",
+    max_num_batched_tokens: int | None = _option(
+        None,
+        f"token budget per step: one per running decode plus prompt chunks; default: {DEFAULT_TOKEN_BUDGET}, "
+        "and with chunked prefill off max_model_len (a whole prompt per step)",
     )
     max_num_seqs: int = _option(128, "requests per step at most")
     max_model_len: int | None = _option(None, "longest prompt + output; default: the model's max_position_embeddings")
@@ -178,11 +179,11 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("block_size", "max_num_seqs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("num_kv_blocks", "max_model_len", "max_chunk_tokens", "torch_threads"):
+        for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len", "max_chunk_tokens", "torch_threads"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
@@ -191,6 +192,7 @@ class EngineConfig:
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None
+            and self.max_num_batched_tokens is not None
             and self.max_num_batched_tokens < self.max_model_len
         ):
             raise ValueError(
@@ -206,7 +208,7 @@ class EngineConfig:
                 f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
                 f"({model_config.max_position_embeddings})"
             )
-        batched = self.max_num_batched_tokens
+        batched = self.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET
         if not self.enable_chunked_prefill:
             batched = max(batched, max_model_len)
         return replace(self, max_model_len=max_model_len, max_num_batched_tokens=batched)

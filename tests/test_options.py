@@ -11,7 +11,7 @@ import pytest
 from pdserve.bench.runner import build_parser as bench_parser
 from pdserve.bench.sim.cli import build_parser as sim_parser
 from pdserve.bench.sim.config import SimConfig
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import DEFAULT_TOKEN_BUDGET, EngineConfig, ModelConfig
 from pdserve.engine.options import add_engine_arguments, engine_config_from_args, engine_fields, option_flag
 
 from pdserve.cli.main import build_parser as pdserve_parser
@@ -80,7 +80,7 @@ def test_every_command_has_the_same_options_and_defaults():
     assert engine_config_from_args(serve) == EngineConfig()
     assert pdserve_parser().parse_args(["demo"]).model == EngineConfig().model
     assert SimConfig.from_engine_config(engine_config_from_args(sim_parser().parse_args([]))) == SimConfig(
-        max_num_batched_tokens=EngineConfig().max_num_batched_tokens
+        max_num_batched_tokens=DEFAULT_TOKEN_BUDGET
     )
     changed = [
         engine_config_from_args(pdserve_parser().parse_args(["serve", *CHANGED])),
@@ -96,7 +96,20 @@ def test_every_command_has_the_same_options_and_defaults():
 def test_sim_config_defaults_are_the_engines():
     engine, sim = EngineConfig(), SimConfig()
     assert (sim.block_size, sim.max_num_seqs) == (engine.block_size, engine.max_num_seqs)
-    assert sim.token_budget(longest_prompt=10) == engine.max_num_batched_tokens
+    assert sim.token_budget(longest_prompt=10) == DEFAULT_TOKEN_BUDGET
+    unchunked = SimConfig.from_engine_config(EngineConfig(enable_chunked_prefill=False))
+    assert unchunked.token_budget(longest_prompt=5000) == 5000 + unchunked.max_num_seqs  # a whole prompt fits
+
+
+def test_default_budget_is_one_number_and_holds_a_whole_prompt_without_chunking():
+    tiny = ModelConfig.preset("tiny")
+    assert EngineConfig().with_model_defaults(tiny).max_num_batched_tokens == DEFAULT_TOKEN_BUDGET == 512
+    unchunked = EngineConfig(enable_chunked_prefill=False, max_model_len=1024).with_model_defaults(tiny)
+    assert unchunked.max_num_batched_tokens == 1024
+    given = EngineConfig(max_num_batched_tokens=64).with_model_defaults(tiny)
+    assert given.max_num_batched_tokens == 64
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):  # an explicit budget must hold a prompt
+        EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=100, max_model_len=200)
 
 
 def test_options_load_without_torch():

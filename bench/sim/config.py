@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import DEFAULT_TOKEN_BUDGET, EngineConfig
 
 _ENGINE_DEFAULTS = EngineConfig()
 # The engine options the simulator models (`pdserve sim` offers these, with the engine's names and defaults).
@@ -56,11 +56,16 @@ class SimConfig:
 
     @staticmethod
     def from_engine_config(engine: EngineConfig, **link: float | None) -> SimConfig:
-        """The ``ENGINE_OPTIONS`` of ``engine`` (the budget as given), plus ``kv_link_bw`` / ``kv_link_latency_s``."""
+        """The ``ENGINE_OPTIONS`` of ``engine`` with its token budget (the engine's default when none is
+        given; with chunked prefill off, raised to fit the longest prompt), plus ``kv_link_bw`` /
+        ``kv_link_latency_s``."""
+        budget = engine.max_num_batched_tokens
+        if budget is None and engine.enable_chunked_prefill:
+            budget = DEFAULT_TOKEN_BUDGET
         return SimConfig(
             block_size=engine.block_size,
             max_num_seqs=engine.max_num_seqs,
-            max_num_batched_tokens=engine.max_num_batched_tokens,
+            max_num_batched_tokens=budget,
             chunk_size=engine.max_chunk_tokens if engine.enable_chunked_prefill else None,
             enable_chunked_prefill=engine.enable_chunked_prefill,
             enable_prefix_caching=engine.enable_prefix_caching,
@@ -74,7 +79,7 @@ class SimConfig:
         elif self.chunk_size is not None:
             budget = self.chunk_size + self.max_num_seqs
         else:
-            budget = _ENGINE_DEFAULTS.max_num_batched_tokens
+            budget = DEFAULT_TOKEN_BUDGET
         if not self.enable_chunked_prefill:
             budget = max(budget, longest_prompt + self.max_num_seqs)
         return budget
