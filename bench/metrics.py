@@ -131,6 +131,12 @@ class RequestRecord:
         )
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of a sample with numpy's default (linear) interpolation, as every
+    statistic here; nan for an empty sample."""
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else math.nan
+
+
 @dataclass(frozen=True)
 class LatencyStats:
     """Summary of one latency sample, in milliseconds; ``count`` is the sample size."""
@@ -400,15 +406,21 @@ class SweepPoint(NamedTuple):
         return self._asdict()
 
 
+def itls_during_prefill(token_times: Iterable[Sequence[float]], windows: Sequence[tuple[float, float]]) -> list[float]:
+    """Gaps between consecutive token times of each stream whose later token lands in a window
+    ``(arrival, first token]`` of a long prompt: the stalls its prefill causes. The worst one is the
+    figure the chunked-prefill benchmarks report (``max(..., default=0.0)``)."""
+    return [b - a for times in token_times for a, b in pairwise(times) if any(lo < b <= hi for lo, hi in windows)]
+
+
 def interference_itls(records: Sequence[RequestRecord]) -> list[float] | None:
-    """ITL gaps of the ``"stream"`` records that end while a ``"long"`` record is being prefilled
-    (between its send time and its first token): the stalls the long prompts cause. None when the
-    records carry no such labels."""
+    """``itls_during_prefill`` of the successful ``"stream"`` records, the windows running from each
+    ``"long"`` record's send time to its first token. None when the records carry no such labels."""
     windows = [(r.send_time, r.token_times[0]) for r in records if r.label == "long" and r.token_times]
     streams = [r for r in records if r.label == "stream" and r.succeeded]
     if not windows or not streams:
         return None
-    return [b - a for r in streams for a, b in pairwise(r.token_times) if any(lo < b <= hi for lo, hi in windows)]
+    return itls_during_prefill((r.token_times for r in streams), windows)
 
 
 def sweep_point(chunk_size: int, records: Sequence[RequestRecord], steps: Iterable[Any]) -> SweepPoint:

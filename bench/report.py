@@ -8,12 +8,8 @@ runner needs::
             kv_bytes_moved=n)]
     files = write_report("results/ab", runs, config={...}, slo_ms={"ttft": 200, "tpot": 50}, itl_target_ms=50)
 
-Plots (matplotlib, Agg backend): ITL CDF and TTFT CDF per run; a per-step timeline per run (bar height
-= step time, each bar split by its share of prefill vs decode tokens, the ITL target as a line);
-throughput vs latency (P99 TTFT and P99 TPOT against output throughput); and, when given, the chunk
-sweep (P99 ITL vs prefill throughput with the knee for the ITL target) and the P:D search.
-Steps may be ``(start, duration, prefill_tokens, decode_tokens[, instance])`` tuples, the simulator's
-``StepRecord`` or the engine's ``StepStats``.
+The plots are ``bench.plots``': ITL and TTFT CDFs, throughput vs latency and a per-step timeline of
+each run's instances (the first two), and, when given, the chunk sweep and the P:D search.
 """
 
 from __future__ import annotations
@@ -23,13 +19,9 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
 from pdserve.bench.metrics import (
     BenchmarkMetrics,
@@ -39,10 +31,17 @@ from pdserve.bench.metrics import (
     as_timeline_steps,
     compute_metrics,
     find_knee,
+    itl_values,
+    ttft_values,
 )
-
-PREFILL_COLOR = "#7b3fa0"  # the lesson's purple for prefill compute
-DECODE_COLOR = "#3b8bc2"
+from pdserve.bench.plots import (
+    plot_chunk_sweep,
+    plot_itl_cdf,
+    plot_pd_search,
+    plot_step_timeline,
+    plot_throughput_latency,
+    plot_ttft_cdf,
+)
 
 
 @dataclass(frozen=True)
@@ -65,6 +64,27 @@ class RunData:
 
     def metrics(self, slo_ms: Mapping[str, float] | None = None) -> BenchmarkMetrics:
         return compute_metrics(self.records, slo_ms or {}, self.duration_s)
+
+
+@dataclass(frozen=True)
+class ReportContent:
+    """Everything one report shows; ``metrics`` pairs each run with its figures, ``plots`` maps a
+    plot's name to its PNG. Raises ValueError for a non-positive ITL target."""
+
+    title: str
+    config: Mapping[str, Any]
+    slo_ms: Mapping[str, float]
+    itl_target_ms: float | None
+    metrics: Sequence[tuple[RunData, BenchmarkMetrics]]
+    sweep: Sequence[SweepPoint] | None = None
+    pd_rows: Sequence[Any] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    notes: Sequence[str] = ()
+    plots: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.itl_target_ms is not None and not self.itl_target_ms > 0:
+            raise ValueError(f"report: itl_target_ms must be > 0, got {self.itl_target_ms}")
 
 
 @dataclass(frozen=True)
@@ -145,175 +165,6 @@ def _table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     return "\n".join(out)
 
 
-# ---- plots -----------------------------------------------------------------------------------------------
-
-
-def _save(fig: Any, path: str) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def plot_cdf(
-    samples_s: Mapping[str, Sequence[float]],
-    path: str,
-    title: str,
-    xlabel: str,
-    target_ms: float | None = None,
-) -> str:
-    """Empirical CDF per series (values in seconds, plotted in ms); a dashed line at ``target_ms``."""
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name, values in samples_s.items():
-        if not len(values):
-            continue
-        x = np.sort(np.asarray(values, dtype=float)) * 1000.0
-        y = np.arange(1, len(x) + 1) / len(x)
-        ax.step(x, y, where="post", label=f"{name} (n={len(x)})")
-    if target_ms is not None:
-        ax.axvline(target_ms, color="red", linestyle="--", linewidth=1, label=f"target {target_ms:g} ms")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("fraction ≤ x")
-    ax.set_ylim(0, 1.02)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
-
-
-def plot_itl_cdf(itl_s: Mapping[str, Sequence[float]], path: str, target_ms: float | None = None) -> str:
-    """ITL CDF per architecture (every inter-token gap, seconds)."""
-    return plot_cdf(itl_s, path, "Inter-token latency", "ITL (ms)", target_ms)
-
-
-def plot_ttft_cdf(ttft_s: Mapping[str, Sequence[float]], path: str, target_ms: float | None = None) -> str:
-    """TTFT CDF per architecture (seconds)."""
-    return plot_cdf(ttft_s, path, "Time to first token", "TTFT (ms)", target_ms)
-
-
-def timeline_window(steps: Sequence[TimelineStep], max_steps: int) -> list[TimelineStep]:
-    """At most ``max_steps`` consecutive steps, centred on the longest one (where the story is)."""
-    if len(steps) <= max_steps:
-        return list(steps)
-    worst = max(range(len(steps)), key=lambda i: steps[i].duration)
-    lo = min(max(0, worst - max_steps // 2), len(steps) - max_steps)
-    return list(steps[lo : lo + max_steps])
-
-
-def plot_step_timeline(
-    steps: Iterable[Any], path: str, itl_target_ms: float | None = None, title: str = "", max_steps: int = 200
-) -> str:
-    """The lesson's picture: one bar per step (in order), height = step time, split by the step's share
-    of prefill vs decode tokens. Shows a window of ``max_steps`` around the longest step."""
-    tl = timeline_window(as_timeline_steps(steps), max_steps)
-    fig, ax = plt.subplots(figsize=(9, 4))
-    if tl:
-        x = np.arange(len(tl))
-        dur = np.array([s.duration for s in tl]) * 1000.0
-        tokens = np.array([max(1, s.prefill_tokens + s.decode_tokens) for s in tl], dtype=float)
-        pre = dur * np.array([s.prefill_tokens for s in tl]) / tokens
-        ax.bar(x, pre, width=0.85, color=PREFILL_COLOR, label="prefill tokens' share")
-        ax.bar(x, dur - pre, width=0.85, bottom=pre, color=DECODE_COLOR, label="decode tokens' share")
-    if itl_target_ms is not None:
-        ax.axhline(itl_target_ms, color="red", linestyle="--", linewidth=1, label=f"ITL target {itl_target_ms:g} ms")
-    ax.set_xlabel("step")
-    ax.set_ylabel("step time (ms)")
-    ax.set_title(title or "Per-step timeline")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
-
-
-def plot_throughput_latency(series: Mapping[str, Sequence[tuple[float, float, float]]], path: str) -> str:
-    """Latency against throughput: per series, points ``(output tok/s, P99 TTFT ms, P99 TPOT ms)``
-    (several points per series, e.g. a rate sweep, are joined by a line)."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for name, pts in series.items():
-        pts = sorted(pts)
-        xs = [p[0] for p in pts]
-        for ax, idx in zip(axes, (1, 2), strict=True):
-            ax.plot(xs, [p[idx] for p in pts], marker="o", label=name)
-    for ax, what in zip(axes, ("P99 TTFT (ms)", "P99 TPOT (ms)"), strict=True):
-        ax.set_xlabel("output throughput (tok/s)")
-        ax.set_ylabel(what)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("Throughput vs latency")
-    return _save(fig, path)
-
-
-def plot_chunk_sweep(points: Sequence[SweepPoint], path: str, itl_target_ms: float | None = None) -> str:
-    """P99 ITL against prefill throughput, one point per chunk size; the knee for the target is marked."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    pts = sorted(points, key=lambda p: p.chunk_size)
-    ax.plot(
-        [p.prefill_throughput_tok_s for p in pts],
-        [p.p99_itl_ms for p in pts],
-        marker="o",
-        color=PREFILL_COLOR,
-    )
-    for p in pts:
-        ax.annotate(
-            str(p.chunk_size),
-            (p.prefill_throughput_tok_s, p.p99_itl_ms),
-            textcoords="offset points",
-            xytext=(4, 4),
-            fontsize=8,
-        )
-    if itl_target_ms is not None:
-        ax.axhline(itl_target_ms, color="red", linestyle="--", linewidth=1, label=f"ITL target {itl_target_ms:g} ms")
-        knee = find_knee(pts, itl_target_ms)
-        if knee is not None:
-            ax.scatter(
-                [knee.prefill_throughput_tok_s],
-                [knee.p99_itl_ms],
-                s=160,
-                facecolors="none",
-                edgecolors="red",
-                linewidths=2,
-                zorder=5,
-                label=f"knee: chunk {knee.chunk_size}",
-            )
-    ax.set_xlabel("prefill throughput (tok/s of prefill-carrying steps)")
-    ax.set_ylabel("P99 ITL (ms)")
-    ax.set_title("Chunk size sweep")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
-
-
-def plot_pd_search(rows: Sequence[Any], path: str) -> str:
-    """Per-GPU figure of merit per architecture (rows with ``name``, ``goodput_per_gpu`` and optional
-    ``max_rate_per_gpu``, e.g. ``bench.sim.experiments.PDRow``)."""
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows) + 2), 4))
-    names = [r.name for r in rows]
-    x = np.arange(len(rows))
-    searched = any(getattr(r, "max_rate_per_gpu", None) is not None for r in rows)
-    width = 0.4 if searched else 0.6
-    ax.bar(
-        x - (width / 2 if searched else 0),
-        [r.goodput_per_gpu for r in rows],
-        width,
-        label="goodput per GPU at the workload's rate",
-        color=DECODE_COLOR,
-    )
-    if searched:
-        ax.bar(
-            x + width / 2,
-            [r.max_rate_per_gpu or 0.0 for r in rows],
-            width,
-            label="max SLO-meeting rate per GPU",
-            color=PREFILL_COLOR,
-        )
-    ax.set_xticks(x, names, rotation=20)
-    ax.set_ylabel("requests/s per GPU")
-    ax.set_title("Colocated vs P:D splits")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
-
-
 # ---- the results directory ------------------------------------------------------------------------------
 
 
@@ -358,51 +209,80 @@ def write_report(
     """
     os.makedirs(out_dir, exist_ok=True)
     slo = dict(slo_ms or {})
-    metrics = [(run, run.metrics(slo)) for run in runs]
-    plots: dict[str, str] = dict(extra_plots or {})
-    ttft_target = slo.get("ttft")
+    content = ReportContent(
+        title,
+        dict(config or {}),
+        slo,
+        itl_target_ms,
+        [(run, run.metrics(slo)) for run in runs],
+        sweep,
+        pd_rows,
+        dict(extra or {}),
+        list(notes),
+    )
+    content = replace(content, plots={**(extra_plots or {}), **write_plots(out_dir, content)})
+    results_json = os.path.join(out_dir, "results.json")
+    with open(results_json, "w", encoding="utf-8") as f:
+        json.dump(results_document(content), f, indent=1, default=str)
+        f.write("\n")
+    report_md = os.path.join(out_dir, "report.md")
+    with open(report_md, "w", encoding="utf-8") as f:
+        f.write(report_markdown(content))
+    return ReportFiles(out_dir, results_json, report_md, content.plots)
+
+
+def write_plots(out_dir: str, content: ReportContent) -> dict[str, str]:
+    """Every plot of a report: CDFs, throughput vs latency and per-step timelines of the runs, and the
+    sweep and P:D search when given. Returns name → path."""
+    plots: dict[str, str] = {}
+    metrics, sweep, itl_target_ms = content.metrics, content.sweep, content.itl_target_ms
+    runs = [run for run, _ in metrics]
     if runs:
         plots["itl_cdf"] = plot_itl_cdf(
-            {r.name: [g for rec in r.records if rec.succeeded for g in rec.itls] for r in runs},
-            os.path.join(out_dir, "itl_cdf.png"),
-            itl_target_ms,
+            {r.name: itl_values(r.records) for r in runs}, os.path.join(out_dir, "itl_cdf.png"), itl_target_ms
         )
         plots["ttft_cdf"] = plot_ttft_cdf(
-            {
-                r.name: [rec.ttft for rec in r.records if rec.succeeded]  # type: ignore[misc]
-                for r in runs
-            },
+            {r.name: ttft_values(r.records) for r in runs},
             os.path.join(out_dir, "ttft_cdf.png"),
-            ttft_target,
+            content.slo_ms.get("ttft"),
         )
         series: dict[str, list[tuple[float, float, float]]] = {}
         for r, m in metrics:
             series.setdefault(r.series or r.name, []).append((m.output_throughput, m.ttft.p99_ms, m.tpot.p99_ms))
         plots["throughput_latency"] = plot_throughput_latency(series, os.path.join(out_dir, "throughput_latency.png"))
-        for run in runs:
-            steps = as_timeline_steps(run.steps)
-            if not steps:
-                continue
-            instances = list(dict.fromkeys(s.instance for s in steps))
-            for inst in instances[:2] if len(instances) > 1 else instances:
-                inst_steps = [s for s in steps if s.instance == inst]
-                label = f"{run.name} {inst}".strip()
-                key = f"timeline_{_slug(label)}"
-                plots[key] = plot_step_timeline(
-                    inst_steps,
-                    os.path.join(out_dir, f"{key}.png"),
-                    itl_target_ms,
-                    f"Per-step timeline: {label}",
-                )
+    for run in runs:
+        plots.update(_timeline_plots(out_dir, run, itl_target_ms))
     if sweep:
         plots["chunk_sweep"] = plot_chunk_sweep(sweep, os.path.join(out_dir, "chunk_sweep.png"), itl_target_ms)
-    if pd_rows:
-        plots["pd_search"] = plot_pd_search(pd_rows, os.path.join(out_dir, "pd_search.png"))
+    if content.pd_rows:
+        plots["pd_search"] = plot_pd_search(content.pd_rows, os.path.join(out_dir, "pd_search.png"))
+    return plots
 
-    results = {
-        "title": title,
-        "config": _jsonable(dict(config or {})),
-        "slo_ms": slo,
+
+def _timeline_plots(out_dir: str, run: RunData, itl_target_ms: float | None) -> dict[str, str]:
+    """A per-step timeline of a run's instance, or of its first two when it has several."""
+    steps = as_timeline_steps(run.steps)
+    instances = list(dict.fromkeys(s.instance for s in steps))
+    plots = {}
+    for inst in instances[:2]:
+        label = f"{run.name} {inst}".strip()
+        key = f"timeline_{_slug(label)}"
+        plots[key] = plot_step_timeline(
+            [s for s in steps if s.instance == inst],
+            os.path.join(out_dir, f"{key}.png"),
+            itl_target_ms,
+            f"Per-step timeline: {label}",
+        )
+    return plots
+
+
+def results_document(content: ReportContent) -> dict[str, Any]:
+    """The content of results.json: every request and step of every run, with the figures."""
+    sweep, itl_target_ms, pd_rows = content.sweep, content.itl_target_ms, content.pd_rows
+    return {
+        "title": content.title,
+        "config": _jsonable(dict(content.config)),
+        "slo_ms": dict(content.slo_ms),
         "itl_target_ms": itl_target_ms,
         "runs": [
             {
@@ -415,30 +295,31 @@ def write_report(
                 "requests": [rec.to_dict() for rec in run.records],
                 "steps": [s._asdict() for s in as_timeline_steps(run.steps)],
             }
-            for run, m in metrics
+            for run, m in content.metrics
         ],
         "chunk_sweep": [p.to_dict() for p in sweep] if sweep else None,
         "chunk_sweep_knee": (
             None if not sweep or itl_target_ms is None else _jsonable(find_knee(sweep, itl_target_ms))
         ),
         "pd_search": _jsonable(list(pd_rows)) if pd_rows else None,
-        "extra": _jsonable(dict(extra or {})),
-        "plots": {k: os.path.basename(v) for k, v in plots.items()},
+        "extra": _jsonable(dict(content.extra)),
+        "plots": {k: os.path.basename(v) for k, v in content.plots.items()},
     }
-    results_json = os.path.join(out_dir, "results.json")
-    with open(results_json, "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=1, default=str)
-        f.write("\n")
 
-    md = [f"# {title}", ""]
+
+def report_markdown(content: ReportContent) -> str:
+    """The content of report.md: config, SLOs, the comparison table, the sweep and P:D tables, notes, plots."""
+    config, slo_ms, metrics, sweep = content.config, content.slo_ms, content.metrics, content.sweep
+    itl_target_ms, pd_rows, notes, plots = content.itl_target_ms, content.pd_rows, content.notes, content.plots
+    md = [f"# {content.title}", ""]
     if config:
         md += [
             "Config: " + ", ".join(f"`{k}={_jsonable(v)}`" for k, v in config.items() if not isinstance(v, Mapping)),
             "",
         ]
-    if slo:
-        md += ["SLOs: " + ", ".join(f"{k} ≤ {v:g} ms" for k, v in slo.items()), ""]
-    if runs:
+    if slo_ms:
+        md += ["SLOs: " + ", ".join(f"{k} ≤ {v:g} ms" for k, v in slo_ms.items()), ""]
+    if metrics:
         md += [
             "Latencies in ms. Goodput = requests meeting every SLO per second.",
             "",
@@ -446,82 +327,77 @@ def write_report(
             "",
         ]
     if sweep:
-        knee = find_knee(sweep, itl_target_ms) if itl_target_ms is not None else None
-        md += [
-            "## Chunk size sweep",
-            "",
-            _table(
-                [
-                    "chunk",
-                    "P99 ITL ms (under long prefills)",
-                    "P99 ITL ms (whole run)",
-                    "max ITL ms",
-                    "prefill tok/s",
-                    "mean TTFT ms",
-                    "P99 TTFT ms",
-                ],
-                [
-                    [
-                        str(p.chunk_size),
-                        _fmt(p.p99_itl_ms),
-                        _fmt(p.p99_itl_all_ms),
-                        _fmt(p.max_itl_ms),
-                        _fmt(p.prefill_throughput_tok_s, 0),
-                        _fmt(p.mean_ttft_ms),
-                        _fmt(p.p99_ttft_ms),
-                    ]
-                    for p in sweep
-                ],
-            ),
-            "",
-        ]
+        md += ["## Chunk size sweep", "", sweep_table(sweep), ""]
         if itl_target_ms is not None:
+            knee = find_knee(sweep, itl_target_ms)
             md += [
                 f"Knee for a {itl_target_ms:g} ms P99 ITL target: "
                 + (f"chunk {knee.chunk_size}." if knee else "no chunk size meets it."),
                 "",
             ]
     if pd_rows:
-        md += [
-            "## P:D search",
-            "",
-            _table(
-                [
-                    "config",
-                    "GPUs",
-                    "goodput req/s",
-                    "goodput/GPU",
-                    "SLO met",
-                    "max rate/GPU",
-                    "P99 TTFT ms",
-                    "P99 TPOT ms",
-                    "KV moved",
-                ],
-                [
-                    [
-                        r.name,
-                        str(r.num_gpus),
-                        _fmt(r.goodput, 2),
-                        _fmt(r.goodput_per_gpu, 3),
-                        f"{100 * r.slo_attainment:.0f}%",
-                        _fmt(r.max_rate_per_gpu, 3),
-                        _fmt(r.p99_ttft_ms),
-                        _fmt(r.p99_tpot_ms),
-                        _bytes(r.kv_bytes_moved),
-                    ]
-                    for r in pd_rows
-                ],
-            ),
-            "",
-        ]
+        md += ["## P:D search", "", pd_search_table(pd_rows), ""]
     if notes:
         md += [f"- {n}" for n in notes] + [""]
     if plots:
         md += ["## Plots", ""] + [f"![{k}]({os.path.basename(v)})" for k, v in plots.items()] + [""]
-    report_md = os.path.join(out_dir, "report.md")
-    with open(report_md, "w", encoding="utf-8") as f:
-        f.write("\n".join(md))
-    return ReportFiles(out_dir, results_json, report_md, plots)
+    return "\n".join(md)
+
+
+def sweep_table(sweep: Sequence[SweepPoint]) -> str:
+    """One Markdown row per chunk size of a sweep."""
+    head = [
+        "chunk",
+        "P99 ITL ms (under long prefills)",
+        "P99 ITL ms (whole run)",
+        "max ITL ms",
+        "prefill tok/s",
+        "mean TTFT ms",
+        "P99 TTFT ms",
+    ]
+    rows = [
+        [
+            str(p.chunk_size),
+            _fmt(p.p99_itl_ms),
+            _fmt(p.p99_itl_all_ms),
+            _fmt(p.max_itl_ms),
+            _fmt(p.prefill_throughput_tok_s, 0),
+            _fmt(p.mean_ttft_ms),
+            _fmt(p.p99_ttft_ms),
+        ]
+        for p in sweep
+    ]
+    return _table(head, rows)
+
+
+def pd_search_table(pd_rows: Sequence[Any]) -> str:
+    """One Markdown row per configuration of a P:D search (``bench.sim.experiments.PDRow``)."""
+    head = [
+        "config",
+        "GPUs",
+        "goodput req/s",
+        "goodput/GPU",
+        "SLO met",
+        "max rate/GPU",
+        "P99 TTFT ms",
+        "P99 TPOT ms",
+        "KV moved",
+    ]
+    rows = [
+        [
+            r.name,
+            str(r.num_gpus),
+            _fmt(r.goodput, 2),
+            _fmt(r.goodput_per_gpu, 3),
+            f"{100 * r.slo_attainment:.0f}%",
+            _fmt(r.max_rate_per_gpu, 3),
+            _fmt(r.p99_ttft_ms),
+            _fmt(r.p99_tpot_ms),
+            _bytes(r.kv_bytes_moved),
+        ]
+        for r in pd_rows
+    ]
+    return _table(head, rows)
 
 
 def load_results(path: str) -> tuple[dict[str, Any], list[RunData]]:

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import math
 import os
-import random
 import sys
 import time
 from collections.abc import Sequence
@@ -28,8 +27,15 @@ import grpc
 from pdserve.bench.metrics import RequestRecord, SweepPoint, TimelineStep, find_knee, parse_slo, sweep_point
 from pdserve.bench.report import RunData, markdown_table, write_report
 from pdserve.bench.sim.cli import parse_sweep
-from pdserve.bench.workloads import WorkloadRequest, add_workload_arguments, build_workload, workload_spec_from_args
+from pdserve.bench.workloads import (
+    WorkloadRequest,
+    add_workload_arguments,
+    build_workload,
+    uniform_workload,
+    workload_spec_from_args,
+)
 from pdserve.engine import EngineConfig, SamplingParams
+from pdserve.engine.options import add_engine_arguments, engine_config_from_args
 from tqdm import tqdm
 
 ARCHITECTURES = ("colocated", "disaggregated", "auto")
@@ -147,11 +153,8 @@ def measure(
 
 
 def warmup_requests(n: int, seed: int) -> list[WorkloadRequest]:
-    rng = random.Random(seed + 12345)
-    return [
-        WorkloadRequest(f"warmup-{i}", [rng.randrange(256) for _ in range(rng.randint(32, 256))], 8, 0.0, "warmup")
-        for i in range(n)
-    ]
+    """Requests that warm a deployment up before a measured run (left out of its figures)."""
+    return uniform_workload(n, (32, 256), (8, 8), seed=seed + 12345, prefix="warmup", label="warmup")
 
 
 # ---- deployments ---------------------------------------------------------------------------------------
@@ -182,19 +185,15 @@ def deployment_config(architecture: str, args: argparse.Namespace, engine: Engin
 
 
 def engine_config(args: argparse.Namespace, chunk: int | None = None) -> EngineConfig:
+    """The engine options of ``args``; torch threads default to the cores shared among the workers.
+
+    ``chunk`` (the sweep) caps each request's chunk and raises the budget by ``max_num_seqs``, so that
+    decodes never squeeze the chunk."""
     threads = args.torch_threads or max(1, (os.cpu_count() or 2) // max(1, args.workers))
-    budget = args.max_num_batched_tokens
-    if chunk is not None:  # the sweep: each request's chunk capped, decodes never squeezed out
-        budget = chunk + args.max_num_seqs
-    return EngineConfig(
-        model=args.model,
-        device=args.device,
-        max_num_batched_tokens=budget,
-        max_num_seqs=args.max_num_seqs,
-        max_chunk_tokens=chunk or args.max_chunk_tokens,
-        enable_chunked_prefill=not args.no_chunked_prefill,
-        torch_threads=threads,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
+    if chunk is None:
+        return engine_config_from_args(args, torch_threads=threads)
+    return engine_config_from_args(
+        args, torch_threads=threads, max_chunk_tokens=chunk, max_num_batched_tokens=chunk + args.max_num_seqs
     )
 
 
@@ -204,27 +203,23 @@ def run_architecture(
     from pdserve.deployment import Deployment
 
     warm = warmup_requests(args.warmup, args.seed)
-    if args.target:
+
+    def run_against(address: str, mode: str | None) -> MeasuredRun:
         return measure(
-            args.target,
+            address,
             requests,
-            architecture,
-            warmup=warm,
-            max_concurrency=args.max_concurrency,
-            progress=not args.no_progress,
-            desc=architecture,
-        ), {"target": args.target}
-    config = deployment_config(architecture, args, engine)
-    with Deployment(config) as deployment:
-        run = measure(
-            deployment.address,
-            requests,
-            None,
+            mode,
             warmup=warm,
             max_concurrency=args.max_concurrency,
             progress=not args.no_progress,
             desc=architecture,
         )
+
+    if args.target:
+        return run_against(args.target, architecture), {"target": args.target}
+    config = deployment_config(architecture, args, engine)
+    with Deployment(config) as deployment:
+        run = run_against(deployment.address, None)
     meta = {
         "architecture": architecture,
         "prefill_workers": config.num_prefill_workers,
@@ -248,21 +243,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--architectures", default="colocated,disaggregated", help=f"comma-separated, from {', '.join(ARCHITECTURES)}"
     )
-    g.add_argument("--workers", type=int, default=2, help="workers per architecture (the same for each)")
+    g.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="workers per architecture (the same for each); --torch-threads defaults to cores // workers",
+    )
     g.add_argument("--prefill-workers", type=int, default=None, help="disaggregated/auto: default workers // 2")
     g.add_argument("--transport", default="nixl", choices=["nixl", "grpc"])
     g.add_argument("--target", default=None, help="HOST:PORT of a running router (no deployment is started)")
     g.add_argument("--auto-min-remote-tokens", type=int, default=512)
     g.add_argument("--warmup", type=int, default=4, help="warm-up requests per architecture (not measured)")
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default="tiny")
-    g.add_argument("--device", default="auto")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--max-chunk-tokens", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--kv-cache-memory-gb", type=float, default=0.5)
-    g.add_argument("--torch-threads", type=int, default=None, help="per worker; default cores // workers")
+    add_engine_arguments(p, exclude=("seed",))  # --seed seeds the workload
     add_workload_arguments(p)
     p.add_argument("--max-output", type=int, default=None, help="shortcut: cap every output length")
     g = p.add_argument_group("targets and output")

@@ -130,7 +130,8 @@ Row = tuple[str, str, dict[str, float], dict[str, float]]  # workload, architect
 
 def _validate(args, bench_args, engine, profile, cost) -> list[Row]:
     from pdserve.bench.runner import run_architecture
-    from pdserve.bench.sim.simulator import SimConfig, simulate
+    from pdserve.bench.sim.config import SimConfig
+    from pdserve.bench.sim.simulator import simulate
 
     print(
         f"profile: {profile.fixed_overhead_s * 1e3:.2f} ms + {profile.per_prefill_token_s * 1e6:.1f} us/prefill"
@@ -140,11 +141,7 @@ def _validate(args, bench_args, engine, profile, cost) -> list[Row]:
         flush=True,
     )
 
-    sim_config = SimConfig(
-        max_num_batched_tokens=engine.max_num_batched_tokens,
-        max_num_seqs=engine.max_num_seqs,
-        block_size=engine.block_size,
-    )
+    sim_config = SimConfig.from_engine_config(engine)
     rows: list[Row] = []
     for name, requests in _workloads(args, args.seed).items():
         for arch in ("colocated", "disaggregated"):

@@ -7,7 +7,8 @@ state. Arrival processes follow vLLM's ``bench serve``: inter-arrival gaps are g
 > 1 more regular); ``rate = inf`` sends everything at offset 0. The first request arrives after one
 sampled gap, as in vLLM.
 
-Generators: ``random_workload`` (lognormal lengths), ``interference_workload`` (steady decode streams
+Generators: ``random_workload`` (lognormal lengths), ``uniform_workload`` (uniform lengths, all sent at
+once: warm-ups and the engine benchmark), ``interference_workload`` (steady decode streams
 plus periodic very long prompts), ``sharegpt_workload`` (a local ShareGPT-format JSON file) and
 ``shared_prefix_workload`` (K system prompts shared by many requests). ``build_workload`` dispatches
 on a ``WorkloadSpec``. Random token ids lie in ``[0, 256)``, valid for the byte-level presets.
@@ -178,6 +179,29 @@ def random_workload(
     return [
         WorkloadRequest(f"rand-{i}", random_tokens(p, rng), o, t)
         for i, (p, o, t) in enumerate(zip(prompts, outputs, offsets, strict=True))
+    ]
+
+
+def uniform_workload(
+    num_requests: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    *,
+    seed: int = 0,
+    prefix: str = "uni",
+    label: str = "",
+) -> list[WorkloadRequest]:
+    """Requests with random tokens, all sent at once; prompt and output lengths are uniform over the
+    inclusive ranges ``(low, high)``. Raises ValueError unless ``1 <= low <= high`` for both."""
+    for what, (low, high) in (("prompt_len", prompt_len), ("output_len", output_len)):
+        if not 1 <= low <= high:
+            raise ValueError(f"uniform workload: {what} needs 1 <= low <= high, got {(low, high)}")
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(prompt_len[0], prompt_len[1] + 1, size=num_requests)
+    outputs = rng.integers(output_len[0], output_len[1] + 1, size=num_requests)
+    return [
+        WorkloadRequest(f"{prefix}-{i}", random_tokens(int(p), rng), int(o), 0.0, label)
+        for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))
     ]
 
 

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 PRESETS = ("tiny", "bench")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Token budget per step unless one is given, the same for every command (with chunked prefill off, at least
+# max_model_len). On the `bench` preset on 2 CPU cores a 512-token step takes about 0.4 s and a 2048-token one
+# about 1.4 s, a stall every running decode waits out; the serving figures in the README are measured at 512.
+# On a GPU, 2048 or more is the usual choice.
+DEFAULT_TOKEN_BUDGET = 512
 
 
 @dataclass(frozen=True)
@@ -134,37 +140,50 @@ class ModelConfig:
             return ModelConfig.from_hf_config(json.load(f))
 
 
+def _option(default: Any, description: str, **extra: Any) -> Any:
+    """A field that is also a command-line option (``engine.options``), described once, here."""
+    return field(default=default, metadata={"help": description, **extra})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything one engine needs. Unset sizes are derived from the model when the engine starts."""
+    """Everything one engine needs. Unset sizes are derived from the model when the engine starts.
 
-    model: str = "tiny"  # a preset name or a Hugging Face checkpoint directory
-    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # auto = cuda when present, else cpu
-    seed: int = 0  # seeds preset weights and requests that come without a seed
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None = as many as kv_cache_memory_gb allows
-    kv_cache_memory_gb: float = 0.5
-    max_num_batched_tokens: int = 2048  # token budget per step
-    max_num_seqs: int = 128
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
-    enable_chunked_prefill: bool = True
-    max_chunk_tokens: int | None = None  # per-request chunk cap within a step; None = the budget
-    enable_prefix_caching: bool = True
-    torch_threads: int | None = None  # None = torch's default
+    Every field is a command-line option of every ``pdserve`` command that builds an engine, with the
+    default and help given here (``engine.options``).
+    """
+
+    model: str = _option("tiny", "a preset (tiny, bench) or a Hugging Face checkpoint directory")
+    dtype: str = _option("auto", "auto = float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
+    device: str = _option("auto", "auto, cpu, cuda or cuda:N; auto = cuda when present, else cpu")
+    seed: int = _option(0, "seeds the preset weights and the requests that come without a seed")
+    block_size: int = _option(16, "tokens per KV block")
+    num_kv_blocks: int | None = _option(None, "KV blocks per engine; default: as many as --kv-cache-memory-gb holds")
+    kv_cache_memory_gb: float = _option(0.5, "KV cache size per engine when --num-kv-blocks is not given")
+    max_num_batched_tokens: int | None = _option(
+        None,
+        f"token budget per step: one per running decode plus prompt chunks; default: {DEFAULT_TOKEN_BUDGET}, "
+        "and with chunked prefill off max_model_len (a whole prompt per step)",
+    )
+    max_num_seqs: int = _option(128, "requests per step at most")
+    max_model_len: int | None = _option(None, "longest prompt + output; default: the model's max_position_embeddings")
+    enable_chunked_prefill: bool = _option(True, "split long prompts into chunks across steps")
+    max_chunk_tokens: int | None = _option(None, "per-request cap on a prompt chunk within a step; default: the budget")
+    enable_prefix_caching: bool = _option(True, "reuse the KV blocks of prompt prefixes seen before")
+    torch_threads: int | None = _option(None, "torch threads per engine; default: torch's own")
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a preset name or a directory, got {self.model!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("block_size", "max_num_seqs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("num_kv_blocks", "max_model_len", "max_chunk_tokens", "torch_threads"):
+        for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len", "max_chunk_tokens", "torch_threads"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
@@ -173,6 +192,7 @@ class EngineConfig:
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None
+            and self.max_num_batched_tokens is not None
             and self.max_num_batched_tokens < self.max_model_len
         ):
             raise ValueError(
@@ -188,7 +208,7 @@ class EngineConfig:
                 f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
                 f"({model_config.max_position_embeddings})"
             )
-        batched = self.max_num_batched_tokens
+        batched = self.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET
         if not self.enable_chunked_prefill:
             batched = max(batched, max_model_len)
         return replace(self, max_model_len=max_model_len, max_num_batched_tokens=batched)

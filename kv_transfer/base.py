@@ -22,7 +22,9 @@ from __future__ import annotations
 import abc
 import operator
 import struct
+import threading
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -275,29 +277,62 @@ class KVTransport(abc.ABC):
       destination blocks may hold partial data). No ordering between different pushes is promised:
       use ``chunk_index`` / ``tokens_done`` / ``is_last``.
     - Nothing blocks without a deadline; ``close`` is idempotent and releases every resource.
+
+    This class holds the pool, the lock and the checks every transport shares; a transport adds
+    ``_register``, ``_receiver_address``, ``_start_push``, ``poll_notifications`` and ``close``.
     """
 
     kind: str = ""
 
-    @abc.abstractmethod
+    def __init__(self) -> None:
+        self._id = uuid.uuid4().hex
+        self._lock = threading.RLock()  # guards the pool, the transport's own state and starting pushes
+        self._pool: torch.Tensor | None = None
+        self._layout: PoolLayout | None = None
+        self._closed = False
+
+    @property
+    def target_id(self) -> str:
+        """The id that this transport's :class:`TransferTarget` carries."""
+        return self._id
+
+    @property
+    def layout(self) -> PoolLayout | None:
+        """Geometry of the registered pool, or None before ``register_pool``."""
+        return self._layout
+
     def register_pool(self, pool: torch.Tensor) -> None:
         """Register this worker's KV pool (contiguous, block-major; see module docstring).
 
-        Raises ``ValueError`` if the tensor is not a valid pool or a pool is already registered.
+        Raises ``ValueError`` if the tensor is not a valid pool, a pool is already registered or the
+        transport is closed.
         """
+        layout = pool_layout(pool)
+        with self._lock:
+            self._check_open()
+            if self._pool is not None:
+                raise ValueError("a pool is already registered with this transport")
+            self._register(pool, layout)
+            self._pool, self._layout = pool, layout
 
-    @property
-    @abc.abstractmethod
-    def layout(self) -> PoolLayout | None:
-        """Geometry of the registered pool, or None before ``register_pool``."""
-
-    @abc.abstractmethod
     def describe(self) -> TransferTarget:
         """Receiver side: a :class:`TransferTarget` through which senders push into this pool.
 
         Makes the transport ready to receive (the gRPC transport starts its server here).
-        Raises ``ValueError`` before ``register_pool``.
+        Raises ``ValueError`` before ``register_pool`` or once closed.
         """
+        with self._lock:
+            self._check_open()
+            if self._pool is None or self._layout is None:
+                raise ValueError("describe() before register_pool(): register the KV pool first")
+            return TransferTarget(
+                kind=self.kind,
+                target_id=self._id,
+                num_blocks=self._layout.num_blocks,
+                block_bytes=self._layout.block_bytes,
+                device=str(self._pool.device),
+                **self._receiver_address(self._pool),
+            )
 
     @abc.abstractmethod
     def poll_notifications(self) -> list[ChunkNotification]:
@@ -306,7 +341,6 @@ class KVTransport(abc.ABC):
         it, so a receiver waiting for KV should call it regularly.
         """
 
-    @abc.abstractmethod
     def push(
         self,
         target: TransferTarget,
@@ -324,6 +358,33 @@ class KVTransport(abc.ABC):
         transport. Raises :class:`KVTransferError` if the transfer cannot even be started;
         later failures are reported by the handle.
         """
+        with self._lock:
+            self._check_open()
+            src, dst = validate_push(self.kind, self._layout, target, src_block_ids, dst_block_ids, notification)
+            return self._start_push(target, src, dst, notification)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("transport is closed")
+
+    @abc.abstractmethod
+    def _register(self, pool: torch.Tensor, layout: PoolLayout) -> None:
+        """Make a valid ``pool`` usable by this transport (under the lock, before it is recorded).
+        Raises ``ValueError`` if this transport cannot carry its blocks, ``RuntimeError`` if the
+        registration fails; then nothing is registered."""
+
+    @abc.abstractmethod
+    def _receiver_address(self, pool: torch.Tensor) -> dict[str, Any]:
+        """The :class:`TransferTarget` fields by which senders reach this receiver (under the lock,
+        after ``register_pool``); may start receiving."""
+
+    @abc.abstractmethod
+    def _start_push(
+        self, target: TransferTarget, src: list[int], dst: list[int], notification: ChunkNotification
+    ) -> PushHandle:
+        """Start one push whose input ``push`` has validated (under the lock, with a pool registered).
+        Raises ``ValueError`` for a target this transport cannot reach, :class:`KVTransferError` if
+        the transfer cannot be started."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -25,8 +25,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import logging
-import threading
-import uuid
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -43,8 +41,6 @@ from pdserve.kv_transfer.base import (
     PushHandle,
     TransferTarget,
     pool_bytes_view,
-    pool_layout,
-    validate_push,
 )
 from pdserve.proto import kv_transfer_pb2 as pb
 
@@ -272,6 +268,18 @@ class _Servicer:
         return pb.PushAck(blocks_written=blocks, bytes_written=blocks * layout.block_bytes)
 
 
+@dataclass(frozen=True)
+class _Push:
+    """One push on its way: validated block ids into ``target``, from ``pool``."""
+
+    target: TransferTarget
+    pool: torch.Tensor
+    block_bytes: int
+    src: list[int]
+    dst: list[int]
+    notification: ChunkNotification
+
+
 @dataclass
 class _Peer:
     channel: grpc.Channel
@@ -285,59 +293,30 @@ class GrpcTransport(KVTransport):
     kind = "grpc"
 
     def __init__(self, config: GrpcConfig | None = None) -> None:
+        super().__init__()
         self.config = config or GrpcConfig()
-        self._id = uuid.uuid4().hex
-        self._lock = threading.Lock()
-        self._pool: torch.Tensor | None = None
-        self._layout: PoolLayout | None = None
         self._server: grpc.Server | None = None
         self._port: int | None = None
         self._notifications: collections.deque[ChunkNotification] = collections.deque()
         self._peers: dict[str, _Peer] = {}
-        self._closed = False
-
-    @property
-    def layout(self) -> PoolLayout | None:
-        return self._layout
-
-    @property
-    def target_id(self) -> str:
-        return self._id
 
     @property
     def port(self) -> int | None:
         """Bound server port, or None before ``describe()``."""
         return self._port
 
-    def register_pool(self, pool: torch.Tensor) -> None:
-        layout = pool_layout(pool)
+    def _register(self, pool: torch.Tensor, layout: PoolLayout) -> None:
         if layout.block_bytes > self.config.max_message_bytes - _HEADROOM:
             raise ValueError(
                 f"blocks of {layout.block_bytes} bytes do not fit in one gRPC message of at most "
                 f"{self.config.max_message_bytes} bytes; raise GrpcConfig.max_message_bytes"
             )
-        with self._lock:
-            self._check_open()
-            if self._pool is not None:
-                raise ValueError("a pool is already registered with this transport")
-            self._pool, self._layout = pool, layout
 
     # -------------------------------------------------------------- receiver
-    def describe(self) -> TransferTarget:
-        with self._lock:
-            self._check_open()
-            if self._pool is None or self._layout is None:
-                raise ValueError("describe() before register_pool(): register the KV pool first")
-            if self._server is None:
-                self._start_server()
-            return TransferTarget(
-                kind=self.kind,
-                target_id=self._id,
-                num_blocks=self._layout.num_blocks,
-                block_bytes=self._layout.block_bytes,
-                device=str(self._pool.device),
-                address=f"{self.config.host}:{self._port}",
-            )
+    def _receiver_address(self, pool: torch.Tensor) -> dict[str, Any]:
+        if self._server is None:
+            self._start_server()
+        return {"address": f"{self.config.host}:{self._port}"}
 
     def _start_server(self) -> None:
         server = grpc.server(
@@ -372,23 +351,16 @@ class GrpcTransport(KVTransport):
         return out
 
     # ---------------------------------------------------------------- sender
-    def push(
-        self,
-        target: TransferTarget,
-        src_block_ids: Sequence[int],
-        dst_block_ids: Sequence[int],
-        notification: ChunkNotification,
+    def _start_push(
+        self, target: TransferTarget, src: list[int], dst: list[int], notification: ChunkNotification
     ) -> GrpcPushHandle:
-        with self._lock:
-            self._check_open()
-            src, dst = validate_push(self.kind, self._layout, target, src_block_ids, dst_block_ids, notification)
-            if not target.address:
-                raise ValueError(f"unknown target: {target!r} has no gRPC address")
-            peer = self._peer(target)
-            assert self._pool is not None and self._layout is not None
-            pool, block_bytes = self._pool, self._layout.block_bytes
-            future = peer.executor.submit(self._run_push, peer, target, pool, block_bytes, src, dst, notification)
-        return GrpcPushHandle(future, notification, len(src), len(src) * block_bytes)
+        if not target.address:
+            raise ValueError(f"unknown target: {target!r} has no gRPC address")
+        peer = self._peer(target)
+        assert self._pool is not None and self._layout is not None
+        push = _Push(target, self._pool, self._layout.block_bytes, src, dst, notification)
+        future = peer.executor.submit(self._run_push, peer, push)
+        return GrpcPushHandle(future, notification, len(src), len(src) * push.block_bytes)
 
     def _peer(self, target: TransferTarget) -> _Peer:
         peer = self._peers.get(target.target_id)
@@ -404,17 +376,10 @@ class GrpcTransport(KVTransport):
             self._peers[target.target_id] = peer
         return peer
 
-    def _messages(
-        self,
-        target: TransferTarget,
-        pool: torch.Tensor,
-        block_bytes: int,
-        src: list[int],
-        dst: list[int],
-        notification: ChunkNotification,
-    ) -> Iterator[bytes]:
+    def _messages(self, push: _Push) -> Iterator[bytes]:
         """Serialized BlockPayload messages of whole blocks; the last one carries the notice."""
-        view = pool_bytes_view(pool)
+        src, dst, block_bytes, notification = push.src, push.dst, push.block_bytes, push.notification
+        view = pool_bytes_view(push.pool)
         flat = memoryview(view.reshape(-1).numpy()) if view.device.type == "cpu" else None
         per_msg = max(1, self.config.message_bytes // block_bytes)
         notice = pb.ChunkNotice(
@@ -434,41 +399,31 @@ class GrpcTransport(KVTransport):
                 chunks = [memoryview(view.index_select(0, idx).cpu().numpy()).cast("B")]
             else:
                 chunks = []
-            header = pb.BlockPayload(target_id=target.target_id, block_bytes=block_bytes, dst_block_ids=d_ids)
+            header = pb.BlockPayload(target_id=push.target.target_id, block_bytes=block_bytes, dst_block_ids=d_ids)
             if start + per_msg >= len(src):
                 header.notification.CopyFrom(notice)
             yield _serialize_payload(header, chunks, len(s_ids) * block_bytes)
 
-    def _run_push(
-        self,
-        peer: _Peer,
-        target: TransferTarget,
-        pool: torch.Tensor,
-        block_bytes: int,
-        src: list[int],
-        dst: list[int],
-        notification: ChunkNotification,
-    ) -> pb.PushAck:
+    def _run_push(self, peer: _Peer, push: _Push) -> pb.PushAck:
         try:
             ack = peer.push_blocks(
-                self._messages(target, pool, block_bytes, src, dst, notification),
+                self._messages(push),
                 timeout=self.config.push_timeout_s,
             )
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
             details = e.details() if hasattr(e, "details") else str(e)
             raise KVTransferError(
-                f"gRPC push of {notification} to {target.address} failed: {getattr(code, 'name', code)}: {details}"
+                f"gRPC push of {push.notification} to {push.target.address} failed: "
+                f"{getattr(code, 'name', code)}: {details}"
             ) from None
-        if ack.blocks_written != len(src):
-            raise KVTransferError(f"receiver wrote {ack.blocks_written} of {len(src)} blocks for {notification}")
+        if ack.blocks_written != len(push.src):
+            raise KVTransferError(
+                f"receiver wrote {ack.blocks_written} of {len(push.src)} blocks for {push.notification}"
+            )
         return ack
 
     # --------------------------------------------------------------- helpers
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ValueError("transport is closed")
-
     def close(self) -> None:
         with self._lock:
             if self._closed:

@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +34,6 @@ from pdserve.kv_transfer.base import (
     PoolLayout,
     PushHandle,
     TransferTarget,
-    pool_layout,
-    validate_push,
 )
 
 logger = logging.getLogger(__name__)
@@ -153,11 +148,10 @@ class NixlTransport(KVTransport):
     def __init__(self, config: NixlConfig | None = None) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
+        super().__init__()
         self.config = config or NixlConfig()
-        self._id = uuid.uuid4().hex
         self.agent_name = self.config.agent_name or f"pdserve-kv-{self._id[:16]}"
         _prepare_ucx_env(self.config)
-        self._lock = threading.RLock()
         self._agent: Any = nixl_agent(
             self.agent_name, nixl_agent_config(enable_prog_thread=self.config.enable_prog_thread, backends=[])
         )
@@ -169,44 +163,29 @@ class NixlTransport(KVTransport):
                 f"ucx_error_handling_mode={self.config.ucx_error_handling_mode!r}): {e}. "
                 "Note: UCX_TLS=sm,self needs ucx_error_handling_mode='none'; an empty UCX_TLS breaks UCX."
             ) from e
-        self._pool: torch.Tensor | None = None
-        self._layout: PoolLayout | None = None
         self._reg_descs: Any = None
         self._local_dlist: Any = None
         self._metadata: bytes = b""
         self._remotes: dict[str, _Remote] = {}
         self._inflight: dict[int, NixlPushHandle] = {}
-        self._closed = False
 
     # ---------------------------------------------------------------- common
-    @property
-    def layout(self) -> PoolLayout | None:
-        return self._layout
+    def _register(self, pool: torch.Tensor, layout: PoolLayout) -> None:
+        try:
+            self._reg_descs = self._agent.register_memory(pool)
+            descs = _block_descs(pool.data_ptr(), layout.num_blocks, layout.block_bytes, _device_id(pool.device))
+            self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, _mem_type(pool.device))
+            self._metadata = self._agent.get_agent_metadata()
+        except Exception as e:
+            self._release_registration()
+            raise RuntimeError(f"NIXL could not register the KV pool ({layout}): {e}") from e
 
-    @property
-    def target_id(self) -> str:
-        return self._id
-
-    def register_pool(self, pool: torch.Tensor) -> None:
-        layout = pool_layout(pool)
-        with self._lock:
-            self._check_open()
-            if self._pool is not None:
-                raise ValueError("a pool is already registered with this transport")
-            try:
-                self._reg_descs = self._agent.register_memory(pool)
-                descs = _block_descs(pool.data_ptr(), layout.num_blocks, layout.block_bytes, _device_id(pool.device))
-                self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, _mem_type(pool.device))
-                self._metadata = self._agent.get_agent_metadata()
-            except Exception as e:
-                if self._local_dlist is not None:
-                    _quiet(self._local_dlist.release)
-                if self._reg_descs is not None:
-                    _quiet(self._agent.deregister_memory, self._reg_descs)
-                self._local_dlist = self._reg_descs = None
-                raise RuntimeError(f"NIXL could not register the KV pool ({layout}): {e}") from e
-            self._pool = pool
-            self._layout = layout
+    def _release_registration(self) -> None:
+        if self._local_dlist is not None:
+            _quiet(self._local_dlist.release)
+        if self._reg_descs is not None:
+            _quiet(self._agent.deregister_memory, self._reg_descs)
+        self._local_dlist = self._reg_descs = None
 
     def close(self) -> None:
         with self._lock:
@@ -220,30 +199,13 @@ class NixlTransport(KVTransport):
                 if remote.loaded:
                     _quiet(self._agent.remove_remote_agent, remote.agent_name)
             self._remotes.clear()
-            if self._local_dlist is not None:
-                _quiet(self._local_dlist.release)
-            if self._reg_descs is not None:
-                _quiet(self._agent.deregister_memory, self._reg_descs)
-            self._local_dlist = self._reg_descs = None
+            self._release_registration()
             self._pool = None
             self._agent = None
 
     # -------------------------------------------------------------- receiver
-    def describe(self) -> TransferTarget:
-        with self._lock:
-            self._check_open()
-            if self._pool is None or self._layout is None:
-                raise ValueError("describe() before register_pool(): register the KV pool first")
-            return TransferTarget(
-                kind=self.kind,
-                target_id=self._id,
-                num_blocks=self._layout.num_blocks,
-                block_bytes=self._layout.block_bytes,
-                device=str(self._pool.device),
-                agent_name=self.agent_name,
-                agent_metadata=self._metadata,
-                base_address=self._pool.data_ptr(),
-            )
+    def _receiver_address(self, pool: torch.Tensor) -> dict[str, Any]:
+        return {"agent_name": self.agent_name, "agent_metadata": self._metadata, "base_address": pool.data_ptr()}
 
     def poll_notifications(self) -> list[ChunkNotification]:
         with self._lock:
@@ -259,53 +221,42 @@ class NixlTransport(KVTransport):
         return out
 
     # ---------------------------------------------------------------- sender
-    def push(
-        self,
-        target: TransferTarget,
-        src_block_ids: Sequence[int],
-        dst_block_ids: Sequence[int],
-        notification: ChunkNotification,
+    def _start_push(
+        self, target: TransferTarget, src: list[int], dst: list[int], notification: ChunkNotification
     ) -> NixlPushHandle:
-        with self._lock:
-            self._check_open()
-            src, dst = validate_push(self.kind, self._layout, target, src_block_ids, dst_block_ids, notification)
-            assert self._layout is not None
-            remote = self._remote(target)
-            msg = notification.to_bytes()
-            nbytes = len(src) * self._layout.block_bytes
-            if not src:
-                try:
-                    self._agent.send_notif(remote.agent_name, msg)
-                except Exception as e:
-                    raise KVTransferError(f"NIXL could not notify {target.agent_name}: {e}") from e
-                return NixlPushHandle(self, None, notification, 0, 0)
+        assert self._layout is not None
+        remote = self._remote(target)
+        msg = notification.to_bytes()
+        nbytes = len(src) * self._layout.block_bytes
+        if not src:
             try:
-                xfer = self._agent.make_prepped_xfer(
-                    "WRITE",
-                    self._local_dlist,
-                    np.asarray(src, dtype=np.int32),
-                    remote.dlist,
-                    np.asarray(dst, dtype=np.int32),
-                    notif_msg=msg,
-                )
+                self._agent.send_notif(remote.agent_name, msg)
             except Exception as e:
-                raise KVTransferError(f"NIXL could not create a WRITE to {target.agent_name}: {e}") from e
-            handle = NixlPushHandle(self, xfer, notification, len(src), nbytes)
-            state = self._agent.transfer(xfer)
-            if state == "ERR":
-                self._release(handle, f"NIXL transfer to {target.agent_name} failed to start")
-                raise handle._error or KVTransferError("NIXL transfer failed to start")
-            if state == "DONE":
-                self._release(handle, None)
-            else:
-                self._inflight[id(handle)] = handle
-            return handle
+                raise KVTransferError(f"NIXL could not notify {target.agent_name}: {e}") from e
+            return NixlPushHandle(self, None, notification, 0, 0)
+        try:
+            xfer = self._agent.make_prepped_xfer(
+                "WRITE",
+                self._local_dlist,
+                np.asarray(src, dtype=np.int32),
+                remote.dlist,
+                np.asarray(dst, dtype=np.int32),
+                notif_msg=msg,
+            )
+        except Exception as e:
+            raise KVTransferError(f"NIXL could not create a WRITE to {target.agent_name}: {e}") from e
+        handle = NixlPushHandle(self, xfer, notification, len(src), nbytes)
+        state = self._agent.transfer(xfer)
+        if state == "ERR":
+            self._release(handle, f"NIXL transfer to {target.agent_name} failed to start")
+            raise handle._error or KVTransferError("NIXL transfer failed to start")
+        if state == "DONE":
+            self._release(handle, None)
+        else:
+            self._inflight[id(handle)] = handle
+        return handle
 
     # --------------------------------------------------------------- helpers
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ValueError("transport is closed")
-
     def _remote(self, target: TransferTarget) -> _Remote:
         remote = self._remotes.get(target.target_id)
         if remote is not None:

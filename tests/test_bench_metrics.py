@@ -17,6 +17,7 @@ from pdserve.bench.metrics import (
     compute_metrics,
     find_knee,
     interference_itls,
+    itls_during_prefill,
     meets_slo,
     parse_slo,
     prefill_throughput,
@@ -170,6 +171,15 @@ def test_interference_itls_window():
     pt = sweep_point(512, recs, [(1.0, 0.5, 100, 1)])
     assert pt.p99_itl_ms == pytest.approx(300.0)
     assert interference_itls([recs[0]]) is None
+
+
+def test_itls_during_prefill_counts_gaps_whose_later_token_lands_in_a_window():
+    streams = [(0.0, 1.0, 2.0, 3.0), (0.5, 2.5, 2.6)]
+    # windows (0.9, 2.0] and (2.55, 3.0]: 0.0->1.0, 1.0->2.0, 2.0->3.0 of the first; 2.5->2.6 of the second
+    gaps = itls_during_prefill(streams, [(0.9, 2.0), (2.55, 3.0)])
+    assert sorted(gaps) == pytest.approx([0.1, 1.0, 1.0, 1.0])
+    assert itls_during_prefill(streams, [(3.0, 4.0)]) == []  # a token at the window's start is not in it
+    assert max(itls_during_prefill(streams, [(0.4, 2.5)])) == pytest.approx(2.0)  # 0.5->2.5 is the worst
 
 
 def test_write_report_and_load_back(tmp_path):

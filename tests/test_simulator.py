@@ -331,7 +331,7 @@ def test_cli_run_writes_every_file(tmp_path):
             "40",
             "--slo",
             "ttft=300,tpot=50",
-            "--chunk-size",
+            "--max-chunk-tokens",
             "512",
             "--prefill",
             "1",
@@ -426,43 +426,9 @@ def test_cli_calibrate_then_simulate_on_cpu_profile(tmp_path, monkeypatch):
     assert prof.model == "tiny" and prof.num_records == 6
     assert prof.per_prefill_token_s == pytest.approx(1e-4, rel=1e-6)
     out = str(tmp_path / "cpu")
-    assert (
-        main(
-            [
-                "--hardware",
-                "cpu-measured",
-                "--calibration",
-                path,
-                "--num-requests",
-                "5",
-                "--rate",
-                "5",
-                "--prompt-len-mean",
-                "64",
-                "--output-len-mean",
-                "8",
-                "--out",
-                out,
-                "--quiet",
-            ]
-        )
-        == 0
-    )
+    on_cpu_profile = ["--hardware", "cpu-measured", "--calibration", path, "--out", out, "--quiet"]
+    workload = ["--num-requests", "5", "--rate", "5", "--prompt-len-mean", "64", "--output-len-mean", "8"]
+    assert main([*on_cpu_profile, *workload]) == 0
     doc = json.load(open(os.path.join(out, "results.json")))
     assert doc["config"]["cost_model"] == "cpu-measured/tiny"
-    assert (
-        main(
-            [
-                "--hardware",
-                "cpu-measured",
-                "--calibration",
-                path,
-                "--model-profile",
-                "bench",
-                "--quiet",
-                "--out",
-                out,
-            ]
-        )
-        == 2
-    )  # measured on another model
+    assert main([*on_cpu_profile, "--model-profile", "bench"]) == 2  # measured on another model

@@ -17,6 +17,7 @@ from pdserve.bench.workloads import (
     random_workload,
     shared_prefix_workload,
     sharegpt_workload,
+    uniform_workload,
 )
 
 
@@ -76,8 +77,22 @@ def test_poisson_and_gamma_arrivals():
         arrival_offsets(3, 1.0, burstiness=0.0)
 
 
+def test_uniform_lengths_cover_the_inclusive_ranges_and_repeat_from_a_seed():
+    reqs = uniform_workload(400, (3, 5), (1, 2), seed=4, prefix="u", label="warmup")
+    assert {r.num_prompt_tokens for r in reqs} == {3, 4, 5} and {r.max_tokens for r in reqs} == {1, 2}
+    assert all(r.arrival_offset_s == 0.0 and r.label == "warmup" for r in reqs)
+    assert [r.request_id for r in reqs[:2]] == ["u-0", "u-1"]
+    assert all(0 <= t < 256 for r in reqs for t in r.prompt_token_ids)
+    assert reqs == uniform_workload(400, (3, 5), (1, 2), seed=4, prefix="u", label="warmup")
+    assert reqs != uniform_workload(400, (3, 5), (1, 2), seed=5, prefix="u", label="warmup")
+    with pytest.raises(ValueError, match="prompt_len"):
+        uniform_workload(1, (5, 3), (1, 1))
+    with pytest.raises(ValueError, match="output_len"):
+        uniform_workload(1, (1, 1), (0, 1))
+
+
 def test_interference_scenario():
-    reqs = interference_workload(
+    scenario = dict(
         num_streams=5,
         stream_prompt_len=32,
         stream_output_len=300,
@@ -88,22 +103,13 @@ def test_interference_scenario():
         long_start_s=1.0,
         seed=3,
     )
+    reqs = interference_workload(**scenario)
     streams = [r for r in reqs if r.label == "stream"]
     longs = [r for r in reqs if r.label == "long"]
     assert len(streams) == 5 and all(r.arrival_offset_s == 0 and r.max_tokens == 300 for r in streams)
     assert [r.arrival_offset_s for r in longs] == [1.0, 3.0, 5.0]
     assert all(r.num_prompt_tokens == 1000 for r in longs)
-    assert reqs == interference_workload(
-        num_streams=5,
-        stream_prompt_len=32,
-        stream_output_len=300,
-        num_long=3,
-        long_prompt_len=1000,
-        long_output_len=4,
-        long_period_s=2.0,
-        long_start_s=1.0,
-        seed=3,
-    )
+    assert reqs == interference_workload(**scenario)
 
 
 def test_shared_prefix():

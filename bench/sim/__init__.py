@@ -7,9 +7,10 @@ Entry points: ``simulate`` (one run), ``bench.sim.demo`` (the chunked-prefill de
 
 from __future__ import annotations
 
+from pdserve.bench.sim.config import SimConfig
 from pdserve.bench.sim.cost_model import LinearCostModel, RooflineCostModel, StepShape
 from pdserve.bench.sim.profiles import HARDWARE, MODELS, get_hardware, get_model
-from pdserve.bench.sim.simulator import SimConfig, SimResult, StepRecord, simulate
+from pdserve.bench.sim.simulator import SimResult, StepRecord, simulate
 
 __all__ = [
     "HARDWARE",

@@ -20,11 +20,14 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 from pdserve.bench.sim.cost_model import StepShape
 from pdserve.bench.sim.profiles import LinearProfile
+
+if TYPE_CHECKING:
+    from pdserve.engine import LLMEngine
 
 
 class MeasuredStep(NamedTuple):
@@ -133,18 +136,10 @@ class CalibrationGrid:
         )
 
 
-def measure_step_records(
-    model: str = "bench",
-    grid: CalibrationGrid | None = None,
-    seed: int = 0,
-    torch_threads: int | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> list[MeasuredStep]:
-    """Run a real ``engine.LLMEngine(EngineConfig(model=...))`` through ``grid``; one record per step."""
-    from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+def _calibration_engine(model: str, grid: CalibrationGrid, seed: int, torch_threads: int | None) -> LLMEngine:
+    """An ``LLMEngine`` sized for every step shape of ``grid``, without prefix caching."""
+    from pdserve.engine import EngineConfig, LLMEngine
 
-    grid = grid or CalibrationGrid()
-    rng = random.Random(seed)
     max_ctx = max(grid.decode_contexts, default=0)
     max_d = max(grid.decode_batches, default=0)
     max_p = max(grid.prefill_sizes, default=1)
@@ -153,7 +148,7 @@ def measure_step_records(
     blocks = (
         max_d * (max_ctx + 64 + grid.repeats * (len(grid.prefill_sizes) + 2)) + max(max_p, max_long) + 64
     ) // block + 64
-    engine = LLMEngine(
+    return LLMEngine(
         EngineConfig(
             model=model,
             seed=seed,
@@ -166,6 +161,21 @@ def measure_step_records(
             max_model_len=max(max_ctx, max_p, max_long) + 1024,
         )
     )
+
+
+def measure_step_records(
+    model: str = "bench",
+    grid: CalibrationGrid | None = None,
+    seed: int = 0,
+    torch_threads: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[MeasuredStep]:
+    """Run a real ``engine.LLMEngine(EngineConfig(model=...))`` through ``grid``; one record per step."""
+    from pdserve.engine import SamplingParams
+
+    grid = grid or CalibrationGrid()
+    rng = random.Random(seed)
+    engine = _calibration_engine(model, grid, seed, torch_threads)
     records: list[MeasuredStep] = []
     deadline = time.monotonic() + grid.time_budget_s
 

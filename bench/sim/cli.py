@@ -18,10 +18,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import replace
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
+from pdserve.bench.sim.config import ENGINE_OPTIONS, SimConfig
 from pdserve.bench.workloads import add_workload_arguments, workload_spec_from_args
+from pdserve.engine.options import add_engine_arguments, engine_config_from_args
+
+if TYPE_CHECKING:
+    from pdserve.bench.metrics import SweepPoint
+    from pdserve.bench.report import RunData
+    from pdserve.bench.sim.cost_model import CostModel
 
 DEFAULT_CALIBRATION = os.path.join("results", "cpu-profile.json")
 DEFAULT_OUT = os.path.join("results", "sim")
@@ -61,19 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-bandwidth", type=float, default=None, help="KV link GB/s (default: the hardware's)")
     g.add_argument("--kv-latency-us", type=float, default=None, help="KV link latency in microseconds")
 
-    g = p.add_argument_group("engine")
-    g.add_argument("--chunk-size", type=int, default=None, help="per-request chunk cap (max_chunk_tokens)")
-    g.add_argument("--no-chunking", action="store_true", help="prefill whole prompts in one step")
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="token budget per step (default: chunk + max-num-seqs, or 2048)",
-    )
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="default: what fits next to the weights")
-    g.add_argument("--no-prefix-caching", action="store_true")
+    add_engine_arguments(p, only=ENGINE_OPTIONS)
 
     add_workload_arguments(p)
 
@@ -108,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--calibrate-model", default="bench", choices=("tiny", "bench"))
     g.add_argument("--calibrate-quick", action="store_true", help="a tiny grid (seconds)")
     g.add_argument("--calibrate-budget-s", type=float, default=40.0)
-    g.add_argument("--torch-threads", type=int, default=None)
+    g.add_argument("--torch-threads", type=int, default=None, help="calibration: torch threads of the engine")
     g.add_argument("--sweep", default=None, metavar="chunk=128,256,...", help="chunk-size sweep")
     g.add_argument("--quiet", action="store_true")
     return p
@@ -155,50 +151,118 @@ def make_cost_model(
     )
 
 
+@dataclass(frozen=True)
+class SimSetup:
+    """What every action of one ``pdserve sim`` call shares: the cost model, the engine settings, the SLOs."""
+
+    cost_model: CostModel
+    config: SimConfig
+    slo_ms: dict[str, float]
+    say: Callable[..., None]
+
+
+@dataclass(frozen=True)
+class Findings:
+    """What one action adds to the report (``write_report``'s arguments)."""
+
+    runs: list[RunData] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    plots: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    sweep: list[SweepPoint] | None = None
+    pd_rows: list[Any] | None = None
+
+
 def _spec(args: argparse.Namespace, kind: str, default_requests: int = 100) -> Any:
     return workload_spec_from_args(args, kind, default_requests)
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.bench.metrics import find_knee, parse_slo
-    from pdserve.bench.report import RunData, markdown_table, plot_step_timeline, write_report
-    from pdserve.bench.sim.simulator import SimConfig, simulate
-    from pdserve.bench.workloads import build_workload
+    """Run the actions ``args`` ask for and write their report; returns the exit status.
+
+    Raises ValueError on bad arguments or configuration."""
+    from pdserve.bench.report import write_report
 
     say = (lambda *a: None) if args.quiet else print
     if args.calibrate:
-        from pdserve.bench.sim.calibrate import CalibrationGrid, calibrate
-
-        grid = CalibrationGrid.quick() if args.calibrate_quick else CalibrationGrid()
-        grid = replace(grid, time_budget_s=args.calibrate_budget_s)
-        prof = calibrate(
-            args.calibrate_model,
-            grid,
-            args.calibrate,
-            seed=args.seed,
-            torch_threads=args.torch_threads,
-            progress=None if args.quiet else say,
-        )
-        say(
-            f"cpu-measured profile for {prof.model!r} -> {args.calibrate}\n"
-            f"  step = {prof.fixed_overhead_s * 1e3:.3f} ms"
-            f" + {prof.per_prefill_token_s * 1e6:.2f} us/prefill token"
-            f" + {prof.per_decode_token_s * 1e6:.2f} us/decode token"
-            f" + {prof.per_context_token_s * 1e9:.3f} ns/context token\n"
-            f"  fit over {prof.num_records} steps: R^2 {prof.r2:.3f}, "
-            f"RMS residual {prof.rms_residual_s * 1e3:.2f} ms, "
-            f"mean |relative error| {100 * prof.mean_abs_rel_error:.1f}%"
-        )
-        if prof.mean_abs_rel_error > 0.2:
-            print(
-                "pdserve sim: warning: the fit is poor (steps vary a lot at the same shape); other load on "
-                "this machine? Measure again when it is idle, or with --torch-threads 1.",
-                file=sys.stderr,
-            )
+        calibrate_profile(args, say)
         if not (args.demo or args.sweep or args.pd_search):
             return 0
+    setup = make_setup(args, say)
+    os.makedirs(args.out, exist_ok=True)
+    actions = [(args.demo, run_demo), (args.sweep, run_sweep), (args.pd_search, run_pd_search)]
+    findings = [action(args, setup) for wanted, action in actions if wanted]
+    if not findings:
+        findings = [run_architectures(args, setup)]
+    files = write_report(
+        args.out,
+        [r for f in findings for r in f.runs],
+        config=_merged(
+            {
+                "hardware": args.hardware,
+                "model_profile": setup.cost_model.model.name,
+                "tp": args.tp,
+                "cost_model": setup.cost_model.name,
+                "sim": setup.config.to_dict(),
+                "seed": args.seed,
+            },
+            *(f.config for f in findings),
+        ),
+        slo_ms=setup.slo_ms,
+        itl_target_ms=args.itl_target_ms,
+        title=f"pdserve sim: {setup.cost_model.name}",
+        sweep=next((f.sweep for f in findings if f.sweep), None),
+        pd_rows=next((f.pd_rows for f in findings if f.pd_rows), None),
+        extra=_merged(*(f.extra for f in findings)),
+        notes=[n for f in findings for n in f.notes],
+        extra_plots=_merged(*(f.plots for f in findings)),
+    )
+    say(f"wrote {files.report_md} and {len(files.all_paths()) - 1} other files in {args.out}")
+    return 0
 
-    for name in ("tp", "prefill", "decode", "num_requests", "max_num_seqs", "block_size"):
+
+def _merged(*dicts: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for d in dicts for k, v in d.items()}
+
+
+def calibrate_profile(args: argparse.Namespace, say: Callable[..., None]) -> None:
+    """``--calibrate``: measure the engine on this CPU and write the cpu-measured profile."""
+    from pdserve.bench.sim.calibrate import CalibrationGrid, calibrate
+
+    grid = CalibrationGrid.quick() if args.calibrate_quick else CalibrationGrid()
+    grid = replace(grid, time_budget_s=args.calibrate_budget_s)
+    prof = calibrate(
+        args.calibrate_model,
+        grid,
+        args.calibrate,
+        seed=args.seed,
+        torch_threads=args.torch_threads,
+        progress=None if args.quiet else say,
+    )
+    say(
+        f"cpu-measured profile for {prof.model!r} -> {args.calibrate}\n"
+        f"  step = {prof.fixed_overhead_s * 1e3:.3f} ms"
+        f" + {prof.per_prefill_token_s * 1e6:.2f} us/prefill token"
+        f" + {prof.per_decode_token_s * 1e6:.2f} us/decode token"
+        f" + {prof.per_context_token_s * 1e9:.3f} ns/context token\n"
+        f"  fit over {prof.num_records} steps: R^2 {prof.r2:.3f}, "
+        f"RMS residual {prof.rms_residual_s * 1e3:.2f} ms, "
+        f"mean |relative error| {100 * prof.mean_abs_rel_error:.1f}%"
+    )
+    if prof.mean_abs_rel_error > 0.2:
+        print(
+            "pdserve sim: warning: the fit is poor (steps vary a lot at the same shape); other load on "
+            "this machine? Measure again when it is idle, or with --torch-threads 1.",
+            file=sys.stderr,
+        )
+
+
+def make_setup(args: argparse.Namespace, say: Callable[..., None]) -> SimSetup:
+    """Check the arguments; build the cost model and the simulated engine's settings."""
+    from pdserve.bench.metrics import parse_slo
+
+    for name in ("tp", "prefill", "decode", "num_requests"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     slo = parse_slo(args.slo)
@@ -209,169 +273,145 @@ def run(args: argparse.Namespace) -> int:
         link_bw = args.kv_bandwidth * 1e9
     if args.kv_latency_us is not None:
         link_latency = args.kv_latency_us * 1e-6
-    config = SimConfig(
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        chunk_size=None if args.no_chunking else args.chunk_size,
-        enable_chunked_prefill=not args.no_chunking,
-        enable_prefix_caching=not args.no_prefix_caching,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_link_bw=link_bw,
-        kv_link_latency_s=link_latency,
+    config = SimConfig.from_engine_config(
+        engine_config_from_args(args), kv_link_bw=link_bw, kv_link_latency_s=link_latency
     )
-    cfg_dict: dict[str, Any] = {
-        "hardware": args.hardware,
-        "model_profile": cost_model.model.name,
-        "tp": args.tp,
-        "cost_model": cost_model.name,
-        "sim": config.to_dict(),
-        "seed": args.seed,
-    }
-    os.makedirs(args.out, exist_ok=True)
-    runs: list[RunData] = []
-    extra: dict[str, Any] = {}
-    extra_plots: dict[str, str] = {}
-    notes: list[str] = []
-    sweep = pd_rows = None
-    special = args.demo or args.sweep or args.pd_search
+    return SimSetup(cost_model, config, slo, say)
 
-    if args.demo:
-        from pdserve.bench.sim.demo import compare_chunking, run_chunked_prefill_demo
 
-        kw = dict(
-            num_decodes=args.demo_decodes,
-            itl_target_ms=args.itl_target_ms,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            seed=args.seed,
+def run_demo(args: argparse.Namespace, setup: SimSetup) -> Findings:
+    """``--demo``: the chunked-prefill demo, chunking on and off, and the long prompt's off/on ratio."""
+    from pdserve.bench.plots import plot_step_timeline
+    from pdserve.bench.sim.demo import compare_chunking, run_chunked_prefill_demo
+
+    cost_model = setup.cost_model
+    kw = dict(
+        num_decodes=args.demo_decodes,
+        itl_target_ms=args.itl_target_ms,
+        block_size=setup.config.block_size,
+        max_num_seqs=setup.config.max_num_seqs,
+        seed=args.seed,
+    )
+    main_on = run_chunked_prefill_demo(cost_model, args.demo_prompt_len, args.demo_chunk, **kw)
+    main_off = run_chunked_prefill_demo(cost_model, args.demo_prompt_len, None, **kw)
+    cmp = compare_chunking(cost_model, args.demo_long_prompt_len, args.demo_chunk, **kw)
+    setup.say(main_on.summary())
+    setup.say(
+        f"{args.demo_long_prompt_len}-token prompt: worst decode stall "
+        f"{cmp.off.worst_decode_stall_ms:.1f} ms "
+        f"unchunked vs {cmp.on.worst_decode_stall_ms:.1f} ms with chunk {args.demo_chunk}: "
+        f"{cmp.worst_itl_ratio:.1f}x better with chunking (TTFT {cmp.off.long_prompt_ttft_ms:.0f} -> "
+        f"{cmp.on.long_prompt_ttft_ms:.0f} ms)"
+    )
+    plots = {}
+    for tag, res in (
+        ("demo_on", main_on),
+        ("demo_off", main_off),
+        ("demo_long_off", cmp.off),
+        ("demo_long_on", cmp.on),
+    ):
+        mode = f"chunk {res.chunk_size}" if res.chunk_size else "chunking off"
+        plots[f"timeline_{tag}"] = plot_step_timeline(
+            res.window_steps,
+            os.path.join(args.out, f"timeline_{tag}.png"),
+            args.itl_target_ms,
+            f"{res.prompt_len}-token prompt, {mode}, {res.num_decodes} decodes ({cost_model.name})",
         )
-        main_on = run_chunked_prefill_demo(cost_model, args.demo_prompt_len, args.demo_chunk, **kw)
-        main_off = run_chunked_prefill_demo(cost_model, args.demo_prompt_len, None, **kw)
-        cmp = compare_chunking(cost_model, args.demo_long_prompt_len, args.demo_chunk, **kw)
-        say(main_on.summary())
-        say(
-            f"{args.demo_long_prompt_len}-token prompt: worst decode stall "
-            f"{cmp.off.worst_decode_stall_ms:.1f} ms "
-            f"unchunked vs {cmp.on.worst_decode_stall_ms:.1f} ms with chunk {args.demo_chunk}: "
-            f"{cmp.worst_itl_ratio:.1f}x better with chunking (TTFT {cmp.off.long_prompt_ttft_ms:.0f} -> "
-            f"{cmp.on.long_prompt_ttft_ms:.0f} ms)"
+    return Findings(
+        extra={"demo": {"main": main_on.to_dict(), "main_chunking_off": main_off.to_dict(), "long": cmp.to_dict()}},
+        plots=plots,
+        notes=[
+            "Demo: " + main_on.summary().replace("\n", ";").replace("  ", " "),
+            f"Demo, {args.demo_long_prompt_len}-token prompt: worst ITL off/on = {cmp.worst_itl_ratio:.1f}x",
+        ],
+    )
+
+
+def run_sweep(args: argparse.Namespace, setup: SimSetup) -> Findings:
+    """``--sweep chunk=...``: P99 ITL against prefill throughput per chunk size, and the knee."""
+    from pdserve.bench.metrics import find_knee
+    from pdserve.bench.sim.experiments import chunk_sweep
+    from pdserve.bench.workloads import build_workload
+
+    sizes = parse_sweep(args.sweep)
+    wl = build_workload(_spec(args, args.workload or "interference"))
+    sweep = chunk_sweep(
+        wl.requests,
+        setup.cost_model,
+        sizes,
+        setup.config,
+        num_instances=args.instances or 1,
+        max_concurrency=args.max_concurrency,
+    )
+    knee = find_knee(sweep, args.itl_target_ms)
+    setup.say("chunk  P99 ITL ms  (whole run)  prefill tok/s  mean TTFT ms")
+    for pt in sweep:
+        setup.say(
+            f"{pt.chunk_size:5d}  {pt.p99_itl_ms:10.1f}  {pt.p99_itl_all_ms:11.1f}  "
+            f"{pt.prefill_throughput_tok_s:13.0f}  {pt.mean_ttft_ms:12.1f}"
         )
-        extra["demo"] = {
-            "main": main_on.to_dict(),
-            "main_chunking_off": main_off.to_dict(),
-            "long": cmp.to_dict(),
-        }
-        notes.append("Demo: " + main_on.summary().replace("\n", ";").replace("  ", " "))
-        notes.append(f"Demo, {args.demo_long_prompt_len}-token prompt: worst ITL off/on = {cmp.worst_itl_ratio:.1f}x")
-        for tag, res in (
-            ("demo_on", main_on),
-            ("demo_off", main_off),
-            ("demo_long_off", cmp.off),
-            ("demo_long_on", cmp.on),
-        ):
-            mode = f"chunk {res.chunk_size}" if res.chunk_size else "chunking off"
-            extra_plots[f"timeline_{tag}"] = plot_step_timeline(
-                res.window_steps,
-                os.path.join(args.out, f"timeline_{tag}.png"),
-                args.itl_target_ms,
-                f"{res.prompt_len}-token prompt, {mode}, {res.num_decodes} decodes ({cost_model.name})",
-            )
+    setup.say(f"knee for {args.itl_target_ms:g} ms: " + (f"chunk {knee.chunk_size}" if knee else "none meets it"))
+    return Findings(config={"sweep_workload": wl.spec.to_dict()}, sweep=sweep)
 
-    if args.sweep:
-        from pdserve.bench.sim.experiments import chunk_sweep
 
-        sizes = parse_sweep(args.sweep)
-        wl = build_workload(_spec(args, args.workload or "interference"))
-        sweep = chunk_sweep(
-            wl.requests,
-            cost_model,
-            sizes,
-            config,
-            num_instances=args.instances or 1,
-            max_concurrency=args.max_concurrency,
-        )
-        knee = find_knee(sweep, args.itl_target_ms)
-        say("chunk  P99 ITL ms  (whole run)  prefill tok/s  mean TTFT ms")
-        for pt in sweep:
-            say(
-                f"{pt.chunk_size:5d}  {pt.p99_itl_ms:10.1f}  {pt.p99_itl_all_ms:11.1f}  "
-                f"{pt.prefill_throughput_tok_s:13.0f}  {pt.mean_ttft_ms:12.1f}"
-            )
-        say(f"knee for {args.itl_target_ms:g} ms: " + (f"chunk {knee.chunk_size}" if knee else "none meets it"))
-        cfg_dict["sweep_workload"] = wl.spec.to_dict()
+def run_pd_search(args: argparse.Namespace, setup: SimSetup) -> Findings:
+    """``--pd-search N``: colocated against every P:D split of N GPUs, goodput per GPU under the SLOs."""
+    from pdserve.bench.sim.experiments import best_row, pd_search
 
-    if args.pd_search:
-        from pdserve.bench.sim.experiments import best_row, pd_search
-
-        spec = _spec(args, args.workload or "random", default_requests=400)
-        pd_rows = pd_search(
-            spec,
-            cost_model,
-            args.pd_search,
-            slo,
-            config,
-            tp=args.tp,
-            attainment=args.attainment,
-            search_rate=not args.no_rate_search,
-            min_duration_s=args.pd_min_duration,
-        )
-        notes.append(
+    spec = _spec(args, args.workload or "random", default_requests=400)
+    pd_rows = pd_search(
+        spec,
+        setup.cost_model,
+        args.pd_search,
+        setup.slo_ms,
+        setup.config,
+        tp=args.tp,
+        attainment=args.attainment,
+        search_rate=not args.no_rate_search,
+        min_duration_s=args.pd_min_duration,
+    )
+    setup.say(f"{'config':<16} goodput/GPU  SLO met  max rate/GPU")
+    for r in pd_rows:
+        rate = "-" if r.max_rate_per_gpu is None else f"{r.max_rate_per_gpu:.3f}"
+        setup.say(f"{r.name:<16} {r.goodput_per_gpu:11.3f}  {100 * r.slo_attainment:6.0f}%  {rate:>12}")
+    setup.say(f"best per GPU: {best_row(pd_rows).name}")
+    return Findings(
+        config={"pd_search_workload": spec.to_dict()},
+        notes=[
             f"P:D search: SLO attainment target {100 * args.attainment:.0f}%; rate-search runs use at least "
             f"{spec.num_requests} requests and {args.pd_min_duration:g} s of arrivals."
-        )
-        say(f"{'config':<16} goodput/GPU  SLO met  max rate/GPU")
-        for r in pd_rows:
-            rate = "-" if r.max_rate_per_gpu is None else f"{r.max_rate_per_gpu:.3f}"
-            say(f"{r.name:<16} {r.goodput_per_gpu:11.3f}  {100 * r.slo_attainment:6.0f}%  {rate:>12}")
-        say(f"best per GPU: {best_row(pd_rows).name}")
-        cfg_dict["pd_search_workload"] = spec.to_dict()
-
-    if not special:
-        spec = _spec(args, args.workload or "random")
-        wl = build_workload(spec)
-        cfg_dict["workload"] = spec.to_dict()
-        modes = ["colocated", "disaggregated"] if args.mode == "both" else [args.mode]
-        for mode in modes:
-            n = args.instances or (args.prefill + args.decode if args.mode == "both" else 1)
-            res = simulate(
-                wl.requests,
-                cost_model,
-                config,
-                mode=mode,
-                num_instances=n,
-                num_prefill=args.prefill,
-                num_decode=args.decode,
-                tp=args.tp,
-                max_concurrency=args.max_concurrency,
-            )
-            name = f"colocated x{n}" if mode == "colocated" else f"disaggregated {args.prefill}P:{args.decode}D"
-            runs.append(
-                RunData(
-                    name,
-                    res.records,
-                    res.steps,
-                    res.kv_bytes_moved if mode == "disaggregated" else None,
-                    meta={**res.config, "num_gpus": res.num_gpus},
-                )
-            )
-        say(markdown_table([(r.name, r.metrics(slo), r.kv_bytes_moved) for r in runs]))
-
-    files = write_report(
-        args.out,
-        runs,
-        config=cfg_dict,
-        slo_ms=slo,
-        itl_target_ms=args.itl_target_ms,
-        title=f"pdserve sim: {cost_model.name}",
-        sweep=sweep,
+        ],
         pd_rows=pd_rows,
-        extra=extra,
-        notes=notes,
-        extra_plots=extra_plots,
     )
-    say(f"wrote {files.report_md} and {len(files.all_paths()) - 1} other files in {args.out}")
-    return 0
+
+
+def run_architectures(args: argparse.Namespace, setup: SimSetup) -> Findings:
+    """The default action: the workload on colocated and/or disaggregated instances."""
+    from pdserve.bench.report import RunData, markdown_table
+    from pdserve.bench.sim.simulator import simulate
+    from pdserve.bench.workloads import build_workload
+
+    spec = _spec(args, args.workload or "random")
+    wl = build_workload(spec)
+    runs = []
+    for mode in ["colocated", "disaggregated"] if args.mode == "both" else [args.mode]:
+        n = args.instances or (args.prefill + args.decode if args.mode == "both" else 1)
+        res = simulate(
+            wl.requests,
+            setup.cost_model,
+            setup.config,
+            mode=mode,
+            num_instances=n,
+            num_prefill=args.prefill,
+            num_decode=args.decode,
+            tp=args.tp,
+            max_concurrency=args.max_concurrency,
+        )
+        name = f"colocated x{n}" if mode == "colocated" else f"disaggregated {args.prefill}P:{args.decode}D"
+        kv_moved = res.kv_bytes_moved if mode == "disaggregated" else None
+        runs.append(RunData(name, res.records, res.steps, kv_moved, meta={**res.config, "num_gpus": res.num_gpus}))
+    setup.say(markdown_table([(r.name, r.metrics(setup.slo_ms), r.kv_bytes_moved) for r in runs]))
+    return Findings(runs=runs, config={"workload": spec.to_dict()})
 
 
 def main(argv: list[str] | None = None) -> int:

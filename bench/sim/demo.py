@@ -18,11 +18,12 @@ Everything runs through the real engine scheduler via ``bench.sim.simulator``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import pairwise
 from typing import Any
 
+from pdserve.bench.metrics import itls_during_prefill
+from pdserve.bench.sim.config import SimConfig
 from pdserve.bench.sim.cost_model import CostModel
-from pdserve.bench.sim.simulator import SimConfig, SimResult, StepRecord, simulate
+from pdserve.bench.sim.simulator import SimResult, StepRecord, simulate
 from pdserve.bench.workloads import WorkloadRequest, random_tokens
 
 STREAM_MAX_TOKENS = 1_000_000  # streams never finish inside the window
@@ -115,9 +116,7 @@ def run_chunked_prefill_demo(
     # 2) the same run with the long prompt, until its first token. Identical to (1) before `arrival`.
     result = _run_until([*streams, long_req], cost_model, config, long_done, max(2 * arrival, 0.05))
     first = result.record("long").token_times[0]
-    gaps = [
-        b - a for r in result.records if r.label == "stream" for a, b in pairwise(r.token_times) if arrival < b <= first
-    ]
+    stalls = itls_during_prefill((r.token_times for r in result.records if r.label == "stream"), [(arrival, first)])
     tokens = sum(1 for r in result.records if r.label == "stream" for t in r.token_times if arrival < t <= first)
     window = [s for s in result.steps if s.start >= arrival and s.end <= first + 1e-12]
     over = sum(1 for s in window if s.duration * 1000.0 > itl_target_ms)
@@ -128,7 +127,7 @@ def run_chunked_prefill_demo(
         num_decodes=num_decodes,
         itl_target_ms=itl_target_ms,
         arrival_s=arrival,
-        worst_decode_stall_ms=max(gaps, default=0.0) * 1000.0,
+        worst_decode_stall_ms=max(stalls, default=0.0) * 1000.0,
         long_prompt_ttft_ms=(first - arrival) * 1000.0,
         steps_over_target=over,
         steps_in_window=len(window),

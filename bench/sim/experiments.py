@@ -23,8 +23,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pdserve.bench.metrics import SweepPoint, find_knee, prefill_throughput, sweep_point
+from pdserve.bench.sim.config import SimConfig
 from pdserve.bench.sim.cost_model import CostModel
-from pdserve.bench.sim.simulator import SimConfig, SimResult, simulate
+from pdserve.bench.sim.simulator import SimResult, simulate
 from pdserve.bench.workloads import WorkloadRequest, WorkloadSpec, build_workload
 
 __all__ = [

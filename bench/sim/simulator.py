@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from pdserve.bench.metrics import BenchmarkMetrics, RequestRecord, compute_metrics
+from pdserve.bench.sim.config import SimConfig
 from pdserve.bench.sim.cost_model import CostModel, StepShape
 from pdserve.bench.workloads import WorkloadRequest
 from pdserve.engine.block_manager import BlockManager
@@ -45,55 +46,6 @@ from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 MODES = ("colocated", "disaggregated")
 DUMMY_TOKEN = 0  # what a simulated step "samples"; never EOS (requests run to max_tokens)
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """Per-instance engine settings plus the KV link, mirroring ``engine.EngineConfig``.
-
-    Token budget: ``max_num_batched_tokens`` when given; otherwise ``chunk_size + max_num_seqs`` when a
-    chunk size is set (decodes never eat into the chunk), else 2048 (the engine default). With chunking
-    off the budget is raised to ``longest prompt + max_num_seqs`` so that every prompt fits one step
-    next to a full decode batch (the engine raises it to ``max_model_len``).
-    ``num_kv_blocks=None`` sizes the pool from the cost model's memory left after the weights.
-    ``stop_time_s`` ends the run at that virtual time (requests still open are recorded as failed).
-    """
-
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    chunk_size: int | None = None  # the engine's max_chunk_tokens
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    num_kv_blocks: int | None = None
-    kv_link_bw: float | None = None  # bytes/s; None = the hardware profile's default
-    kv_link_latency_s: float | None = None
-    stop_time_s: float | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"sim: {name} must be >= 1")
-        for name in ("max_num_batched_tokens", "chunk_size", "num_kv_blocks"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ValueError(f"sim: {name} must be None or >= 1, got {v}")
-        if self.kv_link_bw is not None and not self.kv_link_bw > 0:
-            raise ValueError(f"sim: kv_link_bw must be > 0, got {self.kv_link_bw}")
-
-    def token_budget(self, longest_prompt: int) -> int:
-        if self.max_num_batched_tokens is not None:
-            budget = self.max_num_batched_tokens
-        elif self.chunk_size is not None:
-            budget = self.chunk_size + self.max_num_seqs
-        else:
-            budget = 2048
-        if not self.enable_chunked_prefill:
-            budget = max(budget, longest_prompt + self.max_num_seqs)
-        return budget
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
 class StepRecord(NamedTuple):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdserve.engine.options import add_engine_arguments, engine_config_from_args
+
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
@@ -43,9 +45,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate_offline(args: argparse.Namespace, params) -> int:
-    from pdserve.engine import EngineConfig, LLMEngine
+    from pdserve.engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=args.model))
+    engine = LLMEngine(engine_config_from_args(args))
     if engine.tokenizer is None:
         print("error: this model has no tokenizer.json; offline text generation needs one", file=sys.stderr)
         return 2
@@ -65,40 +67,6 @@ def _generate_offline(args: argparse.Namespace, params) -> int:
         file=sys.stderr,
     )
     return 0
-
-
-def _add_engine_args(p: argparse.ArgumentParser, model_default: str = "tiny") -> None:
-    p.add_argument("--model", default=model_default, help="preset (tiny, bench) or HF checkpoint directory")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=0.5)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-chunk-tokens", type=int, default=None, help="per-request chunk cap")
-    p.add_argument("--no-chunked-prefill", action="store_true")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker")
-
-
-def engine_config_from_args(args: argparse.Namespace):
-    from pdserve.engine import EngineConfig
-
-    return EngineConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_chunk_tokens=args.max_chunk_tokens,
-        enable_chunked_prefill=not args.no_chunked_prefill,
-        enable_prefix_caching=not args.no_prefix_caching,
-        torch_threads=args.torch_threads,
-    )
 
 
 def _add_deployment_args(p: argparse.ArgumentParser) -> None:
@@ -180,19 +148,19 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="stream a completion (in-process with --offline, else from a router)")
     g.add_argument("prompt")
     g.add_argument("--offline", action="store_true", help="run the engine in this process")
-    g.add_argument("--model", default="tiny", help="preset (tiny, bench) or HF checkpoint directory")
     g.add_argument("--target", default="127.0.0.1:50051", help="router address (without --offline)")
     g.add_argument("--mode", default=None, choices=["colocated", "disaggregated", "auto"])
     _add_sampling_args(g)
+    add_engine_arguments(g, exclude=("seed",), title="engine (with --offline)")  # --seed: the sampling seed
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="start (or join) a Ray cluster, place the workers, serve gRPC")
-    _add_engine_args(s)
+    add_engine_arguments(s)
     _add_deployment_args(s)
     s.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="the main job: a local deployment, requests in every mode, a short A/B bench")
-    d.add_argument("--model", default="tiny")
+    add_engine_arguments(d, only=("model",))  # the demo sizes its engines for a 2-core machine itself
     d.add_argument("--transport", default="nixl", choices=["nixl", "grpc"])
     d.add_argument("--out", default="results/demo", help="where the benchmark writes its report")
     d.add_argument("--skip-bench", action="store_true")

@@ -1,0 +1,88 @@
+"""``SimConfig``: the simulated engine's settings, the engine options the simulator models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.engine.config import DEFAULT_TOKEN_BUDGET, EngineConfig
+
+_ENGINE_DEFAULTS = EngineConfig()
+# The engine options the simulator models (`pdserve sim` offers these, with the engine's names and defaults).
+ENGINE_OPTIONS = (
+    "block_size",
+    "num_kv_blocks",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "enable_chunked_prefill",
+    "max_chunk_tokens",
+    "enable_prefix_caching",
+)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Per-instance engine settings plus the KV link, mirroring ``engine.EngineConfig`` (its defaults too).
+
+    Token budget: ``max_num_batched_tokens`` when given; otherwise ``chunk_size + max_num_seqs`` when a
+    chunk size is set (decodes never eat into the chunk), else the engine's default budget. With chunking
+    off the budget is raised to ``longest prompt + max_num_seqs`` so that every prompt fits one step
+    next to a full decode batch (the engine raises it to ``max_model_len``).
+    ``num_kv_blocks=None`` sizes the pool from the cost model's memory left after the weights.
+    ``stop_time_s`` ends the run at that virtual time (requests still open are recorded as failed).
+    """
+
+    block_size: int = _ENGINE_DEFAULTS.block_size
+    max_num_seqs: int = _ENGINE_DEFAULTS.max_num_seqs
+    max_num_batched_tokens: int | None = None
+    chunk_size: int | None = None  # the engine's max_chunk_tokens
+    enable_chunked_prefill: bool = _ENGINE_DEFAULTS.enable_chunked_prefill
+    enable_prefix_caching: bool = _ENGINE_DEFAULTS.enable_prefix_caching
+    num_kv_blocks: int | None = None
+    kv_link_bw: float | None = None  # bytes/s; None = the hardware profile's default
+    kv_link_latency_s: float | None = None
+    stop_time_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"sim: {name} must be >= 1")
+        for name in ("max_num_batched_tokens", "chunk_size", "num_kv_blocks"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"sim: {name} must be None or >= 1, got {v}")
+        if self.kv_link_bw is not None and not self.kv_link_bw > 0:
+            raise ValueError(f"sim: kv_link_bw must be > 0, got {self.kv_link_bw}")
+
+    @staticmethod
+    def from_engine_config(engine: EngineConfig, **link: float | None) -> SimConfig:
+        """The ``ENGINE_OPTIONS`` of ``engine`` with its token budget (the engine's default when none is
+        given; with chunked prefill off, raised to fit the longest prompt), plus ``kv_link_bw`` /
+        ``kv_link_latency_s``."""
+        budget = engine.max_num_batched_tokens
+        if budget is None and engine.enable_chunked_prefill:
+            budget = DEFAULT_TOKEN_BUDGET
+        return SimConfig(
+            block_size=engine.block_size,
+            max_num_seqs=engine.max_num_seqs,
+            max_num_batched_tokens=budget,
+            chunk_size=engine.max_chunk_tokens if engine.enable_chunked_prefill else None,
+            enable_chunked_prefill=engine.enable_chunked_prefill,
+            enable_prefix_caching=engine.enable_prefix_caching,
+            num_kv_blocks=engine.num_kv_blocks,
+            **link,
+        )
+
+    def token_budget(self, longest_prompt: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            budget = self.max_num_batched_tokens
+        elif self.chunk_size is not None:
+            budget = self.chunk_size + self.max_num_seqs
+        else:
+            budget = DEFAULT_TOKEN_BUDGET
+        if not self.enable_chunked_prefill:
+            budget = max(budget, longest_prompt + self.max_num_seqs)
+        return budget
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
