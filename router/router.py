@@ -322,12 +322,14 @@ class Router:
         finished = False
         try:
             if route.mode == "disaggregated":
-                first = await self._start_disaggregated(request, prompt, params)
+                first = await self._prefill_remotely(request, prompt, params)
+                if first is not None:  # the first token goes out before the decode worker is even told
+                    finished = first.finished
+                    yield first
+                    if not finished:
+                        await self._start_decode(request)
             else:
-                first = await self._start_colocated(request, prompt, params)
-            if first is not None:
-                finished = first.finished
-                yield first
+                await self._start_colocated(request, prompt, params)
             while not finished:
                 updates = await request.next_updates()
                 last = updates[-1]
@@ -350,10 +352,10 @@ class Router:
         decode = self.workers[request.served.decode_worker].actor
         await _call(decode.generate.remote(request.key, prompt, params, self.router_id))
 
-    async def _start_disaggregated(
+    async def _prefill_remotely(
         self, request: _InFlight, prompt: list[int], params: SamplingParams
     ) -> RouterEvent | None:
-        """Reserve, prefill remotely, hand the first token to the decode worker; returns the first token's event.
+        """Reserve on the decode worker, prefill on the prefill worker; returns the first token's event.
 
         When the prefill worker fails, the request is prefilled on its decode worker instead (None).
         """
@@ -390,10 +392,13 @@ class Router:
             return None
         request.prefill = result
         self._prefill_finished(request, prompt)
-        first = self._event(request, [result.first_token])
-        first_token, first_time = result.first_token, result.first_token_time
+        return self._event(request, [result.first_token])
+
+    async def _start_decode(self, request: _InFlight) -> None:
+        """Hand the first token to the decode worker: it decodes once all the KV has landed."""
+        decode = self.workers[request.route.decode_worker].actor
+        first_token, first_time = request.prefill.first_token, request.prefill.first_token_time
         await _call(decode.decode.remote(request.key, first_token, first_time, self.router_id))
-        return first
 
     def _prefill_finished(self, request: _InFlight, prompt: list[int]) -> None:
         if request.prefill_pending:
