@@ -42,14 +42,14 @@ class ReserveResult(NamedTuple):
     target: TransferTarget
     block_ids: list[int]  # one per prompt block, in order (cached ones included: they need no push)
     num_cached_tokens: int  # leading prompt tokens already here (their blocks need no transfer)
-    deadline: float  # unix time after which the reservation is dropped
+    ttl_s: float  # the reservation is dropped this long after it was made, unless all its KV arrived
 
 
 @dataclass
 class _Pending:
     """A reservation waiting for its KV and its first token."""
 
-    deadline: float
+    deadline: float  # time.monotonic() on this host
     reserved_at: float
     first_token: int | None = None
     first_token_time: float | None = None
@@ -80,10 +80,10 @@ class DecodeWorker:
         engine_config: EngineConfig,
         transport: str = "nixl",
         transport_config: Any = None,
-        reservation_timeout_s: float = 120.0,
+        reservation_ttl_s: float = 60.0,
     ) -> None:
         self.worker_id = worker_id
-        self.reservation_timeout_s = reservation_timeout_s
+        self.reservation_ttl_s = reservation_ttl_s
         engine = LLMEngine(engine_config)
         self.transport = make_transport(transport, transport_config)
         self.transport.register_pool(engine.kv_cache)
@@ -142,11 +142,14 @@ class DecodeWorker:
             reservation = engine.reserve_remote(prompt_token_ids, params, request_id)
             if reservation is None:
                 return None
-            now = time.time()
-            deadline = now + self.reservation_timeout_s
-            self._pending[request_id] = _Pending(deadline=deadline, reserved_at=now)
+            now = time.monotonic()
+            self._pending[request_id] = _Pending(deadline=now + self.reservation_ttl_s, reserved_at=now)
             return ReserveResult(
-                self.worker_id, self.target, reservation.block_ids, reservation.num_cached_tokens, deadline
+                self.worker_id,
+                self.target,
+                reservation.block_ids,
+                reservation.num_cached_tokens,
+                self.reservation_ttl_s,
             )
 
         return await self.aengine.run(do)
@@ -181,7 +184,7 @@ class DecodeWorker:
                 pending.last_push = note.chunk_index
             self._admit_if_ready(engine, note.request_id, pending)
         if self._pending:
-            now = time.time()
+            now = time.monotonic()
             for request_id, pending in list(self._pending.items()):
                 if now > pending.deadline:
                     log.warning("%s: KV for %s did not arrive in time; freeing its blocks", self.worker_id, request_id)

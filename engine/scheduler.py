@@ -215,3 +215,9 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.waiting.appendleft(request)
+
+
+def admits_prefill(waiting_prompt_tokens: int, token_budget: int) -> bool:
+    """A prefill worker admits the next queued prefill (and reserves its decode blocks) only while its
+    engine has less than one step's token budget waiting: reserved blocks are then about to be written."""
+    return waiting_prompt_tokens < token_budget

@@ -20,8 +20,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.decode_node.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.kv_transfer.grpc_transport import GrpcConfig
 from pdserve.messages import WorkerStats
-from pdserve.prefill_node.worker import PrefillWorker
+from pdserve.prefill_node.worker import PUSH_MARGIN_S, PrefillWorker
 from pdserve.router.policy import RouterConfig
 from pdserve.router.process import RouterProcess
 from pdserve.router.router import WorkerHandle
@@ -42,10 +43,17 @@ class DeploymentConfig:
     num_routers: int = 1  # router processes, all on `port` (SO_REUSEPORT)
     address: str | None = None  # a Ray cluster to join ("auto" or host:port); None = local, started here
     router: RouterConfig | None = None  # None = defaults with `mode` as default_mode
-    reservation_timeout_s: float = 120.0
+    reservation_ttl_s: float = 60.0  # a decode reservation whose KV has not all arrived by then is freed
+    push_timeout_s: float = 20.0  # a KV push in flight longer fails its request (must end well before the TTL)
+    worker_max_restarts: int = 3  # Ray restarts a worker whose process died this often
     ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not 0 < self.push_timeout_s < self.reservation_ttl_s - PUSH_MARGIN_S:
+            raise ValueError(
+                f"push_timeout_s must be > 0 and end {PUSH_MARGIN_S} s before reservation_ttl_s "
+                f"({self.reservation_ttl_s}), got {self.push_timeout_s}"
+            )
         if self.num_decode_workers < 1:
             raise ValueError(f"num_decode_workers must be >= 1, got {self.num_decode_workers}")
         if self.num_prefill_workers < 0:
@@ -59,7 +67,14 @@ class DeploymentConfig:
 
     def router_config(self) -> RouterConfig:
         base = self.router or RouterConfig()
-        return RouterConfig(**{**base.__dict__, "default_mode": self.mode, "block_size": self.engine.block_size})
+        return RouterConfig(
+            **{
+                **base.__dict__,
+                "default_mode": self.mode,
+                "block_size": self.engine.block_size,
+                "abort_fence_s": self.reservation_ttl_s,
+            }
+        )
 
 
 class Deployment:
@@ -93,19 +108,25 @@ class Deployment:
             # CPU workers on this machine share its cores: oversubscribed OpenMP threads collapse
             workers = cfg.num_decode_workers + cfg.num_prefill_workers
             engine_config = replace(engine_config, torch_threads=max(1, (os.cpu_count() or 1) // workers))
-        options = {"num_cpus": 0, "num_gpus": 1 if use_gpu else 0, "max_concurrency": 10_000}
+        options = {
+            "num_cpus": 0,
+            "num_gpus": 1 if use_gpu else 0,
+            "max_concurrency": 10_000,
+            "max_restarts": cfg.worker_max_restarts,
+        }
+        transport_config = cfg.transport_config
+        if transport_config is None and cfg.transport == "grpc":  # a push stream ends when its request fails
+            transport_config = GrpcConfig(push_timeout_s=cfg.push_timeout_s)
         try:
             decode_cls = ray.remote(DecodeWorker).options(**options)
             prefill_cls = ray.remote(PrefillWorker).options(**options)
             for i in range(cfg.num_decode_workers):
                 wid = f"decode-{i}"
-                actor = decode_cls.remote(
-                    wid, engine_config, cfg.transport, cfg.transport_config, cfg.reservation_timeout_s
-                )
+                actor = decode_cls.remote(wid, engine_config, cfg.transport, transport_config, cfg.reservation_ttl_s)
                 self.decode_workers.append(WorkerHandle(wid, "decode", actor))
             for i in range(cfg.num_prefill_workers):
                 wid = f"prefill-{i}"
-                actor = prefill_cls.remote(wid, engine_config, cfg.transport, cfg.transport_config)
+                actor = prefill_cls.remote(wid, engine_config, cfg.transport, transport_config, cfg.push_timeout_s)
                 self.prefill_workers.append(WorkerHandle(wid, "prefill", actor))
             self.worker_info = ray.get([w.actor.ready.remote() for w in self.workers], timeout=300)
             self._start_routers(engine_config)

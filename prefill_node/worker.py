@@ -1,8 +1,12 @@
 """The prefill worker: a Ray actor that runs chunked prefill and pushes each chunk's KV to a decode worker.
 
-Many requests share a step under this worker's own token budget. After every step, the blocks that
-the step completed (and, with the prompt's last chunk, its partially filled last block) are pushed
-to the request's decode worker with a notification (request id, push index, tokens done, is last).
+Accepted prefills wait in this worker's own FIFO; one is admitted into the engine only when the
+engine's waiting queue holds less than one step's token budget, and admitting it is what reserves its
+blocks on the decode worker (``DecodeWorker.reserve``). So reserved blocks are always about to be
+written, never idle behind a long prefill queue. Many requests share a step under the token budget.
+After every step, the blocks that the step completed (and, with the prompt's last chunk, its partly
+filled last block) are pushed to the request's decode worker with a notification (request id, push
+index, tokens done, is last); a push still in flight after ``push_timeout_s`` fails its request.
 The last chunk also samples the first token, which goes back to the router at once — that is the
 TTFT the client sees — while the last push is still in flight. The request's blocks stay held here
 until its pushes have completed; then they are released into this worker's prefix cache.
@@ -25,39 +29,50 @@ from pdserve.decode_node.worker import exit_after_crash
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine, worker_request_stats
 from pdserve.engine.llm_engine import RequestOutput
+from pdserve.engine.scheduler import admits_prefill
 from pdserve.kv_transfer import ChunkNotification, PushHandle, TransferTarget, make_transport
 
 from pdserve.messages import WorkerStats
 
 log = logging.getLogger(__name__)
 
-PUSH_DEADLINE_MARGIN_S = 5.0  # stop pushing this long before the decode side drops the reservation
+PUSH_MARGIN_S = 2.0  # a push must be over (done or timed out) this long before the reservation expires
+
+
+class ReservationTimeout(Exception):
+    """The decode worker had no room for the prompt's KV within the allowed time (the router sheds it)."""
 
 
 class PrefillResult(NamedTuple):
     worker_id: str
     first_token: int
     first_token_time: float
-    queue_s: float
+    queue_s: float  # accepted here -> first scheduled (the admission wait included)
     prefill_s: float
     num_cached_tokens: int  # prompt tokens found in this worker's own prefix cache
     num_pushes: int  # pushes issued so far (the last one may still be in flight)
+    decode_cached_tokens: int  # prompt tokens the decode worker already had (their blocks were not pushed)
 
 
 @dataclass
 class _Job:
     request_id: str
-    target: TransferTarget
-    dst_block_ids: list[int]
     prompt_len: int
-    deadline: float
     first_token: asyncio.Future
     aio: asyncio.AbstractEventLoop
-    next_block: int  # first block index not yet pushed (blocks cached on the decode side are skipped)
+    accepted_at: float  # unix time the prefill call arrived
+    target: TransferTarget | None = None  # set at admission, from the decode worker's reservation
+    dst_block_ids: list[int] = field(default_factory=list)
+    push_deadline: float = 0.0  # monotonic: no push may start after this (its timeout ends before the TTL)
+    next_block: int = 0  # first block index not yet pushed (blocks cached on the decode side are skipped)
+    next_block_at_start: int = 0  # blocks the decode worker already had
     push_index: int = 0
     handles: list[PushHandle] = field(default_factory=list)
     last_pushed: bool = False
+    push_started: dict[int, float] = field(default_factory=dict)  # id(handle) -> monotonic start
     aborted: asyncio.Future | None = None  # set by abort(): resolved once the job is torn down
+    cancelled: bool = False  # aborted before admission (nothing in the engine, nothing to push)
+    admitted: asyncio.Event = field(default_factory=asyncio.Event)  # admission settled, whatever its outcome
     error: str | None = None
 
     def resolve(self, fut: asyncio.Future, value: Any = None, error: BaseException | None = None) -> None:
@@ -76,11 +91,21 @@ class PrefillWorker:
     """A Ray actor (async). Construct through ``ray.remote(PrefillWorker)``; await ``ready()``."""
 
     def __init__(
-        self, worker_id: str, engine_config: EngineConfig, transport: str = "nixl", transport_config: Any = None
+        self,
+        worker_id: str,
+        engine_config: EngineConfig,
+        transport: str = "nixl",
+        transport_config: Any = None,
+        push_timeout_s: float = 20.0,
     ) -> None:
         self.worker_id = worker_id
+        self.push_timeout_s = push_timeout_s
         engine = LLMEngine(engine_config)
         self.block_size = engine.config.block_size
+        self.token_budget = engine.config.max_num_batched_tokens
+        self._admission = asyncio.Lock()  # FIFO: prefills are admitted in the order they were accepted
+        self._accepted: dict[str, _Job] = {}  # event loop: accepted, not yet admitted into the engine
+        self._engine_waiting_tokens = 0  # the engine's unscheduled prompt tokens, as of its last turn
         self.transport = make_transport(transport, transport_config)
         self.transport.register_pool(engine.kv_cache)
         self._jobs: dict[str, _Job] = {}  # touched on the loop thread only (after creation)
@@ -108,51 +133,82 @@ class PrefillWorker:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        target: TransferTarget,
-        dst_block_ids: list[int],
-        num_cached_tokens: int,
-        deadline: float,
+        decode: Any,
+        reserve_timeout_s: float = 60.0,
     ) -> PrefillResult:
-        """Prefill the prompt, pushing its KV into ``dst_block_ids`` on ``target``; return the first token.
+        """Prefill the prompt, pushing its KV into blocks reserved on ``decode`` (a DecodeWorker handle).
 
-        ``num_cached_tokens`` leading tokens are already on the decode side: their blocks are not pushed.
+        The reservation is made when the prefill is admitted into this worker's engine, not before.
+        Raises ``ReservationTimeout`` when the decode worker has no room for ``reserve_timeout_s``.
         """
-        num_blocks = -(-len(prompt_token_ids) // self.block_size)
-        if len(dst_block_ids) != num_blocks:
-            raise ValueError(
-                f"dst_block_ids has {len(dst_block_ids)} ids for a {len(prompt_token_ids)}-token "
-                f"prompt ({num_blocks} blocks of {self.block_size})"
-            )
-        if num_cached_tokens % self.block_size or not 0 <= num_cached_tokens < len(prompt_token_ids):
-            raise ValueError(f"num_cached_tokens must be whole blocks below the prompt length, got {num_cached_tokens}")
         aio = asyncio.get_running_loop()
-        job = _Job(
-            request_id,
-            target,
-            list(dst_block_ids),
-            len(prompt_token_ids),
-            deadline,
-            aio.create_future(),
-            aio,
-            next_block=num_cached_tokens // self.block_size,
-        )
-        first_params = dataclasses.replace(params, max_tokens=1, ignore_eos=True, stop_token_ids=())
-
-        def add(engine: LLMEngine) -> None:
-            engine.add_request(prompt_token_ids, first_params, request_id, hold_blocks=True, detokenize=False)
-            self._jobs[request_id] = job
-
-        await self.aengine.run(add)
-        first_token, first_time, timings = await job.first_token
+        job = _Job(request_id, len(prompt_token_ids), aio.create_future(), aio, accepted_at=time.time())
+        if request_id in self._accepted:
+            raise ValueError(f"request_id {request_id!r} is already in use on this worker")
+        self._accepted[request_id] = job
+        try:
+            await self._admit(job, prompt_token_ids, params, decode, reserve_timeout_s)
+        finally:
+            self._accepted.pop(request_id, None)
+            job.admitted.set()
+        if job.cancelled:
+            raise RuntimeError(f"request {request_id!r} aborted")
+        first_token, first_time, queue_s, prefill_s, num_cached = await job.first_token
         return PrefillResult(
             self.worker_id,
             first_token,
             first_time,
-            timings.queue_s,
-            timings.prefill_s,
-            timings.num_cached_tokens,
+            queue_s,
+            prefill_s,
+            num_cached,
             job.push_index,
+            job.next_block_at_start * self.block_size,
         )
+
+    async def _admit(
+        self, job: _Job, prompt: list[int], params: SamplingParams, decode: Any, reserve_timeout_s: float
+    ) -> None:
+        async with self._admission:
+            while not job.cancelled and not admits_prefill(self._engine_waiting_tokens, self.token_budget):
+                await asyncio.sleep(0.002)
+            reservation, reserved_at = await self._reserve(job, prompt, params, decode, reserve_timeout_s)
+            if reservation is None:
+                return
+            if job.cancelled:  # aborted while the reservation was made: give it back
+                await decode.abort.remote(job.request_id)
+                return
+            job.target, job.dst_block_ids = reservation.target, list(reservation.block_ids)
+            job.next_block = job.next_block_at_start = reservation.num_cached_tokens // self.block_size
+            job.push_deadline = reserved_at + reservation.ttl_s - self.push_timeout_s - PUSH_MARGIN_S
+            first_params = dataclasses.replace(params, max_tokens=1, ignore_eos=True, stop_token_ids=())
+
+            def add(engine: LLMEngine) -> None:
+                engine.add_request(prompt, first_params, job.request_id, hold_blocks=True, detokenize=False)
+                self._jobs[job.request_id] = job
+
+            try:
+                await self.aengine.run(add)
+            except Exception:
+                await decode.abort.remote(job.request_id)
+                raise
+            self._engine_waiting_tokens += len(prompt)  # until the loop's next turn counts it
+
+    async def _reserve(
+        self, job: _Job, prompt: list[int], params: SamplingParams, decode: Any, timeout_s: float
+    ) -> tuple[Any, float]:
+        """Reserve on the decode worker, retrying while it is full; (None, 0) if the job was aborted."""
+        give_up = time.monotonic() + timeout_s
+        delay = 0.005
+        while not job.cancelled:
+            reserved_at = time.monotonic()  # the TTL runs from no earlier than this, on the decode side
+            reservation = await decode.reserve.remote(job.request_id, prompt, params)
+            if reservation is not None:
+                return reservation, reserved_at
+            if time.monotonic() > give_up:
+                raise ReservationTimeout(f"no KV blocks free on the decode worker for {timeout_s} s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.1)
+        return None, 0.0
 
     # ---- on the loop thread --------------------------------------------------------------------
     def _on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
@@ -167,8 +223,8 @@ class PrefillWorker:
             blocks = range(job.next_block, end)
             if not blocks and not is_last:
                 continue  # the chunk completed no block: nothing to send yet
-            if time.time() > job.deadline - PUSH_DEADLINE_MARGIN_S:
-                self._fail(engine, job, "the decode worker's reservation deadline is too close")
+            if time.monotonic() > job.push_deadline:
+                self._fail(engine, job, "the decode worker's reservation expires before a push could finish")
                 continue
             note = ChunkNotification(job.request_id, job.push_index, tokens_done, is_last)
             try:
@@ -179,6 +235,7 @@ class PrefillWorker:
                 self._fail(engine, job, f"KV push failed: {e!r}")
                 continue
             job.handles.append(handle)
+            job.push_started[id(handle)] = time.monotonic()
             job.next_block, job.push_index, job.last_pushed = end, job.push_index + 1, is_last
             self._kv_bytes += handle.num_bytes
             self._num_pushes += 1
@@ -186,16 +243,28 @@ class PrefillWorker:
             job = self._jobs.get(out.request_id)
             if job is not None and out.new_token_ids and job.error is None:
                 request = engine.get_request(out.request_id)
-                first_time = request.times.first_token  # type: ignore[union-attr]
-                job.resolve(job.first_token, (out.new_token_ids[0], first_time, worker_request_stats(request)))
+                assert request is not None
+                stats = worker_request_stats(request)
+                first_time = request.times.first_token or time.time()
+                queue_s = max(0.0, (request.times.first_scheduled or first_time) - job.accepted_at)
+                first = (out.new_token_ids[0], first_time, queue_s, stats.prefill_s, stats.num_cached_tokens)
+                job.resolve(job.first_token, first)
 
     def _on_tick(self, engine: LLMEngine) -> None:
+        self._engine_waiting_tokens = sum(r.num_uncomputed_tokens for r in engine.scheduler.waiting)
+        now = time.monotonic()
         for job in list(self._jobs.values()):
             try:
                 job.handles = [h for h in job.handles if not h.done()]
             except Exception as e:
                 self._fail(engine, job, f"KV push failed: {e!r}")
                 continue
+            if (
+                job.handles
+                and job.error is None
+                and now - min(job.push_started[id(h)] for h in job.handles) > self.push_timeout_s
+            ):
+                self._fail(engine, job, f"a KV push took longer than {self.push_timeout_s} s")
             if job.handles:
                 continue
             if job.aborted is not None:
@@ -225,8 +294,18 @@ class PrefillWorker:
             engine.abort(job.request_id)
 
     # ---- control -------------------------------------------------------------------------------
-    async def abort(self, request_id: str, timeout_s: float = 30.0) -> bool:
-        """Stop a request; returns once no push of it can still write into the decode worker's pool."""
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request; returns once no push of it can still write into the decode worker's pool.
+
+        That is at most ``push_timeout_s`` after the call: a push in flight longer fails its request.
+        A prefill that was not admitted yet holds no reservation once this returns.
+        """
+        accepted = self._accepted.get(request_id)
+        if accepted is not None:
+            accepted.cancelled = True
+            await accepted.admitted.wait()  # its reservation (if one was made meanwhile) is given back
+            if request_id not in self._jobs:
+                return True
         torn_down = asyncio.get_running_loop().create_future()
 
         def do(engine: LLMEngine) -> asyncio.Future | bool:
@@ -240,7 +319,7 @@ class PrefillWorker:
         result = await self.aengine.run(do)
         if isinstance(result, bool):
             return result
-        return await asyncio.wait_for(result, timeout_s)
+        return await result
 
     async def stats(self, steps_since: float | None = None) -> WorkerStats:
         in_flight = sum(len(j.handles) for j in list(self._jobs.values()))

@@ -27,7 +27,8 @@ class RouterConfig:
     max_queued_requests: int = 512  # requests waiting for their first token; beyond this, RESOURCE_EXHAUSTED
     max_queued_prompt_tokens: int = 262144  # their prompt tokens; beyond this, RESOURCE_EXHAUSTED
     max_request_bytes: int = 8 << 20  # a larger request body is refused before it is parsed
-    reserve_timeout_s: float = 60.0  # how long a request may wait for a decode worker to have room
+    reserve_timeout_s: float = 60.0  # how long a prefill may wait for its decode worker to have room
+    abort_fence_s: float = 60.0  # how long an abort waits for the prefill worker to confirm its pushes are over
     stream_idle_timeout_s: float = 600.0  # a stream with no token for this long fails with UNAVAILABLE
     prefix_index_blocks: int = 65536  # per decode worker
 
@@ -46,7 +47,7 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.auto_min_remote_tokens < 0 or self.auto_max_prefill_queue_tokens < 0:
             raise ValueError("auto thresholds must be >= 0")
-        for name in ("reserve_timeout_s", "stream_idle_timeout_s"):
+        for name in ("reserve_timeout_s", "abort_fence_s", "stream_idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 

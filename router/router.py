@@ -362,27 +362,19 @@ class Router:
         route = request.route
         decode = self.workers[route.decode_worker].actor
         prefill = self.workers[route.prefill_worker].actor  # type: ignore[index]
-        reservation = await self._reserve(decode, request, prompt, params)
-        request.num_cached_tokens = reservation.num_cached_tokens
         try:
-            result = await prefill.prefill.remote(
-                request.key,
-                prompt,
-                params,
-                reservation.target,
-                reservation.block_ids,
-                reservation.num_cached_tokens,
-                reservation.deadline,
-            )
+            result = await prefill.prefill.remote(request.key, prompt, params, decode, self.config.reserve_timeout_s)
         except (RayActorError, RayTaskError) as e:
             if _is_value_error(e):
                 raise RequestError("INVALID_ARGUMENT", _cause(e)) from None
+            if _cause_is(e, "ReservationTimeout"):
+                raise RequestError("RESOURCE_EXHAUSTED", _cause(e)) from None
             if request.aborted:
                 return self._event(request, [], "abort")
             if isinstance(e, RayActorError):
                 self.policy.set_available(route.prefill_worker, False)  # type: ignore[arg-type]
             log.warning(
-                "prefill %s failed on %s (%s); prefilling locally", route.prefill_worker, request.request_id, _cause(e)
+                "prefill %s failed on %s (%s); prefilling locally", route.prefill_worker, request.key, _cause(e)
             )
             await asyncio.shield(self._abort_on_workers(request.key, route))
             self._prefill_finished(request, prompt)
@@ -390,6 +382,7 @@ class Router:
             request.fallback = f"prefill worker failed: {_cause(e)}"
             await self._start_colocated(request, prompt, params)
             return None
+        request.num_cached_tokens = result.decode_cached_tokens
         request.prefill = result
         self._prefill_finished(request, prompt)
         return self._event(request, [result.first_token])
@@ -404,20 +397,6 @@ class Router:
         if request.prefill_pending:
             request.prefill_pending = False
             self.policy.prefill_done(request.route, prompt)
-
-    async def _reserve(self, decode: Any, request: _InFlight, prompt: list[int], params: SamplingParams) -> Any:
-        deadline = time.monotonic() + self.config.reserve_timeout_s
-        delay = 0.005
-        while not request.aborted:
-            reservation = await _call(decode.reserve.remote(request.key, prompt, params))
-            if reservation is not None:
-                return reservation
-            if time.monotonic() > deadline:
-                wait_s = self.config.reserve_timeout_s
-                raise RequestError("RESOURCE_EXHAUSTED", f"no KV blocks free on the decode worker for {wait_s} s")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.2)
-        raise RequestError("CANCELLED", f"request {request.request_id!r} was aborted")
 
     async def _watch_idle_streams(self) -> None:
         """Fail a stream that got no update for ``stream_idle_timeout_s`` (one timer for all requests)."""
@@ -472,14 +451,32 @@ class Router:
         )
 
     async def _abort_on_workers(self, key: str, route: Route) -> None:
-        # Prefill first: it returns once none of its pushes can still write into the decode pool.
-        for worker_id in (route.prefill_worker, route.decode_worker):
-            if worker_id is None:
-                continue
+        """Stop a request everywhere without ever freeing blocks that a live push can still write.
+
+        The prefill worker goes first: its abort returns once none of its pushes can land any more
+        (at most its push timeout), or fails at once if it is dead. Only then is the decode worker's
+        reservation freed; if the prefill worker neither confirms nor dies within the reservation's
+        TTL, the decode worker frees the blocks itself when the TTL expires.
+        """
+        if route.prefill_worker is not None:
             try:
-                await asyncio.wait_for(self.workers[worker_id].actor.abort.remote(key), 30.0)
-            except Exception as e:  # a dead worker has nothing left to abort
-                log.warning("abort of %s on %s failed: %s", key, worker_id, e)
+                await asyncio.wait_for(
+                    self.workers[route.prefill_worker].actor.abort.remote(key), self.config.abort_fence_s
+                )
+            except RayActorError:
+                pass  # a dead prefill worker pushes nothing more
+            except Exception as e:
+                log.warning(
+                    "abort of %s on %s unconfirmed (%s): its reservation expires by itself",
+                    key,
+                    route.prefill_worker,
+                    e,
+                )
+                return
+        try:
+            await asyncio.wait_for(self.workers[route.decode_worker].actor.abort.remote(key), 30.0)
+        except Exception as e:  # a dead worker has nothing left to abort
+            log.warning("abort of %s on %s failed: %s", key, route.decode_worker, e)
 
     async def abort(self, request_id: str) -> bool:
         request = self.active.get(request_id)
@@ -533,6 +530,10 @@ async def _call(ref: Any) -> Any:
 def _cause(e: BaseException) -> str:
     cause = getattr(e, "cause", None)
     return str(cause) if cause is not None else str(e).strip().splitlines()[-1]
+
+
+def _cause_is(e: BaseException, class_name: str) -> bool:
+    return type(getattr(e, "cause", None)).__name__ == class_name
 
 
 def _is_value_error(e: BaseException) -> bool:
