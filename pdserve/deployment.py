@@ -29,6 +29,8 @@ from pdserve.router.router import WorkerHandle
 
 log = logging.getLogger(__name__)
 
+WORKER_NAMESPACE = "pdserve"
+
 
 @dataclass(frozen=True)
 class DeploymentConfig:
@@ -46,6 +48,9 @@ class DeploymentConfig:
     reservation_ttl_s: float = 60.0  # a decode reservation whose KV has not all arrived by then is freed
     push_timeout_s: float = 20.0  # a KV push in flight longer fails its request (must end well before the TTL)
     worker_max_restarts: int = 3  # Ray restarts a worker whose process died this often
+    # Named, detached workers outlive the process that started them: a router process that restarts
+    # (`pdserve serve --address auto` again) finds the running workers instead of starting a second set.
+    detached_workers: bool = False
     ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -118,15 +123,18 @@ class Deployment:
         if transport_config is None and cfg.transport == "grpc":  # a push stream ends when its request fails
             transport_config = GrpcConfig(push_timeout_s=cfg.push_timeout_s)
         try:
-            decode_cls = ray.remote(DecodeWorker).options(**options)
-            prefill_cls = ray.remote(PrefillWorker).options(**options)
+            decode_cls, prefill_cls = ray.remote(DecodeWorker), ray.remote(PrefillWorker)
             for i in range(cfg.num_decode_workers):
                 wid = f"decode-{i}"
-                actor = decode_cls.remote(wid, engine_config, cfg.transport, transport_config, cfg.reservation_ttl_s)
+                actor = decode_cls.options(**options, **self._identity(wid)).remote(
+                    wid, engine_config, cfg.transport, transport_config, cfg.reservation_ttl_s
+                )
                 self.decode_workers.append(WorkerHandle(wid, "decode", actor))
             for i in range(cfg.num_prefill_workers):
                 wid = f"prefill-{i}"
-                actor = prefill_cls.remote(wid, engine_config, cfg.transport, transport_config, cfg.push_timeout_s)
+                actor = prefill_cls.options(**options, **self._identity(wid)).remote(
+                    wid, engine_config, cfg.transport, transport_config, cfg.push_timeout_s
+                )
                 self.prefill_workers.append(WorkerHandle(wid, "prefill", actor))
             self.worker_info = ray.get([w.actor.ready.remote() for w in self.workers], timeout=300)
             self._start_routers(engine_config)
@@ -134,6 +142,17 @@ class Deployment:
             self.stop()
             raise
         return self
+
+    def _identity(self, worker_id: str) -> dict[str, Any]:
+        """Actor options naming a worker: detached workers outlive the router process and are found again."""
+        if not self.config.detached_workers:
+            return {}
+        return {
+            "name": f"pdserve-{worker_id}",
+            "namespace": WORKER_NAMESPACE,
+            "lifetime": "detached",
+            "get_if_exists": True,
+        }
 
     def _start_routers(self, engine_config: EngineConfig) -> None:
         cfg = self.config

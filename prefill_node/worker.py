@@ -106,6 +106,7 @@ class PrefillWorker:
         self._admission = asyncio.Lock()  # FIFO: prefills are admitted in the order they were accepted
         self._accepted: dict[str, _Job] = {}  # event loop: accepted, not yet admitted into the engine
         self._engine_waiting_tokens = 0  # the engine's unscheduled prompt tokens, as of its last turn
+        self._fault: str | None = None
         self.transport = make_transport(transport, transport_config)
         self.transport.register_pool(engine.kv_cache)
         self._jobs: dict[str, _Job] = {}  # touched on the loop thread only (after creation)
@@ -213,6 +214,10 @@ class PrefillWorker:
     # ---- on the loop thread --------------------------------------------------------------------
     def _on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         assert engine.last_output is not None
+        if self._fault == "step":
+            raise RuntimeError("injected engine fault")
+        if self._fault == "slow_steps":
+            time.sleep(0.2)
         for chunk in engine.last_output.chunks:
             job = self._jobs.get(chunk.request_id)
             if job is None or job.aborted is not None or job.error is not None:
@@ -221,8 +226,8 @@ class PrefillWorker:
             is_last = tokens_done == job.prompt_len
             end = -(-job.prompt_len // self.block_size) if is_last else tokens_done // self.block_size
             blocks = range(job.next_block, end)
-            if not blocks and not is_last:
-                continue  # the chunk completed no block: nothing to send yet
+            if (not blocks and not is_last) or self._fault == "stall_pushes":
+                continue  # the chunk completed no block: nothing to send yet (or pushes are made to stall)
             if time.monotonic() > job.push_deadline:
                 self._fail(engine, job, "the decode worker's reservation expires before a push could finish")
                 continue
@@ -259,12 +264,11 @@ class PrefillWorker:
             except Exception as e:
                 self._fail(engine, job, f"KV push failed: {e!r}")
                 continue
-            if (
-                job.handles
-                and job.error is None
-                and now - min(job.push_started[id(h)] for h in job.handles) > self.push_timeout_s
-            ):
+            oldest = min((job.push_started[id(h)] for h in job.handles), default=now)
+            if job.error is None and now - oldest > self.push_timeout_s:
                 self._fail(engine, job, f"a KV push took longer than {self.push_timeout_s} s")
+            elif job.error is None and not job.last_pushed and now > job.push_deadline + self.push_timeout_s:
+                self._fail(engine, job, "its KV was not all pushed before the decode worker's reservation expired")
             if job.handles:
                 continue
             if job.aborted is not None:
@@ -320,6 +324,11 @@ class PrefillWorker:
         if isinstance(result, bool):
             return result
         return await result
+
+    async def inject_fault(self, where: str | None) -> None:
+        """Fault tests: ``"step"`` makes the next step raise, ``"stall_pushes"`` stops pushing KV,
+        ``"slow_steps"`` adds 200 ms to every step; None clears it."""
+        self._fault = where
 
     async def stats(self, steps_since: float | None = None) -> WorkerStats:
         in_flight = sum(len(j.handles) for j in list(self._jobs.values()))

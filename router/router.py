@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.router.policy import NoWorkerAvailable, Route, RouterConfig, RoutingPolicy
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from pdserve.messages import RequestMetrics, TokenUpdate, WorkerRequestStats, WorkerStats
 
@@ -376,7 +376,11 @@ class Router:
             log.warning(
                 "prefill %s failed on %s (%s); prefilling locally", route.prefill_worker, request.key, _cause(e)
             )
-            await asyncio.shield(self._abort_on_workers(request.key, route))
+            # a prefill process that is gone pushes nothing more; one that failed the request is asked first
+            gone = isinstance(e, RayActorError)
+            await asyncio.shield(
+                self._abort_on_workers(request.key, route._replace(prefill_worker=None) if gone else route)
+            )
             self._prefill_finished(request, prompt)
             request.served = route._replace(mode="colocated", prefill_worker=None)
             request.fallback = f"prefill worker failed: {_cause(e)}"
@@ -463,8 +467,8 @@ class Router:
                 await asyncio.wait_for(
                     self.workers[route.prefill_worker].actor.abort.remote(key), self.config.abort_fence_s
                 )
-            except RayActorError:
-                pass  # a dead prefill worker pushes nothing more
+            except (RayActorError, ActorUnavailableError):
+                pass  # a dead (or restarting) prefill worker pushes nothing more
             except Exception as e:
                 log.warning(
                     "abort of %s on %s unconfirmed (%s): its reservation expires by itself",
@@ -508,7 +512,9 @@ class Router:
             return True
 
         workers = list(self.workers.values())
-        alive = await asyncio.gather(*[answers(w) for w in workers])
+        answered = await asyncio.gather(*[answers(w) for w in workers])
+        # a decode worker serves once it answers and this router is subscribed to its event stream again
+        alive = [ok and self.policy.is_available(w.worker_id) for w, ok in zip(workers, answered, strict=True)]
         down = [w.worker_id for w, ok in zip(workers, alive, strict=True) if not ok]
         serving = any(ok and w.role == "decode" for w, ok in zip(workers, alive, strict=True))
         if not serving:

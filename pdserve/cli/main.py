@@ -102,6 +102,7 @@ def deployment_config_from_args(args: argparse.Namespace):
         port=args.port,
         num_routers=args.routers,
         address=args.address,
+        detached_workers=args.address is not None,  # on a cluster, a restarted `serve` finds its workers
         router=RouterConfig(
             auto_min_remote_tokens=args.auto_min_remote_tokens,
             auto_max_prefill_queue_tokens=args.auto_max_prefill_queue_tokens,
