@@ -24,6 +24,8 @@ from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.request import Request
 from pdserve.kv_transfer import TransferTarget, make_transport
 
+from pdserve.placement import current_node
+
 log = logging.getLogger(__name__)
 
 
@@ -73,12 +75,14 @@ class DecodeWorker:
         self._requests: dict[str, tuple[Request, dict[str, Any]]] = {}  # live streams: request, metadata
         self._kv_bytes = 0
         self.aengine = AsyncEngine(engine, on_step=self._on_step, on_tick=self._on_tick)
+        self.node = current_node()  # where Ray placed this worker, for ready() and stats()
 
     async def ready(self) -> dict[str, Any]:
         engine = self.aengine.engine
         return {
             "worker_id": self.worker_id,
             "role": "decode",
+            "node": self.node,
             "num_blocks": engine.block_manager.num_blocks,
             "block_size": engine.config.block_size,
             "device": str(engine.device),
@@ -244,7 +248,8 @@ class DecodeWorker:
         return await self.aengine.run(do)
 
     async def stats(self, steps_since: float | None = None) -> WorkerStats:
-        return await self.aengine.stats(self.worker_id, "decode", len(self._pending), self._kv_bytes, steps_since)
+        stats = await self.aengine.stats(self.worker_id, "decode", len(self._pending), self._kv_bytes, steps_since)
+        return stats._replace(node=self.node, device=str(self.aengine.engine.device))
 
     async def check_integrity(self) -> None:
         await self.aengine.run(lambda e: e.block_manager.check_integrity())

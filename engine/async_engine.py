@@ -43,6 +43,8 @@ class WorkerStats(NamedTuple):
     num_steps: int
     kv_bytes_moved: int
     steps: list[StepStats]
+    node: str = ""  # filled by the worker actor: the Ray node it runs on
+    device: str = ""
 
 
 def request_timings(request: Request) -> dict[str, Any]:

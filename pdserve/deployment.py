@@ -21,6 +21,7 @@ import ray
 from pdserve.decode_node.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.placement import DECODE, PREFILL, place_workers
 from pdserve.prefill_node.worker import PrefillWorker
 from pdserve.router.policy import RouterConfig
 from pdserve.router.router import ModelLimits, Router, WorkerHandle
@@ -92,10 +93,10 @@ class Deployment:
             # CPU workers on this machine share its cores: oversubscribed OpenMP threads collapse
             workers = cfg.num_decode_workers + cfg.num_prefill_workers
             engine_config = replace(engine_config, torch_threads=max(1, (os.cpu_count() or 1) // workers))
-        options = {"num_cpus": 0, "num_gpus": 1 if use_gpu else 0, "max_concurrency": 10_000}
         try:
-            decode_cls = ray.remote(DecodeWorker).options(**options)
-            prefill_cls = ray.remote(PrefillWorker).options(**options)
+            placement = place_workers(cfg.num_prefill_workers, cfg.num_decode_workers, use_gpu)  # fails fast
+            decode_cls = ray.remote(DecodeWorker).options(**placement.actor_options(DECODE), max_concurrency=10_000)
+            prefill_cls = ray.remote(PrefillWorker).options(**placement.actor_options(PREFILL), max_concurrency=10_000)
             for i in range(cfg.num_decode_workers):
                 wid = f"decode-{i}"
                 actor = decode_cls.remote(

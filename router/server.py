@@ -93,6 +93,8 @@ class PDServeServicer(pb_grpc.PDServeServicer):
                     tokens_in_flight=s.tokens_in_flight,
                     num_steps=s.num_steps,
                     kv_bytes_moved=s.kv_bytes_moved,
+                    node=s.node,
+                    device=s.device,
                     steps=[
                         pb.StepRecord(
                             started=st.started,
