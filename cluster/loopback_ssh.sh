@@ -13,7 +13,8 @@
 # `down` stops that sshd and its sessions, closes Ray's SSH multiplexing sockets for the cluster, and
 # removes what `up` added plus what the two nodes left in this home directory and in /tmp/ray (the
 # project copy ~/pdserve, Ray's ~/ray_bootstrap_*, a Ray auth token the cluster created, the local
-# provider's /tmp/ray/cluster-pdserve-local.*), each only if it did not exist before `up`.
+# provider's /tmp/ray/cluster-pdserve-local.*, `ray up`'s /tmp/ray-config-* cache of this cluster's
+# config), each only if it did not exist before `up`.
 # Needs sshd, ssh-keygen and rsync (scripts/setup.sh installs openssh-server and rsync when missing).
 set -euo pipefail
 
@@ -69,7 +70,7 @@ up() {
   mkdir -m 700 "$STATE"
   : >"$STATE/existed"
   local path
-  for path in "${NODE_LEFTOVERS[@]}" "$HOME/.ssh" "$HOME/.ssh/config" "$HOME/.bashrc" /run/sshd; do
+  for path in "${NODE_LEFTOVERS[@]}" "$HOME/.ssh" "$HOME/.ssh/config" "$HOME/.bashrc" /run/sshd /tmp/ray-config-*; do
     if [ -e "$path" ]; then echo "$path" >>"$STATE/existed"; fi
   done
   if [ -f "$HOME/.ssh/config" ]; then cp -p "$HOME/.ssh/config" "$STATE/ssh_config.orig"; fi
@@ -176,6 +177,12 @@ down() {
     fi
   done
   if ! grep -qxF /run/sshd "$STATE/existed"; then rmdir /run/sshd 2>/dev/null || true; fi
+  local cache  # `ray up` caches the resolved config as /tmp/ray-config-<hash>
+  for cache in /tmp/ray-config-*; do
+    if [ -f "$cache" ] && ! grep -qxF "$cache" "$STATE/existed" && grep -qF "\"cluster_name\": \"$CLUSTER\"" "$cache"; then
+      rm -f "$cache"
+    fi
+  done
   rm -rf "$STATE"
   log "down: sshd stopped; ~/.ssh/config, ~/.bashrc and the nodes' files restored"
 }

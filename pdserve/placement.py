@@ -129,7 +129,7 @@ def _shortfall(nodes: list[NodeInfo], role: str, count: int, need: Mapping[str, 
     for key in need:
         have = sum(n.resources.get(key, 0) for n in role_nodes)
         if have < count * need[key]:
-            where = f"nodes offering {role!r}" if role in need else "the cluster"
+            where = f"nodes offering {role!r}" if role in need else "the cluster's nodes"
             return f"{what}: {where} have {have:g} {key!r} in total, {count * need[key]:g} needed"
     return f"{what}: no node has all of {_fmt(need)} at once ({', '.join(n.label for n in role_nodes)})"
 

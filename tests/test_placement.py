@@ -76,7 +76,7 @@ def test_too_few_gpus_on_the_role_nodes_are_named():
     nodes = [_node(2, prefill=4, GPU=1), _node(3, decode=4, GPU=4), _node(4, GPU=8)]
     with pytest.raises(PlacementError, match=r"prefill workers.*nodes offering 'prefill' have 1 'GPU' in total, 2"):
         plan_placement(nodes, num_prefill=2, num_decode=1, use_gpu=True)
-    with pytest.raises(PlacementError, match=r"cannot place 3 decode workers.*the cluster have 2 'GPU'"):
+    with pytest.raises(PlacementError, match=r"cannot place 3 decode workers.*the cluster's nodes have 2 'GPU'"):
         plan_placement([_node(1, GPU=1), _node(2, GPU=1)], num_prefill=0, num_decode=3, use_gpu=True)
 
 
