@@ -9,7 +9,8 @@
 # accepts only that key, for this user, on those two addresses), prepends a `Host` entry with the port
 # and key to ~/.ssh/config, and adds a guarded line to ~/.bashrc that puts the nodes' venv
 # (~/pdserve/.venv, made by local.yaml's setup_commands) on the PATH of the shells this sshd starts,
-# and only those (sshd sets PDSERVE_LOOPBACK_NODE=1). It records what existed before.
+# and only those (sshd sets PDSERVE_LOOPBACK_NODE=1); the caller's PIP_* and proxy variables pass
+# through to those shells. It records what existed before.
 # `down` stops that sshd and its sessions, closes Ray's SSH multiplexing sockets for the cluster, and
 # removes what `up` added plus what the two nodes left in this home directory and in /tmp/ray (the
 # project copy ~/pdserve, Ray's ~/ray_bootstrap_*, a Ray auth token the cluster created, the local
@@ -22,6 +23,8 @@ STATE=/tmp/pdserve-loopback-ssh       # cluster/local.yaml names $STATE/id_ed255
 PORT=${PDSERVE_LOOPBACK_SSH_PORT:-22022}
 ADDRS=(127.0.0.2 127.0.0.3)
 CLUSTER=pdserve-local                 # cluster_name in cluster/local.yaml
+# The launcher's pip and proxy settings reach the nodes' shells (setup_commands install from there).
+PASS_ENV="PIP_* http_proxy https_proxy no_proxy HTTP_PROXY HTTPS_PROXY NO_PROXY"
 BEGIN="# >>> pdserve loopback nodes (cluster/loopback_ssh.sh) >>>"
 END="# <<< pdserve loopback nodes <<<"
 # What the nodes leave behind; removed by `down` when absent before `up`.
@@ -97,6 +100,7 @@ PrintMotd no
 MaxStartups 64:30:128
 MaxSessions 64
 SetEnv PDSERVE_LOOPBACK_NODE=1
+AcceptEnv $PASS_ENV
 Subsystem sftp internal-sftp
 EOF
   } >"$STATE/sshd_config"
@@ -115,6 +119,7 @@ Host ${ADDRS[*]}
     StrictHostKeyChecking no
     UserKnownHostsFile /dev/null
     LogLevel ERROR
+    SendEnv $PASS_ENV
 $END
 EOF
   if [ -f "$HOME/.ssh/config" ]; then cat "$HOME/.ssh/config" >>"$entry"; fi  # first match wins: go first

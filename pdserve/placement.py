@@ -82,8 +82,8 @@ class Placement:
 def plan_placement(nodes: Iterable[NodeInfo], num_prefill: int, num_decode: int, use_gpu: bool) -> Placement:
     """Actor options for ``num_prefill`` prefill and ``num_decode`` decode (or colocated) workers.
 
-    Raises ``PlacementError`` when the nodes' total resources cannot hold them: no node offers a role
-    that some node offers elsewhere, too few units of it, or too few GPUs on the nodes of that role.
+    Raises ``PlacementError`` when the nodes' total resources cannot hold them: roles are in use but no
+    node offers a role these workers need, too few units of it, or too few GPUs on the nodes of that role.
     """
     nodes = list(nodes)
     counts = {PREFILL: num_prefill, DECODE: num_decode}
@@ -131,7 +131,8 @@ def _shortfall(nodes: list[NodeInfo], role: str, count: int, need: Mapping[str, 
         if have < count * need[key]:
             where = f"nodes offering {role!r}" if role in need else "the cluster's nodes"
             return f"{what}: {where} have {have:g} {key!r} in total, {count * need[key]:g} needed"
-    return f"{what}: no node has all of {_fmt(need)} at once ({', '.join(n.label for n in role_nodes)})"
+    nodes_text = ", ".join(n.label for n in role_nodes)
+    return f"{what}: too little left on {nodes_text} once the other role's workers are placed"
 
 
 def _fmt(need: Mapping[str, float]) -> str:

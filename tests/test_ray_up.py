@@ -5,7 +5,8 @@ which CI has done): loopback SSH up, `ray up` of ``cluster/local.yaml``, ``clust
 head through ``ray exec``, requests from outside the cluster over gRPC, ``pdserve status``, then
 stop, ``ray down`` and loopback SSH down, always, even when a step fails. Asserts identical greedy
 tokens in colocated and disaggregated modes, prefill and decode workers on different nodes (the head
-offers ``prefill``, the worker ``decode``), and that nothing is left behind: no process of the
+offers ``prefill``, the worker ``decode``), that asking for more prefill workers than the cluster offers
+fails at once naming the resource, and that nothing is left behind: no process of the
 cluster, no file in the home directory, ``~/.ssh`` and ``~/.bashrc`` as they were, no
 ``/tmp/ray/cluster-*`` or ``/tmp/ray-config-*`` of the cluster, no ``/tmp/ray/ray_current_cluster``
 that a later ``ray.init()`` would join. Bounded: past ``BUDGET_S`` the running step is killed and the
@@ -29,8 +30,6 @@ from pathlib import Path
 import pytest
 from pdserve.engine import SamplingParams
 from pdserve.router.client import Client
-
-pytestmark = [pytest.mark.ray_up, pytest.mark.timeout(480)]
 
 ROOT = Path(__file__).resolve().parent.parent
 HOME = Path.home()
@@ -78,6 +77,7 @@ class Runner:
         self.env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_UP_enable_autoscaler_v2")}
         self.env["PATH"] = venv_bin + os.pathsep + self.env.get("PATH", "")
         self.times: list[tuple[str, float]] = []
+        self.returncode: int | None = None
 
     def __call__(self, command: str, deadline: float, check: bool = True) -> str:
         timeout = max(1.0, deadline - time.monotonic())
@@ -99,6 +99,7 @@ class Runner:
             out, _ = proc.communicate()
             self._record(command, out, start, "timed out")
             raise AssertionError(f"timed out after {timeout:.0f} s: {command}\n{out[-3000:]}") from None
+        self.returncode = proc.returncode
         self._record(command, out, start, f"rc={proc.returncode}")
         if check and proc.returncode != 0:
             raise AssertionError(f"rc={proc.returncode}: {command}\n{out[-3000:]}")
@@ -159,6 +160,8 @@ def test_readme_block_is_what_this_test_runs():
     assert readme_block() == README_COMMANDS
 
 
+@pytest.mark.ray_up
+@pytest.mark.timeout(480)  # BUDGET_S + CLEANUP_S + the snapshot checks
 def test_ray_up_serves_both_modes_across_two_nodes(tmp_path):
     assert not cluster_processes(), "a loopback cluster is already running"
     before = leftovers_snapshot()
@@ -168,8 +171,14 @@ def test_ray_up_serves_both_modes_across_two_nodes(tmp_path):
     deadline = started + BUDGET_S
     failure: BaseException | None = None
     try:
-        for command in UP:
+        for command in UP[:-1]:
             run(command, deadline)
+        # Not in the README: more prefill workers than the cluster offers fails at once, naming the resource.
+        placement_started = time.monotonic()
+        out = run(UP[-1].replace("--prefill-workers 1", "--prefill-workers 5"), deadline, check=False)
+        assert run.returncode != 0 and "cannot place 5 prefill workers" in out and "'prefill'" in out, out[-2000:]
+        assert time.monotonic() - placement_started < 90  # includes waiting for the worker node to join
+        run(UP[-1], deadline)
         prompts = [[7, 19, 3, 88, 41] * 4, list(range(40, 110)), [250, 1, 2, 3] * 9]
         greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
         tokens: dict[str, list[list[int]]] = {}
