@@ -41,11 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--transport", default="nixl", choices=["nixl", "grpc"])
     p.add_argument("--torch-threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per worker)")
     args = p.parse_args(argv)
 
     engine = EngineConfig(
         model=args.model,
-        device="cpu",
+        device=args.device,
         max_num_batched_tokens=args.chunk,
         torch_threads=args.torch_threads,
         kv_cache_memory_gb=1.0,

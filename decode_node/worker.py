@@ -31,6 +31,7 @@ from pdserve.engine.request import Request
 from pdserve.kv_transfer import TransferTarget, make_transport
 
 from pdserve.messages import StepEvents, TokenUpdate, WorkerRequestStats, WorkerStats
+from pdserve.placement import current_node
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class DecodeWorker:
         self.aengine = AsyncEngine(
             engine, on_step=self._on_step, on_tick=self._on_tick, on_orphans=self._on_orphans, on_crash=self._on_crash
         )
+        self.node = current_node()  # where Ray placed this worker, for ready() and stats()
 
     async def ready(self) -> dict[str, Any]:
         """This worker's description; raises while its engine loop is dead (the process is being replaced)."""
@@ -104,6 +106,7 @@ class DecodeWorker:
         return {
             "worker_id": self.worker_id,
             "role": "decode",
+            "node": self.node,
             "num_blocks": engine.block_manager.num_blocks,
             "block_size": engine.config.block_size,
             "device": str(engine.device),
@@ -263,7 +266,8 @@ class DecodeWorker:
         self.aengine.loop.call(lambda e: [self._abort_on_loop(e, rid) for rid in request_ids])
 
     async def stats(self, steps_since: float | None = None) -> WorkerStats:
-        return await self.aengine.stats(self.worker_id, "decode", len(self._pending), self._kv_bytes, steps_since)
+        stats = await self.aengine.stats(self.worker_id, "decode", len(self._pending), self._kv_bytes, steps_since)
+        return stats._replace(node=self.node, device=str(self.aengine.engine.device))
 
     async def inject_fault(self, where: str = "step") -> None:
         """Fault tests: the next step raises inside the engine loop (as a bug or a device error would)."""

@@ -22,6 +22,7 @@ from pdserve.decode_node.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.kv_transfer.grpc_transport import GrpcConfig
 from pdserve.messages import WorkerStats
+from pdserve.placement import DECODE, PREFILL, place_workers
 from pdserve.prefill_node.worker import PUSH_MARGIN_S, PrefillWorker
 from pdserve.router.policy import RouterConfig
 from pdserve.router.process import RouterProcess
@@ -113,26 +114,24 @@ class Deployment:
             # CPU workers on this machine share its cores: oversubscribed OpenMP threads collapse
             workers = cfg.num_decode_workers + cfg.num_prefill_workers
             engine_config = replace(engine_config, torch_threads=max(1, (os.cpu_count() or 1) // workers))
-        options = {
-            "num_cpus": 0,
-            "num_gpus": 1 if use_gpu else 0,
-            "max_concurrency": 10_000,
-            "max_restarts": cfg.worker_max_restarts,
-        }
         transport_config = cfg.transport_config
         if transport_config is None and cfg.transport == "grpc":  # a push stream ends when its request fails
             transport_config = GrpcConfig(push_timeout_s=cfg.push_timeout_s)
         try:
+            placement = place_workers(cfg.num_prefill_workers, cfg.num_decode_workers, use_gpu)  # fails fast
+            common = {"max_concurrency": 10_000, "max_restarts": cfg.worker_max_restarts}
             decode_cls, prefill_cls = ray.remote(DecodeWorker), ray.remote(PrefillWorker)
+            decode_options = {**placement.actor_options(DECODE), **common}
+            prefill_options = {**placement.actor_options(PREFILL), **common}
             for i in range(cfg.num_decode_workers):
                 wid = f"decode-{i}"
-                actor = decode_cls.options(**options, **self._identity(wid)).remote(
+                actor = decode_cls.options(**decode_options, **self._identity(wid)).remote(
                     wid, engine_config, cfg.transport, transport_config, cfg.reservation_ttl_s
                 )
                 self.decode_workers.append(WorkerHandle(wid, "decode", actor))
             for i in range(cfg.num_prefill_workers):
                 wid = f"prefill-{i}"
-                actor = prefill_cls.options(**options, **self._identity(wid)).remote(
+                actor = prefill_cls.options(**prefill_options, **self._identity(wid)).remote(
                     wid, engine_config, cfg.transport, transport_config, cfg.push_timeout_s
                 )
                 self.prefill_workers.append(WorkerHandle(wid, "prefill", actor))

@@ -99,4 +99,6 @@ class WorkerStats(NamedTuple):
     num_steps: int
     kv_bytes_moved: int  # prefill: bytes pushed; decode: bytes received
     steps: tuple[StepStats, ...] = ()
+    node: str = ""  # the Ray node the worker runs on: "IP/node-id prefix"
+    device: str = ""  # its torch device
     state: str = "serving"  # "serving", or "unavailable" when the worker did not answer

@@ -33,6 +33,7 @@ from pdserve.engine.scheduler import admits_prefill
 from pdserve.kv_transfer import ChunkNotification, PushHandle, TransferTarget, make_transport
 
 from pdserve.messages import WorkerStats
+from pdserve.placement import current_node
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class PrefillWorker:
         self._kv_bytes = 0
         self._num_pushes = 0
         self.aengine = AsyncEngine(engine, on_step=self._on_step, on_tick=self._on_tick, on_crash=self._on_crash)
+        self.node = current_node()  # where Ray placed this worker, for ready() and stats()
 
     async def ready(self) -> dict[str, Any]:
         """This worker's description; raises while its engine loop is dead (the process is being replaced)."""
@@ -122,6 +124,7 @@ class PrefillWorker:
         return {
             "worker_id": self.worker_id,
             "role": "prefill",
+            "node": self.node,
             "num_blocks": engine.block_manager.num_blocks,
             "block_size": self.block_size,
             "device": str(engine.device),
@@ -332,7 +335,8 @@ class PrefillWorker:
 
     async def stats(self, steps_since: float | None = None) -> WorkerStats:
         in_flight = sum(len(j.handles) for j in list(self._jobs.values()))
-        return await self.aengine.stats(self.worker_id, "prefill", in_flight, self._kv_bytes, steps_since)
+        stats = await self.aengine.stats(self.worker_id, "prefill", in_flight, self._kv_bytes, steps_since)
+        return stats._replace(node=self.node, device=str(self.aengine.engine.device))
 
     async def check_integrity(self) -> None:
         await self.aengine.run(lambda e: e.block_manager.check_integrity())

@@ -1,7 +1,18 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs pdserve with its test extras. Idempotent.
+# Creates .venv (if missing) and installs pdserve with its test extras; as root on Debian, also
+# openssh-server and rsync when missing (for cluster/local.yaml). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The two-node `ray up` on loopback (cluster/local.yaml, tests/test_ray_up.py) needs sshd and rsync.
+if ! [ -x /usr/sbin/sshd ] || ! command -v rsync >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup.sh: installing openssh-server and rsync (Debian packages) for cluster/local.yaml" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server rsync >/dev/null ||
+      { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server rsync >/dev/null; }
+  else
+    echo "setup.sh: note: install openssh-server and rsync to try cluster/local.yaml (README, Deploy on a cluster)" >&2
+  fi
+fi
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv

@@ -1,6 +1,11 @@
-"""``pdserve``: generate (offline or from a router), serve, bench, sim."""
+"""``pdserve``: generate (offline or from a router), serve, status, bench, sim."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.messages import WorkerStats
 
 import argparse
 import sys
@@ -136,6 +141,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+STATUS_COLUMNS = ("worker", "role", "node", "device", "KV used", "cached", "free", "running", "waiting", "steps")
+_STATUS_COUNTS = ("blocks_used", "blocks_cached", "blocks_free", "num_running", "num_waiting", "num_steps")
+
+
+def format_status(workers: list[WorkerStats]) -> str:
+    """One aligned row per worker of a ``Client.stats()`` answer, under a header of ``STATUS_COLUMNS``."""
+    rows = [STATUS_COLUMNS]
+    for w in sorted(workers, key=lambda w: (w.role, w.worker_id)):
+        names = (w.worker_id, w.role, w.node or "-", w.device or "-")
+        rows.append((*names, *(str(getattr(w, k)) for k in _STATUS_COUNTS)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(STATUS_COLUMNS))]
+    return "\n".join("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import grpc
+
+    from pdserve.router.client import Client
+
+    try:
+        with Client(args.target) as client:
+            workers = client.stats()
+    except grpc.RpcError as e:
+        print(f"error: no answer from {args.target}: {e.code().name} {e.details()}", file=sys.stderr)
+        return 1
+    print(format_status(workers))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from pdserve.cli.demo import run_demo
 
@@ -159,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(s)
     _add_deployment_args(s)
     s.set_defaults(func=cmd_serve)
+
+    st = sub.add_parser("status", help="per-worker table of a running router: role, node, device, KV, load")
+    st.add_argument("--target", default="127.0.0.1:50051", help="router address")
+    st.set_defaults(func=cmd_status)
 
     d = sub.add_parser("demo", help="the main job: a local deployment, requests in every mode, a short A/B bench")
     add_engine_arguments(d, only=("model",))  # the demo sizes its engines for a 2-core machine itself

@@ -1,0 +1,163 @@
+"""Worker placement by node role: pure planning on node tables, then on a real local Ray instance."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+from pdserve.engine import EngineConfig, SamplingParams
+from pdserve.router.client import Client
+
+from pdserve.cli.main import STATUS_COLUMNS, format_status
+from pdserve.deployment import Deployment, DeploymentConfig
+from pdserve.placement import (
+    DECODE,
+    PREFILL,
+    NodeInfo,
+    Placement,
+    PlacementError,
+    check_free,
+    node_label,
+    plan_placement,
+)
+
+
+def _node(n: int, **resources: float) -> NodeInfo:
+    return NodeInfo(f"{n:02d}" * 14, f"10.0.0.{n}", {"CPU": 8, **resources})
+
+
+HEAD = _node(1)  # the router's node: no role
+PREFILL_NODE = _node(2, prefill=4)
+DECODE_NODE = _node(3, decode=4)
+
+
+def test_roles_send_each_worker_kind_to_its_nodes():
+    p = plan_placement([HEAD, PREFILL_NODE, DECODE_NODE], num_prefill=2, num_decode=3, use_gpu=False)
+    assert p.by_role
+    assert p.actor_options(PREFILL) == {"num_cpus": 0, "num_gpus": 0, "resources": {"prefill": 1}}
+    assert p.actor_options(DECODE) == {"num_cpus": 0, "num_gpus": 0, "resources": {"decode": 1}}
+    assert p.total_demand() == {"prefill": 2, "decode": 3}
+
+
+def test_colocated_workers_are_decode_workers():
+    p = plan_placement([PREFILL_NODE, DECODE_NODE], num_prefill=0, num_decode=4, use_gpu=False)
+    assert p.actor_options(DECODE)["resources"] == {"decode": 1}
+    assert p.total_demand() == {"prefill": 0, "decode": 4}
+
+
+def test_gpu_workers_take_one_gpu_each_on_their_role_nodes():
+    nodes = [HEAD, _node(2, prefill=8, GPU=8), _node(3, decode=8, GPU=8), _node(4, decode=8, GPU=8)]
+    p = plan_placement(nodes, num_prefill=8, num_decode=16, use_gpu=True)
+    assert p.actor_options(PREFILL) == {"num_cpus": 0, "num_gpus": 1, "resources": {"prefill": 1}}
+    assert p.actor_options(DECODE) == {"num_cpus": 0, "num_gpus": 1, "resources": {"decode": 1}}
+
+
+def test_no_role_anywhere_falls_back_to_plain_placement():
+    p = plan_placement([HEAD, _node(2)], num_prefill=3, num_decode=5, use_gpu=False)
+    assert not p.by_role
+    assert p.actor_options(PREFILL) == {"num_cpus": 0, "num_gpus": 0}
+    assert p.actor_options(DECODE) == {"num_cpus": 0, "num_gpus": 0}
+    gpu = plan_placement([_node(1, GPU=2), _node(2, GPU=2)], num_prefill=1, num_decode=3, use_gpu=True)
+    assert gpu.actor_options(DECODE) == {"num_cpus": 0, "num_gpus": 1}
+
+
+def test_a_role_no_node_offers_is_named():
+    with pytest.raises(PlacementError, match=r"cannot place 1 prefill worker .*no node offers the resource 'prefill'"):
+        plan_placement([HEAD, DECODE_NODE], num_prefill=1, num_decode=1, use_gpu=False)
+
+
+def test_too_few_role_units_are_named():
+    with pytest.raises(PlacementError, match=r"cannot place 5 decode workers.*4 'decode' in total, 5 needed"):
+        plan_placement([PREFILL_NODE, DECODE_NODE], num_prefill=1, num_decode=5, use_gpu=False)
+
+
+def test_too_few_gpus_on_the_role_nodes_are_named():
+    nodes = [_node(2, prefill=4, GPU=1), _node(3, decode=4, GPU=4), _node(4, GPU=8)]
+    with pytest.raises(PlacementError, match=r"prefill workers.*nodes offering 'prefill' have 1 'GPU' in total, 2"):
+        plan_placement(nodes, num_prefill=2, num_decode=1, use_gpu=True)
+    with pytest.raises(PlacementError, match=r"cannot place 3 decode workers.*the cluster's nodes have 2 'GPU'"):
+        plan_placement([_node(1, GPU=1), _node(2, GPU=1)], num_prefill=0, num_decode=3, use_gpu=True)
+
+
+def test_a_node_offering_both_roles_shares_its_gpus_between_them():
+    both = _node(2, prefill=4, decode=4, GPU=4)
+    plan_placement([both], num_prefill=2, num_decode=2, use_gpu=True)
+    with pytest.raises(PlacementError, match="'GPU'"):
+        plan_placement([both], num_prefill=2, num_decode=3, use_gpu=True)
+
+
+def test_check_free_waits_briefly_then_names_what_is_held():
+    p = Placement(True, {PREFILL: {"prefill": 1}, DECODE: {"decode": 1}}, {PREFILL: 1, DECODE: 2})
+    answers = iter([{"prefill": 1, "decode": 1}, {"prefill": 1, "decode": 2}])
+    check_free(p, lambda: next(answers), wait_s=5.0, poll_s=0.01)  # freed on the second look
+    start = time.monotonic()
+    with pytest.raises(PlacementError, match=r"'decode': 2 needed, 1 free"):
+        check_free(p, lambda: {"prefill": 1, "decode": 1}, wait_s=0.2, poll_s=0.01)
+    assert time.monotonic() - start < 2
+
+
+def test_node_label_and_roles():
+    assert node_label("127.0.0.3", "abcdef0123456789") == "127.0.0.3/abcdef01"
+    assert DECODE_NODE.roles == (DECODE,) and HEAD.roles == ()
+    assert _node(5, prefill=1, decode=2).roles == (PREFILL, DECODE)
+
+
+def test_status_table_has_a_row_per_worker():
+    from pdserve.messages import WorkerStats
+
+    def worker(wid, role, node, device, used, cached, free, running, waiting, steps):
+        return WorkerStats(wid, role, used + cached + free, free, cached, used, running, waiting, 0, 0, steps, 0,
+                           node=node, device=device)  # fmt: skip
+
+    workers = [
+        worker("prefill-0", "prefill", "127.0.0.2/aa", "cpu", 3, 1, 60, 0, 0, 9),
+        worker("decode-0", "decode", "", "cuda:0", 12, 4, 48, 2, 1, 120),
+    ]
+    lines = format_status(workers).splitlines()
+    assert lines[0].split() == ["worker", "role", "node", "device", "KV", "used", *STATUS_COLUMNS[5:]]
+    assert lines[1].split() == ["decode-0", "decode", "-", "cuda:0", "12", "4", "48", "2", "1", "120"]
+    assert lines[2].split() == ["prefill-0", "prefill", "127.0.0.2/aa", "cpu", "3", "1", "60", "0", "0", "9"]
+
+
+# ---- on a local Ray instance whose one node offers the roles ----------------------------------------
+ENGINE = EngineConfig(model="tiny", device="cpu", num_kv_blocks=128, torch_threads=1, max_model_len=512)
+
+
+@pytest.mark.cluster
+def test_deployment_places_by_role_reports_nodes_and_fails_fast():
+    ray.init(num_cpus=2, resources={"decode": 1, "prefill": 1}, include_dashboard=False, log_to_driver=False)
+    try:
+        config = DeploymentConfig(engine=ENGINE, mode="disaggregated", num_prefill_workers=1, port=0)
+        with Deployment(config) as d:
+            free = ray.available_resources()
+            assert free.get("prefill", 0) == 0 and free.get("decode", 0) == 0  # each worker holds its unit
+            (node,) = [n for n in ray.nodes() if n["Alive"]]
+            label = node_label(node["NodeManagerAddress"], node["NodeID"])
+            infos = ray.get([w.actor.ready.remote() for w in d.workers])
+            assert [i["node"] for i in infos] == [label, label]
+            with Client(d.address) as client:
+                tokens = [t for c in client.generate([5, 6, 7, 8], SamplingParams(max_tokens=4)) for t in c.token_ids]
+                assert len(tokens) == 4
+                stats = client.stats()
+            assert {(w.role, w.node, w.device) for w in stats} == {
+                ("prefill", label, "cpu"),
+                ("decode", label, "cpu"),
+            }
+            assert len(format_status(stats).splitlines()) == 3
+            # The units are taken: a second deployment cannot start and says why, at once.
+            start = time.monotonic()
+            with pytest.raises(PlacementError, match=r"'decode': 1 needed, 0 free"):
+                Deployment(DeploymentConfig(engine=ENGINE, port=0)).start()
+            assert time.monotonic() - start < 15
+        start = time.monotonic()
+        too_many = DeploymentConfig(engine=ENGINE, mode="disaggregated", num_prefill_workers=2, port=0)
+        with pytest.raises(PlacementError, match=r"cannot place 2 prefill workers.*1 'prefill' in total, 2 needed"):
+            Deployment(too_many).start()
+        assert time.monotonic() - start < 10
+        deadline = time.monotonic() + 10  # nothing half-started holds a unit once the first deployment stopped
+        while ray.available_resources().get("prefill", 0) < 1 or ray.available_resources().get("decode", 0) < 1:
+            assert time.monotonic() < deadline, ray.available_resources()
+            time.sleep(0.1)
+    finally:
+        ray.shutdown()
