@@ -89,6 +89,10 @@ class DecodeWorker:
         self.transport = make_transport(transport, transport_config)
         self.transport.register_pool(engine.kv_cache)
         self.target = self.transport.describe()
+        # request -> its reserved blocks, read by the transport's receiver threads: pushes into
+        # anything else are refused (gRPC; NIXL's one-sided writes cannot be checked on arrival)
+        self._reserved_blocks: dict[str, frozenset[int]] = {}
+        self.transport.set_push_filter(self._accepts_push)
         self._pending: dict[str, _Pending] = {}  # touched on the loop thread only
         self._served: dict[str, _Served] = {}  # loop thread only
         self._kv_bytes = 0
@@ -147,6 +151,7 @@ class DecodeWorker:
                 return None
             now = time.monotonic()
             self._pending[request_id] = _Pending(deadline=now + self.reservation_ttl_s, reserved_at=now)
+            self._reserved_blocks[request_id] = frozenset(reservation.block_ids)
             return ReserveResult(
                 self.worker_id,
                 self.target,
@@ -177,6 +182,10 @@ class DecodeWorker:
             self.aengine.unclaim(request_id)
             raise
 
+    def _accepts_push(self, request_id: str, block_ids: list[int]) -> bool:
+        reserved = self._reserved_blocks.get(request_id)
+        return reserved is not None and reserved.issuperset(block_ids)
+
     def _on_tick(self, engine: LLMEngine) -> None:
         for note in self.transport.poll_notifications():
             pending = self._pending.get(note.request_id)
@@ -192,6 +201,7 @@ class DecodeWorker:
                 if now > pending.deadline:
                     log.warning("%s: KV for %s did not arrive in time; freeing its blocks", self.worker_id, request_id)
                     self._pending.pop(request_id)
+                    self._reserved_blocks.pop(request_id, None)
                     engine.abort(request_id)
                     self._end(request_id, error="KV transfer deadline passed")
 
@@ -203,6 +213,7 @@ class DecodeWorker:
         if pending.first_token is None:
             return
         del self._pending[request_id]
+        self._reserved_blocks.pop(request_id, None)
         request = engine.get_request(request_id)
         assert request is not None
         pushed_blocks = len(request.block_ids) - request.num_cached_tokens // engine.config.block_size
@@ -256,6 +267,7 @@ class DecodeWorker:
 
     def _abort_on_loop(self, engine: LLMEngine, request_id: str) -> bool:
         self._pending.pop(request_id, None)
+        self._reserved_blocks.pop(request_id, None)
         found = engine.abort(request_id)
         if found:
             self._end(request_id)
@@ -267,7 +279,9 @@ class DecodeWorker:
 
     async def stats(self, steps_since: float | None = None) -> WorkerStats:
         stats = await self.aengine.stats(self.worker_id, "decode", len(self._pending), self._kv_bytes, steps_since)
-        return stats._replace(node=self.node, device=str(self.aengine.engine.device))
+        return stats._replace(
+            node=self.node, device=str(self.aengine.engine.device), kv_pushes_refused=self.transport.num_pushes_refused
+        )
 
     async def inject_fault(self, where: str = "step") -> None:
         """Fault tests: the next step raises inside the engine loop (as a bug or a device error would)."""

@@ -25,7 +25,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -290,6 +290,8 @@ class KVTransport(abc.ABC):
         self._pool: torch.Tensor | None = None
         self._layout: PoolLayout | None = None
         self._closed = False
+        self._push_filter: Callable[[str, list[int]], bool] | None = None
+        self.num_pushes_refused = 0  # incoming pushes this receiver turned away (see set_push_filter)
 
     @property
     def target_id(self) -> str:
@@ -300,6 +302,14 @@ class KVTransport(abc.ABC):
     def layout(self) -> PoolLayout | None:
         """Geometry of the registered pool, or None before ``register_pool``."""
         return self._layout
+
+    def set_push_filter(self, accepts: Callable[[str, list[int]], bool] | None) -> None:
+        """Receiver side: ``accepts(request_id, dst_block_ids)`` must be True for a push to be written.
+
+        Transports that see each push arrive (gRPC) refuse any other push and count it in
+        ``num_pushes_refused``; a one-sided transport (NIXL WRITE) cannot check, and ignores it.
+        """
+        self._push_filter = accepts
 
     def register_pool(self, pool: torch.Tensor) -> None:
         """Register this worker's KV pool (contiguous, block-major; see module docstring).

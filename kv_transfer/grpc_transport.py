@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import hmac
 import logging
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -67,6 +68,8 @@ class GrpcConfig:
             4 MiB default); a block must fit in one message.
         server_threads: receiver thread pool size (concurrent incoming pushes).
         push_timeout_s: gRPC deadline of one push stream.
+        secret: a deployment's shared secret: senders present it with every push, and a receiver
+            with a secret refuses (UNAUTHENTICATED, counted) any push that does not carry it.
     """
 
     host: str = "127.0.0.1"
@@ -75,6 +78,7 @@ class GrpcConfig:
     max_message_bytes: int = 64 * _MIB
     server_threads: int = 4
     push_timeout_s: float = 120.0
+    secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -95,6 +99,8 @@ class GrpcConfig:
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["KVTransfer"]
 _METHOD = f"/{_SERVICE.full_name}/PushBlocks"
+_SECRET_KEY = "x-pdserve-kv-secret"  # gRPC metadata of every push: the deployment's shared secret
+_REQUEST_KEY = "x-pdserve-request-id"  # ... and the request whose reservation it writes into
 _DATA_FIELD = pb.BlockPayload.DESCRIPTOR.fields_by_name["data"].number
 _DATA_TAG = bytes([(_DATA_FIELD << 3) | 2])  # field 4, length-delimited
 
@@ -206,8 +212,20 @@ class _Servicer:
     def __init__(self, transport: GrpcTransport) -> None:
         self._t = transport
 
+    def _refuse(self, context: grpc.ServicerContext, code: grpc.StatusCode, why: str) -> None:
+        with self._t._lock:
+            self._t.num_pushes_refused += 1
+        logger.warning("refused a KV push from %s: %s", context.peer(), why)
+        context.abort(code, why)
+
     def PushBlocks(self, request_iterator: Iterator[_Payload], context: grpc.ServicerContext) -> pb.PushAck:
         t = self._t
+        metadata = dict(context.invocation_metadata())
+        secret = t.config.secret
+        if secret and not hmac.compare_digest(metadata.get(_SECRET_KEY, "").encode(), secret.encode()):
+            self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "push without this deployment's KV secret")
+        request_id = metadata.get(_REQUEST_KEY, "")
+        accepts = t._push_filter
         pool, layout = t._pool, t._layout
         if pool is None or layout is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "receiver has no registered pool")
@@ -237,6 +255,12 @@ class _Servicer:
                 )
             if n:
                 ids = list(msg.dst_block_ids)
+                if accepts is not None and not accepts(request_id, ids):
+                    self._refuse(
+                        context,
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        f"no reservation of {request_id!r} holds these blocks",
+                    )
                 if max(ids) >= layout.num_blocks:
                     context.abort(
                         grpc.StatusCode.INVALID_ARGUMENT,
@@ -406,10 +430,10 @@ class GrpcTransport(KVTransport):
 
     def _run_push(self, peer: _Peer, push: _Push) -> pb.PushAck:
         try:
-            ack = peer.push_blocks(
-                self._messages(push),
-                timeout=self.config.push_timeout_s,
-            )
+            metadata = [(_REQUEST_KEY, push.notification.request_id)]
+            if self.config.secret:
+                metadata.append((_SECRET_KEY, self.config.secret))
+            ack = peer.push_blocks(self._messages(push), timeout=self.config.push_timeout_s, metadata=metadata)
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
             details = e.details() if hasattr(e, "details") else str(e)

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -27,6 +29,7 @@ from pdserve.prefill_node.worker import PUSH_MARGIN_S, PrefillWorker
 from pdserve.router.policy import RouterConfig
 from pdserve.router.process import RouterProcess
 from pdserve.router.router import WorkerHandle
+from pdserve.router.server import ServerSecurity
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,9 @@ class DeploymentConfig:
     # Named, detached workers outlive the process that started them: a router process that restarts
     # (`pdserve serve --address auto` again) finds the running workers instead of starting a second set.
     detached_workers: bool = False
+    auth_token: str | None = None  # clients must send `authorization: Bearer <token>`
+    tls_cert_file: str | None = None  # PEM certificate chain and key: the client API speaks TLS
+    tls_key_file: str | None = None
     ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -70,6 +76,14 @@ class DeploymentConfig:
             raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
         if self.transport not in ("nixl", "grpc"):
             raise ValueError(f"transport must be nixl or grpc, got {self.transport!r}")
+
+    def security(self) -> ServerSecurity:
+        """What the routers' gRPC servers require of clients; reads the TLS files (fails fast if unreadable)."""
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        cert = Path(self.tls_cert_file).read_bytes() if self.tls_cert_file else None
+        key = Path(self.tls_key_file).read_bytes() if self.tls_key_file else None
+        return ServerSecurity(self.auth_token, cert, key)
 
     def router_config(self) -> RouterConfig:
         base = self.router or RouterConfig()
@@ -115,8 +129,9 @@ class Deployment:
             workers = cfg.num_decode_workers + cfg.num_prefill_workers
             engine_config = replace(engine_config, torch_threads=max(1, (os.cpu_count() or 1) // workers))
         transport_config = cfg.transport_config
-        if transport_config is None and cfg.transport == "grpc":  # a push stream ends when its request fails
-            transport_config = GrpcConfig(push_timeout_s=cfg.push_timeout_s)
+        if transport_config is None and cfg.transport == "grpc":
+            # a push stream ends when its request fails; only this deployment's workers may push
+            transport_config = GrpcConfig(push_timeout_s=cfg.push_timeout_s, secret=secrets.token_hex(16))
         try:
             placement = place_workers(cfg.num_prefill_workers, cfg.num_decode_workers, use_gpu)  # fails fast
             common = {"max_concurrency": 10_000, "max_restarts": cfg.worker_max_restarts}
@@ -158,9 +173,10 @@ class Deployment:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         router_cls = ray.remote(RouterProcess).options(num_cpus=0, scheduling_strategy=here, max_concurrency=100_000)
         port = cfg.port
+        security = cfg.security()
         for i in range(cfg.num_routers):
             router = router_cls.remote(
-                f"router-{i}", cfg.router_config(), engine_config, self.decode_workers, self.prefill_workers
+                f"router-{i}", cfg.router_config(), engine_config, self.decode_workers, self.prefill_workers, security
             )
             self.routers.append(router)
             port = ray.get(router.start.remote(cfg.host, port), timeout=120)  # the next ones share this port

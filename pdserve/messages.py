@@ -102,3 +102,4 @@ class WorkerStats(NamedTuple):
     node: str = ""  # the Ray node the worker runs on: "IP/node-id prefix"
     device: str = ""  # its torch device
     state: str = "serving"  # "serving", or "unavailable" when the worker did not answer
+    kv_pushes_refused: int = 0  # decode: incoming KV pushes turned away (no secret, no such reservation)

@@ -52,9 +52,26 @@ def _stats(resp: pb.StatsResponse) -> list[WorkerStats]:
     return [worker_stats_from_proto(w) for w in resp.workers]
 
 
+def _metadata(auth_token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+
+
 class Client:
-    def __init__(self, target: str, timeout_s: float = 600.0) -> None:
-        self._channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
+    """A blocking client. ``root_certificates`` (PEM) switches to TLS; ``auth_token`` is sent as a bearer token."""
+
+    def __init__(
+        self,
+        target: str,
+        timeout_s: float = 600.0,
+        auth_token: str | None = None,
+        root_certificates: bytes | None = None,
+    ) -> None:
+        if root_certificates is not None:
+            credentials = grpc.ssl_channel_credentials(root_certificates)
+            self._channel = grpc.secure_channel(target, credentials, options=GRPC_OPTIONS)
+        else:
+            self._channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
+        self._md = _metadata(auth_token)
         self._stub = pb_grpc.PDServeStub(self._channel)
         self.timeout_s = timeout_s
 
@@ -69,7 +86,9 @@ class Client:
 
         Closing the iterator early cancels the request on the server.
         """
-        call = self._stub.Generate(_request(prompt, params, mode, request_id), timeout=self.timeout_s)
+        call = self._stub.Generate(
+            _request(prompt, params, mode, request_id), timeout=self.timeout_s, metadata=self._md
+        )
         try:
             for resp in call:
                 yield _chunk(resp)
@@ -77,14 +96,14 @@ class Client:
             call.cancel()
 
     def abort(self, request_id: str) -> bool:
-        return self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=30).found
+        return self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=30, metadata=self._md).found
 
     def health(self) -> pb.HealthResponse:
-        return self._stub.Health(pb.HealthRequest(), timeout=30)
+        return self._stub.Health(pb.HealthRequest(), timeout=30, metadata=self._md)
 
     def stats(self, steps_since: float | None = None) -> list[WorkerStats]:
         req = pb.StatsRequest(include_steps=steps_since is not None, steps_since=steps_since or 0.0)
-        return _stats(self._stub.Stats(req, timeout=30))
+        return _stats(self._stub.Stats(req, timeout=30, metadata=self._md))
 
     def close(self) -> None:
         self._channel.close()
@@ -97,8 +116,21 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, target: str, timeout_s: float = 600.0) -> None:
-        self._channel = grpc.aio.insecure_channel(target, options=GRPC_OPTIONS)
+    """The asyncio client; the same options as ``Client``."""
+
+    def __init__(
+        self,
+        target: str,
+        timeout_s: float = 600.0,
+        auth_token: str | None = None,
+        root_certificates: bytes | None = None,
+    ) -> None:
+        if root_certificates is not None:
+            credentials = grpc.ssl_channel_credentials(root_certificates)
+            self._channel = grpc.aio.secure_channel(target, credentials, options=GRPC_OPTIONS)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=GRPC_OPTIONS)
+        self._md = _metadata(auth_token)
         self._stub = pb_grpc.PDServeStub(self._channel)
         self.timeout_s = timeout_s
 
@@ -109,7 +141,9 @@ class AsyncClient:
         mode: str | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[GenerateChunk]:
-        call = self._stub.Generate(_request(prompt, params, mode, request_id), timeout=self.timeout_s)
+        call = self._stub.Generate(
+            _request(prompt, params, mode, request_id), timeout=self.timeout_s, metadata=self._md
+        )
         try:
             async for resp in call:
                 yield _chunk(resp)
@@ -117,14 +151,14 @@ class AsyncClient:
             call.cancel()  # no-op when the stream completed; tells the server when we stop early
 
     async def abort(self, request_id: str) -> bool:
-        return (await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=30)).found
+        return (await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=30, metadata=self._md)).found
 
     async def health(self) -> pb.HealthResponse:
-        return await self._stub.Health(pb.HealthRequest(), timeout=30)
+        return await self._stub.Health(pb.HealthRequest(), timeout=30, metadata=self._md)
 
     async def stats(self, steps_since: float | None = None) -> list[WorkerStats]:
         req = pb.StatsRequest(include_steps=steps_since is not None, steps_since=steps_since or 0.0)
-        return _stats(await self._stub.Stats(req, timeout=30))
+        return _stats(await self._stub.Stats(req, timeout=30, metadata=self._md))
 
     async def close(self) -> None:
         await self._channel.close()

@@ -16,7 +16,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.router.policy import RouterConfig
 from pdserve.router.router import ModelLimits, Router, WorkerHandle
-from pdserve.router.server import start_server
+from pdserve.router.server import ServerSecurity, start_server
 
 
 class RouterProcess:
@@ -29,16 +29,18 @@ class RouterProcess:
         engine_config: EngineConfig,
         decode_workers: list[WorkerHandle],
         prefill_workers: list[WorkerHandle],
+        security: ServerSecurity | None = None,
     ) -> None:
         model_config = ModelConfig.load(engine_config.model)
         limits = ModelLimits(model_config.vocab_size, engine_config.max_model_len)  # type: ignore[arg-type]
         tokenizer = load_tokenizer(engine_config.model, model_config.eos_token_id)
         self.router = Router(config, decode_workers, prefill_workers, limits, tokenizer, router_id)
         self._server: Any = None
+        self._security = security
 
     async def start(self, host: str, port: int) -> int:
         await self.router.start()
-        self._server, bound = await start_server(self.router, host, port)
+        self._server, bound = await start_server(self.router, host, port, self._security)
         return bound
 
     async def stop(self, grace_s: float = 1.0) -> None:

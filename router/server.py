@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -145,12 +146,54 @@ def _handlers(servicer: PDServeServicer, max_bytes: int) -> grpc.GenericRpcHandl
     return grpc.method_handlers_generic_handler("pdserve.PDServe", methods)
 
 
-async def start_server(router: Router, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+class ServerSecurity(NamedTuple):
+    """Optional protection of the client API: TLS (PEM bytes) and a bearer token."""
+
+    auth_token: str | None = None  # clients send `authorization: Bearer <token>`
+    tls_cert_chain: bytes | None = None
+    tls_private_key: bytes | None = None
+
+
+class BearerTokenAuth(grpc.aio.ServerInterceptor):
+    """Refuses (UNAUTHENTICATED) every call without the expected bearer token, comparing in constant time.
+
+    The standard health service stays open: load balancers and Kubernetes probe it without credentials.
+    """
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+        self.num_refused = 0
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (authorization)")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return await continuation(details)
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected):
+            return await continuation(details)
+        self.num_refused += 1
+        return self._deny
+
+
+async def start_server(
+    router: Router, host: str, port: int, security: ServerSecurity | None = None
+) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the bound port (``port=0`` picks a free one)."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    security = security or ServerSecurity()
+    interceptors = [BearerTokenAuth(security.auth_token)] if security.auth_token else []
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     server.add_generic_rpc_handlers((_handlers(PDServeServicer(router), router.config.max_request_bytes),))
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if security.tls_cert_chain is not None and security.tls_private_key is not None:
+        credentials = grpc.ssl_server_credentials([(security.tls_private_key, security.tls_cert_chain)])
+        bound = server.add_secure_port(address, credentials)
+    else:
+        bound = server.add_insecure_port(address)
     if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
+        raise OSError(f"cannot listen on {address}")
     await server.start()
     return server, bound

@@ -382,3 +382,30 @@ def test_push_between_two_ray_actors(ray_cluster: Any, kind: str) -> None:
                 ray.get(actor.close.remote(), timeout=30)
             finally:
                 ray.kill(actor)
+
+
+def test_grpc_receiver_refuses_pushes_without_the_secret_or_outside_a_reservation() -> None:
+    receiver = make_transport("grpc", GrpcConfig(secret="deployment-secret"))
+    strangers = make_transport("grpc")
+    insiders = make_transport("grpc", GrpcConfig(secret="deployment-secret"))
+    try:
+        dst_pool = _pool()
+        receiver.register_pool(dst_pool)
+        receiver.set_push_filter(lambda rid, ids: rid == "req-1" and set(ids) <= {3, 4})
+        target = receiver.describe()
+        for t in (strangers, insiders):
+            t.register_pool(_pool().normal_())
+        with pytest.raises(KVTransferError, match="UNAUTHENTICATED"):
+            strangers.push(target, [1], [3], _notif()).wait(10.0)
+        with pytest.raises(KVTransferError, match="PERMISSION_DENIED"):
+            insiders.push(target, [1], [5], _notif()).wait(10.0)  # not a reserved block
+        with pytest.raises(KVTransferError, match="PERMISSION_DENIED"):
+            insiders.push(target, [1], [3], _notif(rid="req-2")).wait(10.0)  # no such reservation
+        assert receiver.num_pushes_refused == 3
+        assert not dst_pool.any() and receiver.poll_notifications() == []
+        insiders.push(target, [1, 2], [3, 4], _notif(last=True)).wait(10.0)
+        assert torch.equal(dst_pool[3], insiders._pool[1]) and torch.equal(dst_pool[4], insiders._pool[2])
+        assert _poll_until(receiver, 1) == [_notif(last=True)]
+    finally:
+        for t in (receiver, strangers, insiders):
+            t.close()

@@ -8,7 +8,9 @@ if TYPE_CHECKING:
     from pdserve.messages import WorkerStats
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from pdserve.engine.options import add_engine_arguments, engine_config_from_args
 
@@ -35,9 +37,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     if args.offline:
         return _generate_offline(args, params)
-    from pdserve.router.client import Client
 
-    with Client(args.target) as client:
+    with _client(args) as client:
         final = None
         for chunk in client.generate(args.prompt, params, mode=args.mode):
             sys.stdout.write(chunk.text)
@@ -74,6 +75,21 @@ def _generate_offline(args: argparse.Namespace, params) -> int:
     return 0
 
 
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="127.0.0.1:50051", help="router address")
+    p.add_argument(
+        "--auth-token", default=os.environ.get("PDSERVE_AUTH_TOKEN"), help="bearer token ($PDSERVE_AUTH_TOKEN)"
+    )
+    p.add_argument("--tls-ca", default=None, help="PEM file of the CA to trust: connect with TLS")
+
+
+def _client(args: argparse.Namespace):
+    from pdserve.router.client import Client
+
+    ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+    return Client(args.target, auth_token=args.auth_token, root_certificates=ca)
+
+
 def _add_deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mode",
@@ -87,6 +103,13 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--routers", type=int, default=1, help="router processes, all on --port (SO_REUSEPORT)")
+    p.add_argument(
+        "--auth-token",
+        default=os.environ.get("PDSERVE_AUTH_TOKEN"),
+        help="require this bearer token ($PDSERVE_AUTH_TOKEN)",
+    )
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve the client API over TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--address", default=None, help="Ray cluster to join ('auto' or host:port); default: local")
     p.add_argument("--auto-min-remote-tokens", type=int, default=512)
     p.add_argument("--auto-max-prefill-queue-tokens", type=int, default=16384)
@@ -108,6 +131,9 @@ def deployment_config_from_args(args: argparse.Namespace):
         num_routers=args.routers,
         address=args.address,
         detached_workers=args.address is not None,  # on a cluster, a restarted `serve` finds its workers
+        auth_token=args.auth_token,
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
         router=RouterConfig(
             auto_min_remote_tokens=args.auto_min_remote_tokens,
             auto_max_prefill_queue_tokens=args.auto_max_prefill_queue_tokens,
@@ -158,10 +184,8 @@ def format_status(workers: list[WorkerStats]) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     import grpc
 
-    from pdserve.router.client import Client
-
     try:
-        with Client(args.target) as client:
+        with _client(args) as client:
             workers = client.stats()
     except grpc.RpcError as e:
         print(f"error: no answer from {args.target}: {e.code().name} {e.details()}", file=sys.stderr)
@@ -183,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="stream a completion (in-process with --offline, else from a router)")
     g.add_argument("prompt")
     g.add_argument("--offline", action="store_true", help="run the engine in this process")
-    g.add_argument("--target", default="127.0.0.1:50051", help="router address (without --offline)")
+    _add_client_args(g)
     g.add_argument("--mode", default=None, choices=["colocated", "disaggregated", "auto"])
     _add_sampling_args(g)
     add_engine_arguments(g, exclude=("seed",), title="engine (with --offline)")  # --seed: the sampling seed
@@ -195,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     st = sub.add_parser("status", help="per-worker table of a running router: role, node, device, KV, load")
-    st.add_argument("--target", default="127.0.0.1:50051", help="router address")
+    _add_client_args(st)
     st.set_defaults(func=cmd_status)
 
     d = sub.add_parser("demo", help="the main job: a local deployment, requests in every mode, a short A/B bench")

@@ -1,0 +1,116 @@
+"""Access to the client API: loopback by default, optional TLS and bearer-token auth (real servers)."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+
+import grpc
+import psutil
+import pytest
+import ray
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from pdserve.engine import EngineConfig, SamplingParams
+from pdserve.router.client import Client
+
+from pdserve.deployment import Deployment, DeploymentConfig
+
+pytestmark = pytest.mark.cluster
+
+ENGINE = EngineConfig(model="tiny", device="cpu", num_kv_blocks=64, torch_threads=1, max_model_len=256)
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _key_and_name(common_name: str):
+    return ec.generate_private_key(ec.SECP256R1()), x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _pem(obj) -> bytes:
+    if isinstance(obj, x509.Certificate):
+        return obj.public_bytes(serialization.Encoding.PEM)
+    return obj.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def make_ca_and_server_cert() -> tuple[bytes, bytes, bytes]:
+    """A throwaway CA and a certificate it signed for localhost / 127.0.0.1: (ca, cert, key) as PEM."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, ca_name = _key_and_name("pdserve test CA")
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key, name = _key_and_name("localhost")
+    san = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(san, critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return _pem(ca), _pem(cert), _pem(key)
+
+
+def test_the_router_listens_on_loopback_only_by_default(ray_cluster):
+    assert DeploymentConfig().host == "127.0.0.1"
+    with Deployment(DeploymentConfig(engine=ENGINE)) as d:
+        port = int(d.address.rsplit(":", 1)[1])
+        pid = d.router_usage()[0]["pid"]
+        listening = {c.laddr for c in psutil.Process(pid).net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+        on_port = [ipaddress.ip_address(addr.ip) for addr in listening if addr.port == port]
+        on_port = [getattr(ip, "ipv4_mapped", None) or ip for ip in on_port]  # gRPC binds a dual-stack socket
+        assert on_port and all(ip.is_loopback for ip in on_port), listening
+
+
+def test_a_bearer_token_is_required_when_configured(ray_cluster):
+    with Deployment(DeploymentConfig(engine=ENGINE, auth_token="s3cret-token")) as d:
+        for token in (None, "wrong-token", "s3cret-token-but-longer"):
+            with Client(d.address, auth_token=token) as c:
+                for call in (lambda c=c: list(c.generate([1, 2, 3], PARAMS)), c.stats, c.health):
+                    with pytest.raises(grpc.RpcError) as err:
+                        call()
+                    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with Client(d.address, auth_token="s3cret-token") as c:
+            assert len([t for chunk in c.generate([1, 2, 3], PARAMS) for t in chunk.token_ids]) == 4
+            assert c.health().ok
+
+
+def test_tls_serves_clients_that_trust_its_ca_and_nobody_else(ray_cluster, tmp_path):
+    ca, cert, key = make_ca_and_server_cert()
+    other_ca, _, _ = make_ca_and_server_cert()
+    (tmp_path / "cert.pem").write_bytes(cert)
+    (tmp_path / "key.pem").write_bytes(key)
+    config = DeploymentConfig(
+        engine=ENGINE, tls_cert_file=str(tmp_path / "cert.pem"), tls_key_file=str(tmp_path / "key.pem")
+    )
+    with Deployment(config) as d:
+        target = d.address.replace("127.0.0.1", "localhost")
+        with Client(target, root_certificates=ca) as c:
+            assert len([t for chunk in c.generate([1, 2, 3], PARAMS) for t in chunk.token_ids]) == 4
+        for client in (Client(target, timeout_s=5), Client(target, timeout_s=5, root_certificates=other_ca)):
+            with client, pytest.raises(grpc.RpcError) as err:
+                list(client.generate([1, 2, 3], PARAMS))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
