@@ -341,3 +341,26 @@ def test_bad_bodies_and_chat_requests_get_400(deployment):
     for body_in, param in chat_cases:
         status, body = http(deployment, "POST", "/v1/chat/completions", body_in)
         assert status == 400 and body["error"]["param"] == param, body
+
+
+# ---- the benchmark, pointed at the HTTP API ----------------------------------------------------------------
+
+
+def test_pdserve_bench_measures_an_openai_compatible_target(deployment, tmp_path):
+    from pdserve.bench.runner import main
+
+    out = tmp_path / "http"
+    args = ["--target", deployment.http_url, "--architectures", "colocated,disaggregated", "--num-requests", "4"]
+    args += ["--rate", "20", "--prompt-len-mean", "60", "--prompt-len-max", "120", "--output-len-mean", "6"]
+    args += ["--output-len-max", "10", "--warmup", "1", "--no-progress", "--out", str(out)]
+    assert main(args) == 0
+    runs = {r["name"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    assert set(runs) == {"colocated", "disaggregated"}
+    for name, run in runs.items():
+        assert len(run["requests"]) == 4 and run["metrics"]["completed"] == 4
+        for req in run["requests"]:
+            assert req["ok"], req["error"]
+            assert len(req["token_times"]) == req["num_output_tokens"] >= 1  # a timestamp for every token
+            assert req["meta"]["mode"] == name and req["meta"]["num_output_tokens"] == req["num_output_tokens"]
+    assert runs["disaggregated"]["kv_bytes_moved"] > 0 and runs["colocated"]["kv_bytes_moved"] == 0
+    assert (out / "report.md").stat().st_size > 0
