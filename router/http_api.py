@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import time
 import uuid
@@ -40,6 +41,8 @@ from pdserve.router.router import GenerateInput, RequestError, Router, RouterEve
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from pdserve.messages import RequestMetrics
+
+log = logging.getLogger(__name__)
 
 MODES = ("colocated", "disaggregated", "auto")
 MAX_STOP_STRINGS = 4
@@ -348,6 +351,11 @@ def build_app(router: Router, model_name: str) -> FastAPI:
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
         return bad_request(message, param).response()
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.exception("HTTP %s %s failed", request.method, request.url.path)
+        return ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error", None, "internal").response()
+
     @app.get("/health")
     async def health() -> JSONResponse:
         ok, status = await router.health()
@@ -464,7 +472,9 @@ async def _collect(job: _Job, first: RouterEvent | None) -> tuple[str, list[int]
     return "".join(texts), token_ids, reason, metrics
 
 
-async def _stream_completion(job: _Job, first: RouterEvent | None, base: dict[str, Any], body: _Sampling):
+async def _stream_completion(
+    job: _Job, first: RouterEvent | None, base: dict[str, Any], body: _Sampling
+) -> AsyncIterator[str]:
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     extra = {"usage": None} if include_usage else {}
     metrics = None
@@ -489,7 +499,9 @@ async def _stream_completion(job: _Job, first: RouterEvent | None, base: dict[st
     yield "data: [DONE]\n\n"
 
 
-async def _stream_chat(job: _Job, first: RouterEvent | None, base: dict[str, Any], body: _Sampling):
+async def _stream_chat(
+    job: _Job, first: RouterEvent | None, base: dict[str, Any], body: _Sampling
+) -> AsyncIterator[str]:
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     extra = {"usage": None} if include_usage else {}
     metrics = None

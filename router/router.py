@@ -374,11 +374,16 @@ class Router:
         log.warning("%s: request %s failed: %s: %s", self.router_id, request.key, code, error)
         self.metrics.request_finished(metrics, "failed", code, str(error))
 
-    def stopped(self, request_id: str) -> None:
-        """Its consumer has what it wanted (a stop string matched) and closes the stream next: a finish."""
+    def stopped(self, request_id: str) -> RequestMetrics | None:
+        """Its consumer has what it wanted (a stop string matched) and closes the stream next: a finish.
+
+        Returns the request's metrics so far (None for an unknown id).
+        """
         request = self.active.get(request_id)
-        if request is not None:
-            request.stopped = True
+        if request is None:
+            return None
+        request.stopped = True
+        return self._metrics(request, WorkerRequestStats(), time.time())
 
     async def _start_colocated(self, request: _InFlight, prompt: list[int], params: SamplingParams) -> None:
         decode = self.workers[request.served.decode_worker].actor

@@ -39,7 +39,9 @@ def deployment():
         num_prefill_workers=1,
         num_decode_workers=1,
         transport="grpc",
+        num_routers=2,  # both serve HTTP on one port, as they do gRPC
         http_port=0,
+        metrics_port=0,
         router=RouterConfig(max_queued_prompt_tokens=MAX_QUEUED_PROMPT_TOKENS),
     )
     with Deployment(config) as d:
@@ -108,7 +110,7 @@ def test_completion_gives_the_grpc_apis_text_and_tokens(deployment, oai, mode):
     n_prompt = len(PROMPT.encode())
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n_prompt, 12, n_prompt + 12)
     metrics = r.model_extra["pdserve_metrics"]
-    assert metrics["request_id"] == r.id and metrics["mode"] == mode and metrics["router"] == "router-0"
+    assert metrics["request_id"] == r.id and metrics["mode"] == mode and metrics["router"] in ("router-0", "router-1")
     assert metrics["prefill_worker"] == ("prefill-0" if mode == "disaggregated" else "")
     assert metrics["num_output_tokens"] == 12 and metrics["ttft_s"] > 0
 
@@ -176,8 +178,11 @@ def test_stop_strings_cut_the_text_and_end_the_request(deployment, oai, stream):
     else:
         r = oai.completions.create(**kwargs)
         text, reason, usage = r.choices[0].text, r.choices[0].finish_reason, r.usage
+        assert r.model_extra["pdserve_metrics"]["num_output_tokens"] == usage.completion_tokens
     assert text == full[:at] and reason == "stop"
     assert 0 < usage.completion_tokens < 48  # the request ended at the stop string, not at max_tokens
+    assert usage.prompt_tokens == len(PROMPT.encode())
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     unstopped = oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=48, stop="never-there", **GREEDY)
     assert unstopped.choices[0].text == full and unstopped.choices[0].finish_reason == "length"
 
@@ -250,11 +255,26 @@ def test_models_health_and_request_ids(deployment, oai):
     )
 
 
+def test_every_router_serves_http_on_the_shared_port(deployment):
+    routers = set()
+    for _ in range(40):  # each urllib call is a new connection; the kernel picks a router for it
+        status, body = http(deployment, "POST", "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert status == 200
+        routers.add(body["pdserve_metrics"]["router"])
+        if len(routers) == 2:
+            break
+    assert routers == {"router-0", "router-1"}
+    assert len(deployment.metrics_ports) == 2
+
+
 def test_a_client_that_goes_away_mid_stream_frees_its_request(deployment, oai):
-    def counts() -> tuple[float, float]:
-        samples = scrape(deployment.http_url + "/metrics")
-        aborted = samples.get(("pdserve_requests_total", (("mode", "colocated"), ("outcome", "aborted"))), 0.0)
-        return aborted, samples.get(("pdserve_output_tokens_total", (("mode", "colocated"),)), 0.0)
+    def counts() -> tuple[float, float]:  # summed over the routers' registries
+        aborted = tokens = 0.0
+        for port in deployment.metrics_ports:
+            samples = scrape(f"http://127.0.0.1:{port}/metrics")
+            aborted += samples.get(("pdserve_requests_total", (("mode", "colocated"), ("outcome", "aborted"))), 0.0)
+            tokens += samples.get(("pdserve_output_tokens_total", (("mode", "colocated"),)), 0.0)
+        return aborted, tokens
 
     aborted_before, tokens_before = counts()
     stream = oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=900, stream=True, **GREEDY)
