@@ -1,1 +1,1 @@
-"""The front doors (gRPC, OpenAI-compatible HTTP), routing policy, token streaming, metrics, and a light client."""
+"""The front door: gRPC server, routing policy, token streaming back to clients, and a Ray- and torch-free client."""
