@@ -4,7 +4,10 @@ Each architecture gets a fresh deployment with the same number of workers (coloc
 workers; disaggregated and auto: P prefill + N-P decode), a warm-up that is left out of the figures,
 then the workload, sent on its arrival schedule from an asyncio client that timestamps every token.
 With ``--target HOST:PORT`` it runs against a router that is already serving (the architectures
-then name the per-request mode override). Writes results.json, report.md and PNG plots.
+then name the per-request mode override). ``--target http://HOST:PORT`` sends the same workload to any
+OpenAI-compatible server instead (streaming ``/v1/completions`` with token-id prompts, ``ignore_eos`` and
+``return_token_ids``; pdserve's own HTTP API, vLLM, ...), with the same per-token client timestamps.
+Writes results.json, report.md and PNG plots.
 
     pdserve bench --architectures colocated,disaggregated,auto --workers 2 --workload random \
         --num-requests 64 --rate 4 --slo ttft=2000,tpot=200 --out results/ab
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import sys
@@ -108,6 +112,130 @@ async def send_workload(
     return list(records)
 
 
+def is_http_target(target: str | None) -> bool:
+    return bool(target) and target.startswith(("http://", "https://"))  # type: ignore[union-attr]
+
+
+async def send_workload_http(
+    base_url: str,
+    requests: Sequence[WorkloadRequest],
+    mode: str | None,
+    max_concurrency: int | None = None,
+    progress: bool = True,
+    desc: str = "",
+) -> list[RequestRecord]:
+    """``send_workload`` against an OpenAI-compatible server: streaming ``/v1/completions``, one record each.
+
+    A chunk's ``token_ids`` (``return_token_ids``, as pdserve and vLLM support it) says how many tokens it
+    brought; without it each non-empty chunk counts as one token and the final ``usage`` gives the total
+    (ITL then has one gap per chunk). ``mode`` goes out as ``pdserve_mode``; ``pdserve_metrics`` lands in
+    the record's ``meta``.
+    """
+    import aiohttp
+
+    base_url = base_url.rstrip("/")
+    bar = tqdm(total=len(requests), desc=desc, disable=not progress, leave=False, file=sys.stderr)
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def one(session: aiohttp.ClientSession, model: str, req: WorkloadRequest, start: float) -> RequestRecord:
+        await asyncio.sleep(max(0.0, start + req.arrival_offset_s - time.time()))
+        if limit is not None:
+            await limit.acquire()
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": list(req.prompt_token_ids),
+            "max_tokens": req.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if mode is not None:
+            body["pdserve_mode"] = mode
+        send = time.time()
+        times: list[float] = []
+        meta: dict[str, Any] = {}
+        num_output: int | None = None
+        error = None
+        try:
+            async with session.post(f"{base_url}/v1/completions", json=body) as resp:
+                if resp.status != 200:
+                    error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
+                else:
+                    error, num_output, meta = await _read_events(resp.content, times)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            if limit is not None:
+                limit.release()
+            bar.update()
+        return RequestRecord(
+            req.request_id,
+            send,
+            times,
+            req.num_prompt_tokens,
+            num_output if num_output is not None and num_output != len(times) else None,
+            ok=error is None,
+            error=error,
+            end_time=time.time(),
+            label=req.label,
+            meta=meta,
+        )
+
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        async with session.get(f"{base_url}/v1/models") as resp:
+            resp.raise_for_status()
+            model = (await resp.json())["data"][0]["id"]
+        start = time.time()
+        records = await asyncio.gather(*[one(session, model, r, start) for r in requests])
+    bar.close()
+    return list(records)
+
+
+async def _read_events(content: Any, times: list[float]) -> tuple[str | None, int | None, dict[str, Any]]:
+    """Read an OpenAI completion stream; appends one arrival time per token. (error, usage tokens, metrics)."""
+    num_output: int | None = None
+    meta: dict[str, Any] = {}
+    async for line in content:
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        now = time.time()
+        chunk = json.loads(data)
+        if "error" in chunk:
+            return f"stream error: {chunk['error'].get('message')}", num_output, meta
+        for choice in chunk.get("choices") or ():
+            ids = choice.get("token_ids")
+            times.extend([now] * (len(ids) if ids is not None else int(bool(choice.get("text")))))
+        if chunk.get("usage"):
+            num_output = chunk["usage"].get("completion_tokens")
+        meta = chunk.get("pdserve_metrics") or meta
+    return None, num_output, meta
+
+
+def _measure_http(
+    base_url: str,
+    requests: Sequence[WorkloadRequest],
+    mode: str | None,
+    warmup: Sequence[WorkloadRequest],
+    max_concurrency: int | None,
+    progress: bool,
+    desc: str,
+) -> MeasuredRun:
+    """An OpenAI-compatible server: client records only (no worker steps); KV bytes from ``pdserve_metrics``."""
+    if warmup:
+        asyncio.run(send_workload_http(base_url, warmup, mode, None, False))
+    t0 = time.time()
+    records = asyncio.run(send_workload_http(base_url, requests, mode, max_concurrency, progress, desc))
+    duration = time.time() - t0
+    moved = sum(int(r.meta.get("kv_transfer_bytes", 0)) for r in records)
+    return MeasuredRun(records, [], moved, duration, [])
+
+
 def measure(
     address: str,
     requests: Sequence[WorkloadRequest],
@@ -118,9 +246,14 @@ def measure(
     progress: bool = True,
     desc: str = "",
 ) -> MeasuredRun:
-    """Warm up (not recorded), then run the workload; collect client records and the workers' steps."""
+    """Warm up (not recorded), then run the workload; collect client records and the workers' steps.
+
+    ``address`` is a router's ``HOST:PORT`` (gRPC), or ``http(s)://HOST:PORT`` of an OpenAI-compatible server.
+    """
     from pdserve.router.client import Client
 
+    if is_http_target(address):
+        return _measure_http(address, requests, mode, warmup, max_concurrency, progress, desc)
     if warmup:
         asyncio.run(send_workload(address, warmup, mode, None, False))
     with Client(address) as client:
@@ -251,7 +384,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--prefill-workers", type=int, default=None, help="disaggregated/auto: default workers // 2")
     g.add_argument("--transport", default="nixl", choices=["nixl", "grpc"])
-    g.add_argument("--target", default=None, help="HOST:PORT of a running router (no deployment is started)")
+    g.add_argument(
+        "--target",
+        default=None,
+        help="HOST:PORT of a running router, or http://HOST:PORT of any OpenAI-compatible server "
+        "(no deployment is started)",
+    )
     g.add_argument("--auto-min-remote-tokens", type=int, default=512)
     g.add_argument("--warmup", type=int, default=4, help="warm-up requests per architecture (not measured)")
     add_engine_arguments(p, exclude=("seed",))  # --seed seeds the workload

@@ -47,6 +47,8 @@ class DeploymentConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0 = any free port
     num_routers: int = 1  # router processes, all on `port` (SO_REUSEPORT)
+    http_port: int | None = None  # the OpenAI-compatible HTTP API, every router on it; None = off, 0 = any free
+    metrics_port: int | None = None  # Prometheus /metrics of router i on metrics_port + i; None = off, 0 = any free
     address: str | None = None  # a Ray cluster to join ("auto" or host:port); None = local, started here
     router: RouterConfig | None = None  # None = defaults with `mode` as default_mode
     reservation_ttl_s: float = 60.0  # a decode reservation whose KV has not all arrived by then is freed
@@ -105,6 +107,8 @@ class Deployment:
         self.routers: list[Any] = []  # RouterProcess actor handles
         self.worker_info: list[dict[str, Any]] = []  # what each worker said when ready
         self.port: int | None = None
+        self.http_port: int | None = None
+        self.metrics_ports: list[int] = []  # per router, when metrics_port is set
         self._started_ray = False
 
     @property
@@ -112,6 +116,13 @@ class Deployment:
         if self.port is None:
             raise RuntimeError("deployment not started")
         return f"{self.config.host}:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """``http://host:port`` of the OpenAI-compatible API (its base URL for clients is this + ``/v1``)."""
+        if self.http_port is None:
+            raise RuntimeError("deployment not started, or started without http_port")
+        return f"http://{self.config.host}:{self.http_port}"
 
     def start(self) -> Deployment:
         cfg = self.config
@@ -172,15 +183,19 @@ class Deployment:
         cfg = self.config
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         router_cls = ray.remote(RouterProcess).options(num_cpus=0, scheduling_strategy=here, max_concurrency=100_000)
-        port = cfg.port
+        port, http_port = cfg.port, cfg.http_port
         security = cfg.security()
         for i in range(cfg.num_routers):
             router = router_cls.remote(
                 f"router-{i}", cfg.router_config(), engine_config, self.decode_workers, self.prefill_workers, security
             )
             self.routers.append(router)
-            port = ray.get(router.start.remote(cfg.host, port), timeout=120)  # the next ones share this port
-        self.port = port
+            metrics_port = cfg.metrics_port + i if cfg.metrics_port else cfg.metrics_port
+            ports = ray.get(router.start.remote(cfg.host, port, http_port, metrics_port), timeout=120)
+            port, http_port = ports["grpc"], ports["http"]  # the next routers share these ports
+            if ports["metrics"] is not None:
+                self.metrics_ports.append(ports["metrics"])
+        self.port, self.http_port = port, http_port
 
     @property
     def workers(self) -> list[WorkerHandle]:

@@ -4,6 +4,11 @@
 ``SO_REUSEPORT`` (gRPC sets it by default on Linux), so the kernel spreads client *connections* over
 them: a client channel sticks to one router, many channels spread out. Each router subscribes to every
 decode worker's event stream under its own id and keeps its own routing view (a hint, as with one).
+
+With ``http_port`` the router also serves the OpenAI-compatible HTTP API (``router/http_api.py``) on it,
+every router on the same port (``SO_REUSEPORT`` again). With ``metrics_port`` router ``i`` serves its
+own Prometheus ``/metrics`` on ``metrics_port + i`` (each router has its own registry, so each needs
+its own port to be scraped; the HTTP API's ``/metrics`` answers for whichever router took the connection).
 """
 
 from __future__ import annotations
@@ -14,13 +19,14 @@ from typing import Any
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.router.http_api import HttpServer, build_app, metrics_app
 from pdserve.router.policy import RouterConfig
 from pdserve.router.router import ModelLimits, Router, WorkerHandle
-from pdserve.router.server import ServerSecurity, start_server
+from pdserve.router.server import GrpcServer, ServerSecurity, start_server
 
 
 class RouterProcess:
-    """A Ray actor (async). ``await start(host, port)`` returns the bound port; ``stop`` before killing it."""
+    """A Ray actor (async). ``await start(host, port, ...)`` returns the bound ports; ``stop`` before killing it."""
 
     def __init__(
         self,
@@ -35,15 +41,35 @@ class RouterProcess:
         limits = ModelLimits(model_config.vocab_size, engine_config.max_model_len)  # type: ignore[arg-type]
         tokenizer = load_tokenizer(engine_config.model, model_config.eos_token_id)
         self.router = Router(config, decode_workers, prefill_workers, limits, tokenizer, router_id)
-        self._server: Any = None
+        self.model_name = engine_config.model
+        self._server: GrpcServer | None = None
+        self._http: list[HttpServer] = []
         self._security = security
 
-    async def start(self, host: str, port: int) -> int:
+    async def start(
+        self, host: str, port: int, http_port: int | None = None, metrics_port: int | None = None
+    ) -> dict[str, Any]:
+        """Serve gRPC on ``port``, and HTTP / metrics when given (0 = any free port; None = off).
+
+        Returns the bound ports: ``{"grpc": int, "http": int | None, "metrics": int | None}``.
+        """
         await self.router.start()
-        self._server, bound = await start_server(self.router, host, port, self._security)
-        return bound
+        self._server = await start_server(self.router, host, port, self._security)
+        ports: dict[str, Any] = {"grpc": self._server.port, "http": None, "metrics": None}
+        for name, wanted, app in (
+            ("http", http_port, lambda: build_app(self.router, self.model_name)),
+            ("metrics", metrics_port, lambda: metrics_app(self.router)),
+        ):
+            if wanted is not None:
+                server = HttpServer(app(), host, wanted)
+                self._http.append(server)
+                ports[name] = await server.start()
+        return ports
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        for http in self._http:
+            await http.stop()
+        self._http = []
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None

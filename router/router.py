@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import NoWorkerAvailable, Route, RouterConfig, RoutingPolicy
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
@@ -95,6 +96,8 @@ class _InFlight:
     pending: list[TokenUpdate] = field(default_factory=list)  # delivered, not yet streamed
     waiter: asyncio.Future | None = None  # set while the client stream waits for updates
     last_update: float = field(default_factory=time.monotonic)
+    last_event: float = 0.0  # unix time of the last event with tokens
+    stopped: bool = False  # its consumer had what it wanted (``Router.stopped``): an early end is a finish
 
     def deliver(self, update: TokenUpdate) -> None:
         self.pending.append(update)
@@ -143,6 +146,7 @@ class Router:
         self._readers: list[asyncio.Task] = []
         self._ids = itertools.count()
         self._seeds = random.Random()
+        self.metrics = RouterMetrics(router_id)
 
     # ---- the workers' event streams --------------------------------------------------------------
     async def start(self, timeout_s: float = 60.0) -> None:
@@ -294,13 +298,12 @@ class Router:
         one event when the client lags behind.
         """
         received = time.time()
-        request_id, prompt, params = await self._validate(req)
         try:
-            route = self.policy.route(prompt, params.max_tokens, req.mode)
-        except NoWorkerAvailable as e:
-            raise RequestError("UNAVAILABLE", str(e)) from None
-        except ValueError as e:
-            raise RequestError("INVALID_ARGUMENT", str(e)) from None
+            request_id, prompt, params = await self._validate(req)
+            route = self._route(prompt, params, req.mode)
+        except RequestError as e:
+            self.metrics.request_rejected(e.code, req.mode or self.config.default_mode)
+            raise
         request = _InFlight(
             request_id,
             f"{request_id}@{self.router_id}.{next(self._serial)}",
@@ -319,6 +322,7 @@ class Router:
         self.num_queued += 1
         self.queued_prompt_tokens += len(prompt)
         self.policy.start(route, prompt, params.max_tokens)
+        log.debug("%s: request %s starts as %s: %s", self.router_id, request_id, request.key, route)
         finished = False
         try:
             if route.mode == "disaggregated":
@@ -338,6 +342,10 @@ class Router:
                     raise RequestError("UNAVAILABLE", last.error)
                 finished = last.finish_reason is not None
                 yield self._event(request, token_ids, last.finish_reason, last.stats)
+        except BaseException as e:
+            if not finished:
+                self._end_unfinished(request, e)
+            raise
         finally:
             self._dequeue(request)
             self._prefill_finished(request, prompt)
@@ -347,6 +355,35 @@ class Router:
             self.active.pop(request_id, None)
             self._by_key.pop(request.key, None)
             request.done.set()
+
+    def _route(self, prompt: list[int], params: SamplingParams, mode: str | None) -> Route:
+        try:
+            return self.policy.route(prompt, params.max_tokens, mode)
+        except NoWorkerAvailable as e:
+            raise RequestError("UNAVAILABLE", str(e)) from None
+        except ValueError as e:
+            raise RequestError("INVALID_ARGUMENT", str(e)) from None
+
+    def _end_unfinished(self, request: _InFlight, error: BaseException) -> None:
+        """Count (and log, when it failed) a request whose stream ends without its last event."""
+        metrics = self._metrics(request, WorkerRequestStats(), time.time())
+        code = error.code if isinstance(error, RequestError) else "INTERNAL"
+        if isinstance(error, (GeneratorExit, asyncio.CancelledError)) or code == "CANCELLED":
+            self.metrics.request_finished(metrics, "finished" if request.stopped else "aborted")
+            return
+        log.warning("%s: request %s failed: %s: %s", self.router_id, request.key, code, error)
+        self.metrics.request_finished(metrics, "failed", code, str(error))
+
+    def stopped(self, request_id: str) -> RequestMetrics | None:
+        """Its consumer has what it wanted (a stop string matched) and closes the stream next: a finish.
+
+        Returns the request's metrics so far (None for an unknown id).
+        """
+        request = self.active.get(request_id)
+        if request is None:
+            return None
+        request.stopped = True
+        return self._metrics(request, WorkerRequestStats(), time.time())
 
     async def _start_colocated(self, request: _InFlight, prompt: list[int], params: SamplingParams) -> None:
         decode = self.workers[request.served.decode_worker].actor
@@ -424,14 +461,20 @@ class Router:
         text = detok.push(token_ids) if detok is not None and token_ids else ""
         request.num_output_tokens += len(token_ids)
         now = time.time()
-        if token_ids and request.ttft_s is None:
-            request.ttft_s = now - request.received
-            self._dequeue(request)
+        if token_ids:
+            if request.ttft_s is None:
+                request.ttft_s = now - request.received
+                self._dequeue(request)
+            else:
+                self.metrics.token_gap(now - request.last_event, request.served.mode)
+            request.last_event = now
         if finish_reason is None:
             return RouterEvent(token_ids, text)
         if detok is not None:
             text += detok.flush()
-        return RouterEvent(token_ids, text, finish_reason, self._metrics(request, stats or WorkerRequestStats(), now))
+        metrics = self._metrics(request, stats or WorkerRequestStats(), now)
+        self.metrics.request_finished(metrics, "aborted" if finish_reason == "abort" else "finished")
+        return RouterEvent(token_ids, text, finish_reason, metrics)
 
     def _metrics(self, request: _InFlight, stats: WorkerRequestStats, now: float) -> RequestMetrics:
         served, prefill = request.served, request.prefill

@@ -1,7 +1,12 @@
-"""The gRPC front door (``grpc.aio``): proto messages in and out, the Router does the work."""
+"""The gRPC front door (``grpc.aio``): proto messages in and out, the Router does the work.
+
+Besides the ``pdserve.PDServe`` service the server speaks the standard ``grpc.health.v1.Health``
+(Check and Watch) and server reflection, so grpc_health_probe, grpcurl and load balancers work.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Callable
@@ -10,6 +15,9 @@ from typing import Any, NamedTuple
 import grpc
 from google.protobuf import empty_pb2, unknown_fields
 from google.protobuf.message import DecodeError, Message
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.router import GenerateInput, RequestError, Router
@@ -179,14 +187,67 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):
         return self._deny
 
 
-async def start_server(
-    router: Router, host: str, port: int, security: ServerSecurity | None = None
-) -> tuple[grpc.aio.Server, int]:
-    """Start serving; returns the server and the bound port (``port=0`` picks a free one)."""
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PDServe"].full_name  # "pdserve.PDServe"
+HEALTH_POLL_S = 1.0
+
+
+class GrpcServer:
+    """The router's gRPC server: the PDServe service, ``grpc.health.v1.Health`` and server reflection.
+
+    The standard health status (for ``""`` and ``"pdserve.PDServe"``) follows ``Router.health``, polled
+    every ``HEALTH_POLL_S``: SERVING while some decode worker answers, NOT_SERVING otherwise.
+    """
+
+    def __init__(
+        self, server: grpc.aio.Server, port: int, health: grpc_health.aio.HealthServicer, router: Router
+    ) -> None:
+        self.server = server
+        self.port = port
+        self.health = health
+        self._router = router
+        self._poller = asyncio.create_task(self._poll_health())
+
+    async def _poll_health(self) -> None:
+        last: bool | None = None
+        while True:
+            try:
+                ok, status = await self._router.health()
+            except Exception as e:  # a health check that cannot run says the router cannot serve
+                ok, status = False, f"health check failed: {e!r}"
+            if ok != last:
+                if last is not None:
+                    log.warning("%s: gRPC health is now %s (%s)", self._router.router_id, _status_name(ok), status)
+                for service in ("", SERVICE_NAME):
+                    await self.health.set(service, _SERVING if ok else _NOT_SERVING)
+                last = ok
+            await asyncio.sleep(HEALTH_POLL_S)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        self._poller.cancel()
+        await asyncio.gather(self._poller, return_exceptions=True)
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _status_name(ok: bool) -> str:
+    return "SERVING" if ok else "NOT_SERVING"
+
+
+async def start_server(router: Router, host: str, port: int, security: ServerSecurity | None = None) -> GrpcServer:
+    """Start serving on ``host:port`` (``port=0`` picks a free one; ``.port`` is the bound one)."""
     security = security or ServerSecurity()
     interceptors = [BearerTokenAuth(security.auth_token)] if security.auth_token else []
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     server.add_generic_rpc_handlers((_handlers(PDServeServicer(router), router.config.max_request_bytes),))
+    health = grpc_health.aio.HealthServicer()
+    for service in ("", SERVICE_NAME):
+        await health.set(service, _SERVING)  # the router has just subscribed to every decode worker
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection((SERVICE_NAME, grpc_health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{host}:{port}"
     if security.tls_cert_chain is not None and security.tls_private_key is not None:
         credentials = grpc.ssl_server_credentials([(security.tls_private_key, security.tls_cert_chain)])
@@ -196,4 +257,4 @@ async def start_server(
     if bound == 0:
         raise OSError(f"cannot listen on {address}")
     await server.start()
-    return server, bound
+    return GrpcServer(server, bound, health, router)

@@ -110,6 +110,18 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve the client API over TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API (and /metrics) on --host at this port; default: off",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="Prometheus /metrics of router i on this port + i (default: off; /metrics is on --http-port too)",
+    )
     p.add_argument("--address", default=None, help="Ray cluster to join ('auto' or host:port); default: local")
     p.add_argument("--auto-min-remote-tokens", type=int, default=512)
     p.add_argument("--auto-max-prefill-queue-tokens", type=int, default=16384)
@@ -129,6 +141,8 @@ def deployment_config_from_args(args: argparse.Namespace):
         host=args.host,
         port=args.port,
         num_routers=args.routers,
+        http_port=args.http_port,
+        metrics_port=args.metrics_port,
         address=args.address,
         detached_workers=args.address is not None,  # on a cluster, a restarted `serve` finds its workers
         auth_token=args.auth_token,
@@ -156,6 +170,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"routers: {len(deployment.routers)}, workers: {workers}); Ctrl-C stops",
         flush=True,
     )
+    if deployment.http_port is not None:
+        print(f"OpenAI-compatible API on {deployment.http_url}/v1 (model {args.model!r})", flush=True)
+    if deployment.metrics_ports:
+        urls = ", ".join(f"http://{args.host}:{p}/metrics" for p in deployment.metrics_ports)
+        print(f"Prometheus metrics on {urls}", flush=True)
     try:
         while not stop.wait(0.5):
             pass

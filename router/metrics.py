@@ -1,0 +1,248 @@
+"""Prometheus metrics of one router process: what its requests saw, and its view of the workers.
+
+Each ``Router`` owns a ``RouterMetrics`` with a registry of its own (several routers in one process,
+as in tests, do not collide; several router processes each expose theirs). The router calls it at a
+few points: ``request_rejected`` (refused before routing), ``request_finished`` (once per routed
+request, with its ``RequestMetrics`` and outcome) and ``token_gap`` (once per streamed chunk after
+the first: the only per-token cost, one histogram observation). Worker gauges and preemption counts
+are pulled from ``Router.stats`` when scraped (``scrape``), so nothing polls the workers unless
+someone reads the metrics.
+
+Outcomes: ``finished`` (ended by EOS, a stop token, a length limit, or a stop string the front door
+matched), ``aborted`` (an Abort call, or the client went away), ``failed`` (an error after routing),
+``rejected`` (refused before routing: bad input, overload, no worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from pdserve.messages import RequestMetrics
+
+if TYPE_CHECKING:
+    from pdserve.router.router import Router
+
+__all__ = ["CONTENT_TYPE_LATEST", "OUTCOMES", "RouterMetrics", "is_kv_transfer_failure"]
+
+OUTCOMES = ("finished", "aborted", "failed", "rejected")
+
+# How the workers word a failed KV transfer (prefill side: a push failed or the decode worker's reservation
+# deadline came too close; decode side: the KV did not all arrive before the deadline).
+_KV_FAILURE_MARKERS = ("KV push failed", "KV transfer deadline", "reservation deadline")
+
+disable_created_metrics()  # no *_created series: they double the exposition for no use here
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+_BYTES_BUCKETS = tuple(float(1 << n) for n in range(10, 34, 2))  # 1 KiB .. 8 GiB
+
+
+def is_kv_transfer_failure(message: str) -> bool:
+    """Whether a worker's error message (or a fallback reason) says a KV transfer failed."""
+    return any(marker in message for marker in _KV_FAILURE_MARKERS)
+
+
+class RouterMetrics:
+    """The ``pdserve_*`` metrics of one router (names and labels: README, "Metrics")."""
+
+    def __init__(self, router_id: str = "router-0") -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.router_id = router_id
+        mode = ("mode",)
+        worker = ("worker", "role")
+
+        self.ttft = Histogram(
+            "pdserve_request_ttft_seconds",
+            "Router receipt to the first token handed to the client stream (server side)",
+            mode,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_request_inter_token_latency_seconds",
+            "Gap between consecutive streamed chunks of a request (a chunk holds one token unless the client lags)",
+            mode,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "pdserve_request_time_per_output_token_seconds",
+            "Per finished request with 2+ output tokens: (e2e - ttft) / (output tokens - 1)",
+            mode,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_request_e2e_seconds",
+            "Router receipt to the last token",
+            mode,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "pdserve_request_queue_seconds",
+            "Arrival at the prefilling worker to first scheduled",
+            mode,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill = Histogram(
+            "pdserve_request_prefill_seconds",
+            "First scheduled to first token sampled, on the prefilling worker",
+            mode,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.kv_transfer = Histogram(
+            "pdserve_kv_transfer_seconds",
+            "Disaggregated requests: first token sampled on the prefill worker to all KV on the decode worker",
+            buckets=_TOKEN_BUCKETS + (10.0, 30.0),
+            registry=r,
+        )
+        self.kv_transfer_bytes = Histogram(
+            "pdserve_kv_transfer_bytes",
+            "Disaggregated requests: KV bytes moved from the prefill to the decode worker",
+            buckets=_BYTES_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter("pdserve_requests", "Requests by mode and outcome", ("mode", "outcome"), registry=r)
+        self.errors = Counter(
+            "pdserve_request_errors", "Rejected and failed requests by gRPC status code", ("code",), registry=r
+        )
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of ended requests", mode, registry=r)
+        self.output_tokens = Counter("pdserve_output_tokens", "Output tokens of ended requests", mode, registry=r)
+        self.fallbacks = Counter(
+            "pdserve_fallbacks",
+            "Disaggregated requests prefilled on their decode worker instead",
+            ("reason",),
+            registry=r,
+        )
+        self.kv_transfer_failures = Counter(
+            "pdserve_kv_transfer_failures", "KV transfers that failed (a fallback or a failed request)", registry=r
+        )
+        self.preemptions = Counter(
+            "pdserve_preemptions",
+            "Requests preempted by a worker's scheduler (counted from its steps)",
+            worker,
+            registry=r,
+        )
+        self.worker_up = Gauge("pdserve_worker_up", "1 while the worker answers, else 0", worker, registry=r)
+        self.blocks_total = Gauge("pdserve_worker_kv_blocks_total", "KV blocks of the worker", worker, registry=r)
+        self.blocks_used = Gauge(
+            "pdserve_worker_kv_blocks_used",
+            "KV blocks held by requests (total = used + cached + free)",
+            worker,
+            registry=r,
+        )
+        self.blocks_cached = Gauge(
+            "pdserve_worker_kv_blocks_cached",
+            "Unused KV blocks that hold a cached prefix (reusable)",
+            worker,
+            registry=r,
+        )
+        self.blocks_free = Gauge(
+            "pdserve_worker_kv_blocks_free", "Unused KV blocks holding nothing cached", worker, registry=r
+        )
+        self.running = Gauge("pdserve_worker_running_requests", "Requests running on the worker", worker, registry=r)
+        self.waiting = Gauge("pdserve_worker_waiting_requests", "Requests waiting on the worker", worker, registry=r)
+        self.step_time = Gauge(
+            "pdserve_worker_step_seconds",
+            "Mean engine step time since the previous scrape (kept while the worker is idle)",
+            worker,
+            registry=r,
+        )
+        self.active = Gauge("pdserve_router_active_requests", "Requests this router is serving", registry=r)
+        self.queued = Gauge(
+            "pdserve_router_queued_requests", "Requests this router serves that wait for their first token", registry=r
+        )
+        Gauge("pdserve_router_info", "This router's id", ("router",), registry=r).labels(router=router_id).set(1)
+
+        self._itl_by_mode: dict[str, Histogram] = {}
+        self._last_step: dict[str, float] = {}  # per worker: start time of the newest step counted
+        self._created = time.time()
+        self._refresh_lock = asyncio.Lock()
+
+    # ---- called by the router ----------------------------------------------------------------------
+    def token_gap(self, seconds: float, mode: str) -> None:
+        """One streamed chunk after the first: the time since the previous one. The per-token hook."""
+        child = self._itl_by_mode.get(mode)
+        if child is None:
+            child = self._itl_by_mode[mode] = self.itl.labels(mode=mode)
+        child.observe(seconds)
+
+    def request_rejected(self, code: str, mode: str) -> None:
+        """A request refused before it was routed; ``mode`` as requested (or the default)."""
+        self.requests.labels(mode=mode, outcome="rejected").inc()
+        self.errors.labels(code=code).inc()
+
+    def request_finished(self, metrics: RequestMetrics, outcome: str, code: str = "", error: str = "") -> None:
+        """A routed request ended (once per request). Latency histograms observe ``finished`` ones only.
+
+        ``code`` and ``error`` name the gRPC status and message of a ``failed`` request.
+        """
+        mode = metrics.mode
+        self.requests.labels(mode=mode, outcome=outcome).inc()
+        self.prompt_tokens.labels(mode=mode).inc(metrics.num_prompt_tokens)
+        self.output_tokens.labels(mode=mode).inc(metrics.num_output_tokens)
+        if metrics.fallback:
+            no_worker = metrics.fallback.startswith("no prefill worker")
+            self.fallbacks.labels(reason="no_prefill_worker" if no_worker else "prefill_failed").inc()
+        if is_kv_transfer_failure(metrics.fallback) or (outcome == "failed" and is_kv_transfer_failure(error)):
+            self.kv_transfer_failures.inc()
+        if code:
+            self.errors.labels(code=code).inc()
+        if outcome != "finished":
+            return
+        self.ttft.labels(mode=mode).observe(metrics.ttft_s)
+        self.e2e.labels(mode=mode).observe(metrics.e2e_s)
+        self.queue.labels(mode=mode).observe(metrics.queue_s)
+        self.prefill.labels(mode=mode).observe(metrics.prefill_s)
+        if metrics.num_output_tokens > 1:
+            tpot = (metrics.e2e_s - metrics.ttft_s) / (metrics.num_output_tokens - 1)
+            self.tpot.labels(mode=mode).observe(tpot)
+        if mode == "disaggregated":
+            self.kv_transfer.observe(metrics.kv_transfer_s)
+            self.kv_transfer_bytes.observe(metrics.kv_transfer_bytes)
+
+    # ---- scraping ----------------------------------------------------------------------------------
+    async def refresh(self, router: Router) -> None:
+        """Update the worker gauges and preemption counts from ``router.stats`` (one call per worker)."""
+        async with self._refresh_lock:
+            since = min(self._last_step.values(), default=self._created)
+            for w in await router.stats(steps_since=since):
+                labels = {"worker": w.worker_id, "role": w.role}
+                up = w.state == "serving"
+                self.worker_up.labels(**labels).set(1 if up else 0)
+                if not up:
+                    continue
+                self.blocks_total.labels(**labels).set(w.blocks_total)
+                self.blocks_used.labels(**labels).set(w.blocks_used)
+                self.blocks_cached.labels(**labels).set(w.blocks_cached)
+                self.blocks_free.labels(**labels).set(w.blocks_free)
+                self.running.labels(**labels).set(w.num_running)
+                self.waiting.labels(**labels).set(w.num_waiting)
+                last = self._last_step.get(w.worker_id, self._created)
+                steps = [s for s in w.steps if s.started > last]  # one engine loop: steps arrive in order
+                self.preemptions.labels(**labels).inc(sum(s.num_preempted for s in steps))
+                if steps:
+                    self.step_time.labels(**labels).set(sum(s.duration_s for s in steps) / len(steps))
+                    self._last_step[w.worker_id] = max(s.started for s in steps)
+            self.active.set(len(router.active))
+            self.queued.set(router.num_queued)
+
+    async def scrape(self, router: Router) -> bytes:
+        """The Prometheus text exposition of this router's registry, refreshed first."""
+        await self.refresh(router)
+        return generate_latest(self.registry)
