@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import socket
@@ -330,9 +331,24 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def build_app(router: Router, model_name: str) -> FastAPI:
-    """The HTTP app serving ``router``'s model under ``model_name`` (the ``model`` clients must send)."""
+def build_app(router: Router, model_name: str, auth_token: str | None = None) -> FastAPI:
+    """The HTTP app serving ``router``'s model under ``model_name`` (the ``model`` clients must send).
+
+    With ``auth_token``, every ``/v1/`` call needs ``Authorization: Bearer <token>`` (an OpenAI client's
+    ``api_key``); ``/health`` and ``/metrics`` stay open for probes and scrapers.
+    """
     app = FastAPI(title="pdserve", description=__doc__, docs_url="/docs", redoc_url=None)
+    expected = f"Bearer {auth_token}".encode() if auth_token else None
+
+    @app.middleware("http")
+    async def _bearer_token(request: Request, call_next: Any) -> Any:
+        if expected is not None and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                message = "missing or wrong bearer token (Authorization header / api_key)"
+                return ApiError(401, message, "invalid_request_error", None, "invalid_api_key").response()
+        return await call_next(request)
+
     created = int(time.time())
     model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "pdserve"}
 

@@ -56,8 +56,13 @@ class RouterProcess:
         await self.router.start()
         self._server = await start_server(self.router, host, port, self._security)
         ports: dict[str, Any] = {"grpc": self._server.port, "http": None, "metrics": None}
+        token = self._security.auth_token if self._security else None
         for name, wanted, app in (
-            ("http", http_port, lambda: build_app(self.router, self.model_name)),
+            (
+                "http",
+                http_port,
+                lambda: build_app(self.router, self.model_name, token),
+            ),
             ("metrics", metrics_port, lambda: metrics_app(self.router)),
         ):
             if wanted is not None:

@@ -86,7 +86,16 @@ def test_the_router_listens_on_loopback_only_by_default(ray_cluster):
 
 
 def test_a_bearer_token_is_required_when_configured(ray_cluster):
-    with Deployment(DeploymentConfig(engine=ENGINE, auth_token="s3cret-token")) as d:
+    import openai
+
+    with Deployment(DeploymentConfig(engine=ENGINE, auth_token="s3cret-token", http_port=0)) as d:
+        for key in ("wrong-token", "s3cret-token"):
+            api = openai.OpenAI(base_url=f"{d.http_url}/v1", api_key=key, max_retries=0, timeout=30)
+            if key == "wrong-token":
+                with pytest.raises(openai.AuthenticationError):
+                    api.completions.create(model="tiny", prompt="hi", max_tokens=2)
+            else:
+                assert api.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens == 2
         for token in (None, "wrong-token", "s3cret-token-but-longer"):
             with Client(d.address, auth_token=token) as c:
                 for call in (lambda c=c: list(c.generate([1, 2, 3], PARAMS)), c.stats, c.health):
