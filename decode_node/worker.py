@@ -17,15 +17,13 @@ and the request's stream ends with an error. Nothing waits forever; no block lea
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pdserve.engine.async_engine import AsyncEngine, worker_request_stats
+from pdserve.engine.async_engine import AsyncEngine, exit_process_soon, worker_request_stats
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.request import Request
 from pdserve.kv_transfer import TransferTarget, make_transport
@@ -66,12 +64,6 @@ class _Served(NamedTuple):
     remote_kv: WorkerRequestStats | None  # None for a request this worker prefilled itself
 
 
-def exit_after_crash(worker_id: str, delay_s: float = 0.5) -> None:
-    """Leave the process shortly (the failed requests' messages go out first); Ray restarts the actor."""
-    log.error("%s: engine loop crashed; exiting so that the worker is replaced", worker_id)
-    threading.Timer(delay_s, os._exit, args=(1,)).start()
-
-
 class DecodeWorker:
     """A Ray actor (async). Construct through ``ray.remote(DecodeWorker)``; await ``ready()``."""
 
@@ -104,19 +96,7 @@ class DecodeWorker:
 
     async def ready(self) -> dict[str, Any]:
         """This worker's description; raises while its engine loop is dead (the process is being replaced)."""
-        if not self.aengine.loop.alive:
-            raise RuntimeError(f"{self.worker_id}: engine loop stopped: {self.aengine.loop.error!r}")
-        engine = self.aengine.engine
-        return {
-            "worker_id": self.worker_id,
-            "role": "decode",
-            "node": self.node,
-            "num_blocks": engine.block_manager.num_blocks,
-            "block_size": engine.config.block_size,
-            "device": str(engine.device),
-            "transport": self.target.kind,
-            "pid": os.getpid(),
-        }
+        return self.aengine.describe(self.worker_id, "decode", self.target.kind, self.node)
 
     async def events(self, router_id: str) -> AsyncIterator[StepEvents]:
         """The router's event stream: an empty item once subscribed, then one item per step with news."""
@@ -235,7 +215,7 @@ class DecodeWorker:
     def _on_crash(self, error: BaseException) -> None:
         """The engine loop died: fail every request now, then exit so that Ray starts a fresh worker."""
         self.aengine.fail_all(f"decode worker {self.worker_id} failed: {error!r}")
-        exit_after_crash(self.worker_id)
+        exit_process_soon(self.worker_id)
 
     def _update(self, out: RequestOutput) -> TokenUpdate:
         if not out.finished:

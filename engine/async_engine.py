@@ -11,8 +11,11 @@ No Ray and no gRPC in here.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import threading
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
@@ -21,6 +24,7 @@ from pdserve.engine.request import Request
 from pdserve.messages import TokenUpdate, WorkerRequestStats, WorkerStats
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def worker_request_stats(request: Request, **extra: float) -> WorkerRequestStats:
@@ -35,6 +39,13 @@ def worker_request_stats(request: Request, **extra: float) -> WorkerRequestStats
         second_token_time=t.tokens[1] if len(t.tokens) > 1 else 0.0,
         **extra,
     )
+
+
+def exit_process_soon(worker_id: str, delay_s: float = 0.5) -> None:
+    """After an engine crash: leave the process shortly (failed requests' messages go out first) so that
+    Ray starts a fresh worker in its place."""
+    log.error("%s: engine loop crashed; exiting so that the worker is replaced", worker_id)
+    threading.Timer(delay_s, os._exit, args=(1,)).start()
 
 
 class _Subscriber:
@@ -153,6 +164,22 @@ class AsyncEngine:
                     self._on_orphans(orphans)
 
     # ---- introspection -------------------------------------------------------------------------
+    def describe(self, worker_id: str, role: str, transport: str, node: str) -> dict[str, Any]:
+        """A worker's ``ready()`` answer; raises while the engine loop is dead (the process is being replaced)."""
+        if not self.loop.alive:
+            raise RuntimeError(f"{worker_id}: engine loop stopped: {self.loop.error!r}")
+        engine = self.engine
+        return {
+            "worker_id": worker_id,
+            "role": role,
+            "node": node,
+            "num_blocks": engine.block_manager.num_blocks,
+            "block_size": engine.config.block_size,
+            "device": str(engine.device),
+            "transport": transport,
+            "pid": os.getpid(),
+        }
+
     async def stats(
         self, worker_id: str, role: str, remote_pending: int, kv_bytes: int, steps_since: float | None = None
     ) -> WorkerStats:

@@ -20,14 +20,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from pdserve.decode_node.worker import exit_after_crash
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pdserve.engine.async_engine import AsyncEngine, worker_request_stats
+from pdserve.engine.async_engine import AsyncEngine, exit_process_soon, worker_request_stats
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.scheduler import admits_prefill
 from pdserve.kv_transfer import ChunkNotification, PushHandle, TransferTarget, make_transport
@@ -118,19 +116,7 @@ class PrefillWorker:
 
     async def ready(self) -> dict[str, Any]:
         """This worker's description; raises while its engine loop is dead (the process is being replaced)."""
-        if not self.aengine.loop.alive:
-            raise RuntimeError(f"{self.worker_id}: engine loop stopped: {self.aengine.loop.error!r}")
-        engine = self.aengine.engine
-        return {
-            "worker_id": self.worker_id,
-            "role": "prefill",
-            "node": self.node,
-            "num_blocks": engine.block_manager.num_blocks,
-            "block_size": self.block_size,
-            "device": str(engine.device),
-            "transport": self.transport.kind,
-            "pid": os.getpid(),
-        }
+        return self.aengine.describe(self.worker_id, "prefill", self.transport.kind, self.node)
 
     async def prefill(
         self,
@@ -284,7 +270,7 @@ class PrefillWorker:
         """The engine loop died: fail every prefill (the router prefills them locally), then exit."""
         for job in list(self._jobs.values()):
             job.resolve(job.first_token, error=RuntimeError(f"prefill worker {self.worker_id} failed: {error!r}"))
-        exit_after_crash(self.worker_id)
+        exit_process_soon(self.worker_id)
 
     def _fail(self, engine: LLMEngine, job: _Job, error: str) -> None:
         log.warning("%s: request %s: %s", self.worker_id, job.request_id, error)
