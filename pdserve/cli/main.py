@@ -30,9 +30,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return _generate_offline(args, params)
     from pdserve.router.client import Client
 
+    prompt = args.prompt
+    if args.chat:  # the router takes text: render the conversation here, with --model's template
+        from pdserve.engine.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(args.model)
+        if tokenizer is None:
+            print(f"error: --chat needs a tokenizer; {args.model} has none", file=sys.stderr)
+            return 2
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     with Client(args.target) as client:
         final = None
-        for chunk in client.generate(args.prompt, params, mode=args.mode):
+        for chunk in client.generate(prompt, params, mode=args.mode):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             final = chunk
@@ -49,7 +58,10 @@ def _generate_offline(args: argparse.Namespace, params) -> int:
     if engine.tokenizer is None:
         print("error: this model has no tokenizer.json; offline text generation needs one", file=sys.stderr)
         return 2
-    rid = engine.add_request(args.prompt, params)
+    prompt = args.prompt
+    if args.chat or (args.chat is None and not engine.tokenizer.chat_template.is_plain):
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    rid = engine.add_request(prompt, params)
     reason = None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -178,7 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="stream a completion (in-process with --offline, else from a router)")
     g.add_argument("prompt")
     g.add_argument("--offline", action="store_true", help="run the engine in this process")
-    g.add_argument("--model", default="tiny", help="preset (tiny, bench) or HF checkpoint directory")
+    g.add_argument("--model", default="tiny", help="preset (tiny, bench, smollm2), GGUF file or HF checkpoint dir")
+    g.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="send the prompt as a user turn through the model's chat template "
+        "(default: offline, when the model ships a template; from a router, no)",
+    )
     g.add_argument("--target", default="127.0.0.1:50051", help="router address (without --offline)")
     g.add_argument("--mode", default=None, choices=["colocated", "disaggregated", "auto"])
     _add_sampling_args(g)
