@@ -140,7 +140,7 @@ def test_logits_and_greedy_tokens_match_transformers(engine, hf_model, question,
 def test_chunked_prefill_gives_the_unchunked_tokens(engine, gguf_cache):
     prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     prompts.append("Once upon a time, in a village by the sea,")
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     unchunked = LLMEngine(EngineConfig(model="smollm2", device="cpu", enable_chunked_prefill=False, num_kv_blocks=64))
     chunked = LLMEngine(EngineConfig(model="smollm2", device="cpu", max_num_batched_tokens=16, num_kv_blocks=64))
     expected = [c.token_ids for c in unchunked.generate(prompts, params)]

@@ -65,7 +65,10 @@ def describe_model(model: str) -> str:
 
 
 def ask_questions(args: argparse.Namespace) -> None:
-    """Deploy ``args.model`` and put every demo question to it through the router, in its mode."""
+    """Deploy ``args.model`` and put every demo question to it through the router, each in its mode,
+    all at once; print the answers in order, each with its request's metadata."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from pdserve.deployment import Deployment, DeploymentConfig
     from pdserve.engine.tokenizer import load_tokenizer
     from pdserve.router.client import Client
@@ -87,7 +90,7 @@ def ask_questions(args: argparse.Namespace) -> None:
     )
     t0 = time.time()
     print(
-        f"[1/2] questions to {describe_model(args.model)}\n"
+        f"\n[1/2] questions to {describe_model(args.model)}\n"
         f"starting a local deployment: 1 prefill + 1 decode worker, KV transport={args.transport}, "
         f"default mode=auto (remote prefill from {AUTO_MIN_REMOTE_TOKENS} prompt tokens) ...",
         flush=True,
@@ -98,14 +101,19 @@ def ask_questions(args: argparse.Namespace) -> None:
         assert tokenizer is not None
         params = SamplingParams(max_tokens=MAX_ANSWER_TOKENS, temperature=0.0)
         with Client(deployment.address) as client:
-            for mode, question in DEMO_QUESTIONS:
+
+            def ask(mode: str, question: str) -> tuple[str, dict]:
                 prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}])
                 text, meta = [], {}
                 for chunk in client.generate(prompt, params, mode=mode):
                     text.append(chunk.text)
                     meta = chunk.metadata or meta
+                return " ".join("".join(text).split()), meta
+
+            with ThreadPoolExecutor(len(DEMO_QUESTIONS)) as pool:
+                answers = list(pool.map(lambda q: ask(*q), DEMO_QUESTIONS))
+            for (mode, question), (answer, meta) in zip(DEMO_QUESTIONS, answers, strict=True):
                 shown = question if len(question) <= 100 else question[:60] + " ... " + question[-40:]
-                answer = " ".join("".join(text).split())
                 print(f"[{mode:>13}] Q: {shown}")
                 print(f"                A: {answer}")
                 print(f"                {_fmt_meta(meta)}\n", flush=True)
@@ -118,7 +126,30 @@ def ask_questions(args: argparse.Namespace) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    """Both parts on one local Ray instance (started here, unless one is running)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import ray
+
+    from pdserve.engine.config import resolve_checkpoint
+
     t0 = time.time()
+    started_ray = not ray.is_initialized()
+    print("starting Ray" + (f" and loading {args.model}" if args.model not in PRESETS else "") + " ...", flush=True)
+    with ThreadPoolExecutor(1) as pool:
+        # A GGUF model converts on first use: do it while Ray starts (errors surface in the deployment)
+        if args.model not in PRESETS:
+            pool.submit(resolve_checkpoint, args.model)
+        if started_ray:
+            ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        return _run_parts(args, t0)
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def _run_parts(args: argparse.Namespace, t0: float) -> int:
     ask_questions(args)
     status = 0
     if not args.skip_bench:
