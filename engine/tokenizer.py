@@ -107,6 +107,9 @@ class HFTokenizer:
             if (text := _token_text(config.get(name))) is not None
         }
         self.bos_token_id = self._id_of(special.get("bos_token"))
+        if self.bos_token_id is None:  # older checkpoints name it only in config.json
+            bos = _read_json(os.path.join(model_dir, "config.json")).get("bos_token_id")
+            self.bos_token_id = bos if isinstance(bos, int) else None
         eos_id = self._id_of(special.get("eos_token"))
         if eos_token_ids is None:
             eos_token_ids = _read_json(os.path.join(model_dir, "generation_config.json")).get("eos_token_id")
@@ -115,8 +118,9 @@ class HFTokenizer:
         if isinstance(eos_token_ids, int):
             eos_token_ids = (eos_token_ids,)
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids or ())
-        self.add_bos_token = bool(config.get("add_bos_token", self._post_processor_adds(self.bos_token_id, first=True)))
-        self.add_eos_token = bool(config.get("add_eos_token", self._post_processor_adds(eos_id, first=False)))
+        add_bos, add_eos = config.get("add_bos_token"), config.get("add_eos_token")
+        self.add_bos_token = bool(add_bos) if add_bos is not None else self._post_processor_adds(self.bos_token_id, 0)
+        self.add_eos_token = bool(add_eos) if add_eos is not None else self._post_processor_adds(eos_id, -1)
         if self.add_bos_token and self.bos_token_id is None:
             raise ValueError(f"tokenizer: {model_dir!r} adds a BOS token but names none (bos_token)")
         self._eos_id = eos_id
@@ -147,13 +151,13 @@ class HFTokenizer:
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 
-    def _post_processor_adds(self, token_id: int | None, first: bool) -> bool:
-        """Whether ``tokenizer.json``'s post-processor puts ``token_id`` first (or last) in every text."""
+    def _post_processor_adds(self, token_id: int | None, position: int) -> bool:
+        """Whether ``tokenizer.json``'s post-processor puts ``token_id`` at ``position`` (0 or -1) of every text."""
         if token_id is None:
             return False
         plain = self._tok.encode("a", add_special_tokens=False).ids
         full = self._tok.encode("a", add_special_tokens=True).ids
-        return len(full) > len(plain) and full[0 if first else -1] == token_id
+        return len(full) > len(plain) and full[position] == token_id
 
 
 def _read_json(path: str) -> dict[str, Any]:
