@@ -11,7 +11,8 @@ llama.cpp's converter permutes the rows of Llama's Q and K projections (its rope
 pairs, Hugging Face's rotates halves); ``unpermute_rope_rows`` puts them back.
 
 The cache lives in ``$PDSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/pdserve``, else ``~/.cache/pdserve``;
-an entry is keyed by the file's real path, size and modification time.
+an entry is keyed by the file's real path, size and modification time, and replaces the entries of
+earlier versions of the same path.
 """
 
 from __future__ import annotations
@@ -182,7 +183,22 @@ def converted_checkpoint(path: str) -> str:
                 os.rename(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    _remove_outdated(target, real)
     return str(target)
+
+
+def _remove_outdated(current: Path, real_path: str) -> None:
+    """Delete the entries of earlier versions of the same file (reinstalled, rewritten): ~0.5 GB each."""
+    for entry in current.parent.glob(f"{Path(real_path).stem}-*"):
+        if entry == current:
+            continue
+        try:
+            with open(entry / SOURCE_FILE) as f:
+                outdated = json.load(f).get("path") == real_path
+        except (OSError, ValueError):
+            continue  # someone else's conversion in progress, or not ours
+        if outdated:
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _is_complete(directory: Path, source: dict[str, Any]) -> bool:

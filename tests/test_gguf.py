@@ -235,7 +235,9 @@ def test_conversion_is_cached_and_keyed_by_the_file(tmp_path, monkeypatch):
         assert resolve_checkpoint(str(path)) == first
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-    assert resolve_checkpoint(str(path)) != first  # a changed file converts anew
+    second = resolve_checkpoint(str(path))
+    assert second != first and os.path.isdir(second)  # a changed file converts anew
+    assert not os.path.exists(first)  # and its outdated entry goes
 
 
 def _truncated(fraction: float):
