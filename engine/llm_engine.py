@@ -79,10 +79,10 @@ class LLMEngine:
             torch.set_num_threads(self.config.torch_threads)
         self.device = resolve_device(self.config.device)
         self.dtype = resolve_dtype(self.config.dtype, self.device)
-        self.tokenizer = load_tokenizer(self.config.model, self.model_config.eos_token_id)
-        self.eos_token_id = self.model_config.eos_token_id
-        if self.eos_token_id is None and self.tokenizer is not None:
-            self.eos_token_id = self.tokenizer.eos_token_id
+        self.tokenizer = load_tokenizer(self.config.model, self.model_config.eos_token_ids or None)
+        self.eos_token_ids = self.model_config.eos_token_ids
+        if not self.eos_token_ids and self.tokenizer is not None:
+            self.eos_token_ids = self.tokenizer.eos_token_ids
         model = build_model(self.config.model, self.model_config, self.dtype, self.device, self.config.seed)
 
         block_size = self.config.block_size
@@ -334,7 +334,7 @@ class LLMEngine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self.scheduler.requests or request_id in self.held:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        request = Request(request_id, token_ids, params, self.eos_token_id, arrival_time)
+        request = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time)
         self._seeds[request_id] = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         if self.tokenizer is not None and detokenize:
             self._detokenizers[request_id] = self.tokenizer.detokenizer()
@@ -347,7 +347,7 @@ class LLMEngine:
         if request.times.first_token is None:
             request.times.first_token = now
         p = request.params
-        if (token == request.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+        if (token in request.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return FinishReason.STOP
         max_model_len: int = self.config.max_model_len  # type: ignore[assignment]
         if request.num_output_tokens >= p.max_tokens or request.num_tokens >= max_model_len:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import SamplingParams
@@ -45,14 +46,17 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Collection[int] | None = None,
         arrival_time: float | None = None,
     ) -> None:
+        """``eos_token_id``: the stop token, or several (generation stops on any of them)."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.params = params
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids: frozenset[int] = frozenset(
+            () if eos_token_id is None else (eos_token_id,) if isinstance(eos_token_id, int) else eos_token_id
+        )
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens = 0

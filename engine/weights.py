@@ -1,13 +1,16 @@
-"""Build a model and fill its weights: from a HF safetensors checkpoint, or a seeded random preset."""
+"""Build a model and fill its weights: from a HF safetensors checkpoint (a GGUF file converts to one,
+see ``engine.gguf``), or a seeded random preset."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
+from collections.abc import Iterator
 
 import torch
-from pdserve.engine.config import PRESETS, ModelConfig
+from pdserve.engine.config import PRESETS, ModelConfig, resolve_checkpoint
 from pdserve.engine.model import LlamaForCausalLM
 from safetensors.torch import load_file
 
@@ -15,7 +18,7 @@ from safetensors.torch import load_file
 def build_model(
     model: str, config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0
 ) -> LlamaForCausalLM:
-    with torch.device("meta"):
+    with torch.device("meta"), _skip_parameter_init():
         module = LlamaForCausalLM(config)
     module = module.to_empty(device="cpu")
     if config.tie_word_embeddings:  # to_empty() allocates every parameter anew, which unties them
@@ -24,10 +27,25 @@ def build_model(
     if model in PRESETS:
         init_random_weights(module, seed)
     else:
-        load_checkpoint(module, model)
+        load_checkpoint(module, resolve_checkpoint(model))
     module = module.to(device=device, dtype=dtype).eval()
     module.model.rotary_emb.reset_tables()  # keep the rotation tables in float32 whatever the dtype
     return module
+
+
+@contextlib.contextmanager
+def _skip_parameter_init() -> Iterator[None]:
+    """Make ``torch.nn.init``'s fills no-ops: every weight is set afterwards anyway, and a fill on the meta
+    device imports torch's Python reference kernels, which costs a process seconds the first time."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_")
+    saved = {name: getattr(torch.nn.init, name) for name in names}
+    for name in names:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
 
 
 def init_random_weights(module: LlamaForCausalLM, seed: int) -> None:
@@ -76,4 +94,9 @@ def load_checkpoint(module: LlamaForCausalLM, model_dir: str) -> None:
             tensor = state[name]
             if tensor.shape != param.shape:
                 raise ValueError(f"model: weight {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-            param.copy_(tensor.to(param.dtype))
+            if tensor.dtype == param.dtype and tensor.device == param.device:
+                # Take the file-backed tensor itself: a copy would first-touch fresh memory page by page,
+                # which costs more than the file read (workers on one machine then share the pages, too).
+                param.data = tensor
+            else:
+                param.copy_(tensor.to(param.dtype))

@@ -39,7 +39,7 @@ class RouterProcess:
     ) -> None:
         model_config = ModelConfig.load(engine_config.model)
         limits = ModelLimits(model_config.vocab_size, engine_config.max_model_len)  # type: ignore[arg-type]
-        tokenizer = load_tokenizer(engine_config.model, model_config.eos_token_id)
+        tokenizer = load_tokenizer(engine_config.model, model_config.eos_token_ids or None)
         self.router = Router(config, decode_workers, prefill_workers, limits, tokenizer, router_id)
         self.model_name = engine_config.model
         self._server: GrpcServer | None = None

