@@ -8,7 +8,7 @@ with Client("127.0.0.1:50051") as client:
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 from pdserve.engine.sampling_params import SamplingParams
@@ -52,6 +52,13 @@ def _stats(resp: pb.StatsResponse) -> list[WorkerStats]:
     return [worker_stats_from_proto(w) for w in resp.workers]
 
 
+def _channel(api: Any, target: str, root_certificates: bytes | None) -> Any:
+    """A channel from ``api`` (``grpc`` or ``grpc.aio``): TLS with ``root_certificates`` (PEM), else plaintext."""
+    if root_certificates is not None:
+        return api.secure_channel(target, grpc.ssl_channel_credentials(root_certificates), options=GRPC_OPTIONS)
+    return api.insecure_channel(target, options=GRPC_OPTIONS)
+
+
 def _metadata(auth_token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
 
@@ -66,11 +73,7 @@ class Client:
         auth_token: str | None = None,
         root_certificates: bytes | None = None,
     ) -> None:
-        if root_certificates is not None:
-            credentials = grpc.ssl_channel_credentials(root_certificates)
-            self._channel = grpc.secure_channel(target, credentials, options=GRPC_OPTIONS)
-        else:
-            self._channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
+        self._channel = _channel(grpc, target, root_certificates)
         self._md = _metadata(auth_token)
         self._stub = pb_grpc.PDServeStub(self._channel)
         self.timeout_s = timeout_s
@@ -125,11 +128,7 @@ class AsyncClient:
         auth_token: str | None = None,
         root_certificates: bytes | None = None,
     ) -> None:
-        if root_certificates is not None:
-            credentials = grpc.ssl_channel_credentials(root_certificates)
-            self._channel = grpc.aio.secure_channel(target, credentials, options=GRPC_OPTIONS)
-        else:
-            self._channel = grpc.aio.insecure_channel(target, options=GRPC_OPTIONS)
+        self._channel = _channel(grpc.aio, target, root_certificates)
         self._md = _metadata(auth_token)
         self._stub = pb_grpc.PDServeStub(self._channel)
         self.timeout_s = timeout_s
