@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -54,119 +54,172 @@ def is_kv_transfer_failure(message: str) -> bool:
     return any(marker in message for marker in _KV_FAILURE_MARKERS)
 
 
+class _Spec(NamedTuple):
+    """One metric: the ``RouterMetrics`` attribute holding it, its kind, name, help, labels and buckets."""
+
+    attr: str
+    kind: type[Histogram] | type[Counter] | type[Gauge]
+    name: str
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+
+_MODE = ("mode",)
+_WORKER = ("worker", "role")
+
+# Registered in this order (the exposition's order); README, "Metrics", lists them.
+_METRICS = (
+    _Spec(
+        "ttft",
+        Histogram,
+        "pdserve_request_ttft_seconds",
+        "Router receipt to the first token handed to the client stream (server side)",
+        _MODE,
+        _LATENCY_BUCKETS,
+    ),
+    _Spec(
+        "itl",
+        Histogram,
+        "pdserve_request_inter_token_latency_seconds",
+        "Gap between consecutive streamed chunks of a request (a chunk holds one token unless the client lags)",
+        _MODE,
+        _TOKEN_BUCKETS,
+    ),
+    _Spec(
+        "tpot",
+        Histogram,
+        "pdserve_request_time_per_output_token_seconds",
+        "Per finished request with 2+ output tokens: (e2e - ttft) / (output tokens - 1)",
+        _MODE,
+        _TOKEN_BUCKETS,
+    ),
+    _Spec("e2e", Histogram, "pdserve_request_e2e_seconds", "Router receipt to the last token", _MODE, _LATENCY_BUCKETS),
+    _Spec(
+        "queue",
+        Histogram,
+        "pdserve_request_queue_seconds",
+        "Arrival at the prefilling worker to first scheduled",
+        _MODE,
+        _LATENCY_BUCKETS,
+    ),
+    _Spec(
+        "prefill",
+        Histogram,
+        "pdserve_request_prefill_seconds",
+        "First scheduled to first token sampled, on the prefilling worker",
+        _MODE,
+        _LATENCY_BUCKETS,
+    ),
+    _Spec(
+        "kv_transfer",
+        Histogram,
+        "pdserve_kv_transfer_seconds",
+        "Disaggregated requests: first token sampled on the prefill worker to all KV on the decode worker",
+        buckets=_TOKEN_BUCKETS + (10.0, 30.0),
+    ),
+    _Spec(
+        "kv_transfer_bytes",
+        Histogram,
+        "pdserve_kv_transfer_bytes",
+        "Disaggregated requests: KV bytes moved from the prefill to the decode worker",
+        buckets=_BYTES_BUCKETS,
+    ),
+    _Spec("requests", Counter, "pdserve_requests", "Requests by mode and outcome", ("mode", "outcome")),
+    _Spec("errors", Counter, "pdserve_request_errors", "Rejected and failed requests by gRPC status code", ("code",)),
+    _Spec("prompt_tokens", Counter, "pdserve_prompt_tokens", "Prompt tokens of ended requests", _MODE),
+    _Spec("output_tokens", Counter, "pdserve_output_tokens", "Output tokens of ended requests", _MODE),
+    _Spec(
+        "fallbacks",
+        Counter,
+        "pdserve_fallbacks",
+        "Disaggregated requests prefilled on their decode worker instead",
+        ("reason",),
+    ),
+    _Spec(
+        "kv_transfer_failures",
+        Counter,
+        "pdserve_kv_transfer_failures",
+        "KV transfers that failed (a fallback or a failed request)",
+    ),
+    _Spec(
+        "preemptions",
+        Counter,
+        "pdserve_preemptions",
+        "Requests preempted by a worker's scheduler (counted from its steps)",
+        _WORKER,
+    ),
+    _Spec("worker_up", Gauge, "pdserve_worker_up", "1 while the worker answers, else 0", _WORKER),
+    _Spec("blocks_total", Gauge, "pdserve_worker_kv_blocks_total", "KV blocks of the worker", _WORKER),
+    _Spec(
+        "blocks_used",
+        Gauge,
+        "pdserve_worker_kv_blocks_used",
+        "KV blocks held by requests (total = used + cached + free)",
+        _WORKER,
+    ),
+    _Spec(
+        "blocks_cached",
+        Gauge,
+        "pdserve_worker_kv_blocks_cached",
+        "Unused KV blocks that hold a cached prefix (reusable)",
+        _WORKER,
+    ),
+    _Spec("blocks_free", Gauge, "pdserve_worker_kv_blocks_free", "Unused KV blocks holding nothing cached", _WORKER),
+    _Spec("running", Gauge, "pdserve_worker_running_requests", "Requests running on the worker", _WORKER),
+    _Spec("waiting", Gauge, "pdserve_worker_waiting_requests", "Requests waiting on the worker", _WORKER),
+    _Spec(
+        "step_time",
+        Gauge,
+        "pdserve_worker_step_seconds",
+        "Mean engine step time since the previous scrape (kept while the worker is idle)",
+        _WORKER,
+    ),
+    _Spec("active", Gauge, "pdserve_router_active_requests", "Requests this router is serving"),
+    _Spec(
+        "queued",
+        Gauge,
+        "pdserve_router_queued_requests",
+        "Requests this router serves that wait for their first token",
+    ),
+)
+
+
 class RouterMetrics:
-    """The ``pdserve_*`` metrics of one router (names and labels: README, "Metrics")."""
+    """The ``pdserve_*`` metrics of one router (names and labels: README, "Metrics"; declared in ``_METRICS``)."""
+
+    ttft: Histogram
+    itl: Histogram
+    tpot: Histogram
+    e2e: Histogram
+    queue: Histogram
+    prefill: Histogram
+    kv_transfer: Histogram
+    kv_transfer_bytes: Histogram
+    requests: Counter
+    errors: Counter
+    prompt_tokens: Counter
+    output_tokens: Counter
+    fallbacks: Counter
+    kv_transfer_failures: Counter
+    preemptions: Counter
+    worker_up: Gauge
+    blocks_total: Gauge
+    blocks_used: Gauge
+    blocks_cached: Gauge
+    blocks_free: Gauge
+    running: Gauge
+    waiting: Gauge
+    step_time: Gauge
+    active: Gauge
+    queued: Gauge
 
     def __init__(self, router_id: str = "router-0") -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.router_id = router_id
-        mode = ("mode",)
-        worker = ("worker", "role")
-
-        self.ttft = Histogram(
-            "pdserve_request_ttft_seconds",
-            "Router receipt to the first token handed to the client stream (server side)",
-            mode,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "pdserve_request_inter_token_latency_seconds",
-            "Gap between consecutive streamed chunks of a request (a chunk holds one token unless the client lags)",
-            mode,
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
-        )
-        self.tpot = Histogram(
-            "pdserve_request_time_per_output_token_seconds",
-            "Per finished request with 2+ output tokens: (e2e - ttft) / (output tokens - 1)",
-            mode,
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "pdserve_request_e2e_seconds",
-            "Router receipt to the last token",
-            mode,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.queue = Histogram(
-            "pdserve_request_queue_seconds",
-            "Arrival at the prefilling worker to first scheduled",
-            mode,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.prefill = Histogram(
-            "pdserve_request_prefill_seconds",
-            "First scheduled to first token sampled, on the prefilling worker",
-            mode,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.kv_transfer = Histogram(
-            "pdserve_kv_transfer_seconds",
-            "Disaggregated requests: first token sampled on the prefill worker to all KV on the decode worker",
-            buckets=_TOKEN_BUCKETS + (10.0, 30.0),
-            registry=r,
-        )
-        self.kv_transfer_bytes = Histogram(
-            "pdserve_kv_transfer_bytes",
-            "Disaggregated requests: KV bytes moved from the prefill to the decode worker",
-            buckets=_BYTES_BUCKETS,
-            registry=r,
-        )
-        self.requests = Counter("pdserve_requests", "Requests by mode and outcome", ("mode", "outcome"), registry=r)
-        self.errors = Counter(
-            "pdserve_request_errors", "Rejected and failed requests by gRPC status code", ("code",), registry=r
-        )
-        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of ended requests", mode, registry=r)
-        self.output_tokens = Counter("pdserve_output_tokens", "Output tokens of ended requests", mode, registry=r)
-        self.fallbacks = Counter(
-            "pdserve_fallbacks",
-            "Disaggregated requests prefilled on their decode worker instead",
-            ("reason",),
-            registry=r,
-        )
-        self.kv_transfer_failures = Counter(
-            "pdserve_kv_transfer_failures", "KV transfers that failed (a fallback or a failed request)", registry=r
-        )
-        self.preemptions = Counter(
-            "pdserve_preemptions",
-            "Requests preempted by a worker's scheduler (counted from its steps)",
-            worker,
-            registry=r,
-        )
-        self.worker_up = Gauge("pdserve_worker_up", "1 while the worker answers, else 0", worker, registry=r)
-        self.blocks_total = Gauge("pdserve_worker_kv_blocks_total", "KV blocks of the worker", worker, registry=r)
-        self.blocks_used = Gauge(
-            "pdserve_worker_kv_blocks_used",
-            "KV blocks held by requests (total = used + cached + free)",
-            worker,
-            registry=r,
-        )
-        self.blocks_cached = Gauge(
-            "pdserve_worker_kv_blocks_cached",
-            "Unused KV blocks that hold a cached prefix (reusable)",
-            worker,
-            registry=r,
-        )
-        self.blocks_free = Gauge(
-            "pdserve_worker_kv_blocks_free", "Unused KV blocks holding nothing cached", worker, registry=r
-        )
-        self.running = Gauge("pdserve_worker_running_requests", "Requests running on the worker", worker, registry=r)
-        self.waiting = Gauge("pdserve_worker_waiting_requests", "Requests waiting on the worker", worker, registry=r)
-        self.step_time = Gauge(
-            "pdserve_worker_step_seconds",
-            "Mean engine step time since the previous scrape (kept while the worker is idle)",
-            worker,
-            registry=r,
-        )
-        self.active = Gauge("pdserve_router_active_requests", "Requests this router is serving", registry=r)
-        self.queued = Gauge(
-            "pdserve_router_queued_requests", "Requests this router serves that wait for their first token", registry=r
-        )
+        for spec in _METRICS:
+            extra = {} if spec.buckets is None else {"buckets": spec.buckets}
+            setattr(self, spec.attr, spec.kind(spec.name, spec.help, spec.labels, registry=r, **extra))
         Gauge("pdserve_router_info", "This router's id", ("router",), registry=r).labels(router=router_id).set(1)
 
         self._itl_by_mode: dict[str, Histogram] = {}

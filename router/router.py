@@ -2,8 +2,8 @@
 
 Tokens come back on one event stream per decode worker (``DecodeWorker.events``), subscribed once at
 ``start``: each item carries every new token of this router's requests from one worker step, and a
-reader task per worker demultiplexes them into the requests' queues. Starting, reserving and aborting
-are plain actor calls. Colocated: ``decode.generate`` starts the request. Disaggregated:
+reader task per worker demultiplexes them into the requests' queues (``worker_events``). Starting,
+reserving and aborting are plain actor calls. Colocated: ``decode.generate`` starts the request. Disaggregated:
 ``decode.reserve`` → blocks; ``prefill.prefill`` → chunked prefill with per-chunk KV pushes, returns
 the first token (sent to the client at once); ``decode.decode(first_token)`` decodes the rest once the
 KV has landed. If the prefill worker fails, the request falls back to a local prefill on its decode
@@ -18,16 +18,17 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import NoWorkerAvailable, Route, RouterConfig, RoutingPolicy
+from pdserve.router.worker_events import InFlight, WorkerEvents
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
-from pdserve.messages import RequestMetrics, TokenUpdate, WorkerRequestStats, WorkerStats
+from pdserve.messages import RequestMetrics, WorkerRequestStats, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -73,51 +74,6 @@ class ModelLimits(NamedTuple):
     max_model_len: int
 
 
-@dataclass
-class _InFlight:
-    """A request the router is serving: where it went, what came back, what the client has been sent."""
-
-    request_id: str  # the client's id
-    key: str  # the id the workers know it by: unique per router and incarnation, so ids can be reused
-    route: Route  # as routed (the policy's bookkeeping uses it)
-    served: Route  # as served (differs after a fallback to local prefill)
-    received: float
-    num_prompt_tokens: int
-    detokenizer: IncrementalDetokenizer | None
-    prefill: Any = None  # the prefill worker's PrefillResult
-    num_cached_tokens: int = 0  # on the decode worker, as its reservation found it
-    fallback: str = ""
-    ttft_s: float | None = None
-    num_output_tokens: int = 0
-    prefill_pending: bool = False
-    aborted: bool = False
-    queued: bool = True  # counted in the router's queue until its first token
-    done: asyncio.Event = field(default_factory=asyncio.Event)  # set once no worker holds it any more
-    pending: list[TokenUpdate] = field(default_factory=list)  # delivered, not yet streamed
-    waiter: asyncio.Future | None = None  # set while the client stream waits for updates
-    last_update: float = field(default_factory=time.monotonic)
-    last_event: float = 0.0  # unix time of the last event with tokens
-    stopped: bool = False  # its consumer had what it wanted (``Router.stopped``): an early end is a finish
-
-    def deliver(self, update: TokenUpdate) -> None:
-        self.pending.append(update)
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def next_updates(self) -> list[TokenUpdate]:
-        """Everything delivered since the last call (waits for at least one update)."""
-        if not self.pending:
-            self.waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self.waiter
-            finally:
-                self.waiter = None
-        updates, self.pending = self.pending, []
-        self.last_update = time.monotonic()
-        return updates
-
-
 class Router:
     def __init__(
         self,
@@ -137,80 +93,28 @@ class Router:
         self.workers = {w.worker_id: w for w in [*decode_workers, *prefill_workers]}
         self.limits = limits
         self.tokenizer = tokenizer
-        self.active: dict[str, _InFlight] = {}  # by the client's request id
-        self._by_key: dict[str, _InFlight] = {}  # by the workers' request id
+        self.active: dict[str, InFlight] = {}  # by the client's request id
+        self._by_key: dict[str, InFlight] = {}  # by the workers' request id
         self._serial = itertools.count()
-        self.num_stream_items = 0  # event-stream items received from the workers
         self.num_queued = 0  # requests waiting for their first token
         self.queued_prompt_tokens = 0
-        self._readers: list[asyncio.Task] = []
+        self._events = WorkerEvents(router_id, config, self.policy, self.workers, self.active, self._by_key)
         self._ids = itertools.count()
         self._seeds = random.Random()
         self.metrics = RouterMetrics(router_id)
 
-    # ---- the workers' event streams --------------------------------------------------------------
+    # ---- the workers' event streams (``WorkerEvents``) -------------------------------------------
     async def start(self, timeout_s: float = 60.0) -> None:
         """Subscribe to every decode worker's event stream; returns once all of them confirmed."""
-        loop = asyncio.get_running_loop()
-        subscribed = [loop.create_future() for _ in self.decode_workers]
-        for worker, confirmed in zip(self.decode_workers.values(), subscribed, strict=True):
-            self._readers.append(asyncio.create_task(self._read_events(worker, confirmed)))
-        self._readers.append(asyncio.create_task(self._watch_idle_streams()))
-        self._readers.append(asyncio.create_task(self._probe_prefill_workers()))
-        await asyncio.wait_for(asyncio.gather(*subscribed), timeout_s)
+        await self._events.start(list(self.decode_workers.values()), timeout_s)
 
     async def close(self) -> None:
-        for task in self._readers:
-            task.cancel()
-        await asyncio.gather(*self._readers, return_exceptions=True)
-        self._readers = []
+        await self._events.close()
 
-    async def _read_events(self, worker: WorkerHandle, subscribed: asyncio.Future) -> None:
-        """Demultiplex one worker's stream into the requests; while it is down, route nothing to it."""
-        delay = 0.1
-        while True:
-            try:
-                stream = worker.actor.events.options(num_returns="streaming").remote(self.router_id)
-                async for ref in stream:
-                    item = await ref
-                    if not subscribed.done():
-                        subscribed.set_result(None)
-                    if not self.policy.is_available(worker.worker_id):
-                        log.info("%s: worker %s is back", self.router_id, worker.worker_id)
-                        self.policy.set_available(worker.worker_id, True)
-                    delay = 0.1
-                    self.num_stream_items += 1
-                    by_key = self._by_key
-                    for update in item.updates:
-                        request = by_key.get(update.request_id)
-                        if request is not None:
-                            request.deliver(update)
-                reason = "ended its event stream"
-            except Exception as e:  # the worker died or restarts: its requests cannot finish
-                reason = f"dropped its event stream ({type(e).__name__})"
-            if self.policy.is_available(worker.worker_id):
-                log.warning("%s: worker %s %s; failing its requests", self.router_id, worker.worker_id, reason)
-            self.policy.set_available(worker.worker_id, False)
-            for request in list(self.active.values()):
-                if request.served.decode_worker == worker.worker_id:
-                    error = f"decode worker {worker.worker_id} {reason}"
-                    request.deliver(TokenUpdate(request.key, [], "abort", error=error))
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
-
-    async def _probe_prefill_workers(self) -> None:
-        """Bring a prefill worker that failed back into the pool once it answers again (Ray restarts it)."""
-        while True:
-            await asyncio.sleep(0.5)
-            for worker_id in self.policy.prefill:
-                if self.policy.is_available(worker_id):
-                    continue
-                try:
-                    await asyncio.wait_for(self.workers[worker_id].actor.ready.remote(), 2.0)
-                except Exception:
-                    continue
-                log.info("%s: prefill worker %s is back", self.router_id, worker_id)
-                self.policy.set_available(worker_id, True)
+    @property
+    def num_stream_items(self) -> int:
+        """Event-stream items received from the workers."""
+        return self._events.num_items
 
     # ---- validation and admission ----------------------------------------------------------------
     async def _validate(self, req: GenerateInput) -> tuple[str, list[int], SamplingParams]:
@@ -284,7 +188,7 @@ class Router:
                 f"for their first token (limits {c.max_queued_requests} requests, {c.max_queued_prompt_tokens} tokens)",
             )
 
-    def _dequeue(self, request: _InFlight) -> None:
+    def _dequeue(self, request: InFlight) -> None:
         if request.queued:
             request.queued = False
             self.num_queued -= 1
@@ -304,7 +208,7 @@ class Router:
         except RequestError as e:
             self.metrics.request_rejected(e.code, req.mode or self.config.default_mode)
             raise
-        request = _InFlight(
+        request = InFlight(
             request_id,
             f"{request_id}@{self.router_id}.{next(self._serial)}",
             route,
@@ -364,7 +268,7 @@ class Router:
         except ValueError as e:
             raise RequestError("INVALID_ARGUMENT", str(e)) from None
 
-    def _end_unfinished(self, request: _InFlight, error: BaseException) -> None:
+    def _end_unfinished(self, request: InFlight, error: BaseException) -> None:
         """Count (and log, when it failed) a request whose stream ends without its last event."""
         metrics = self._metrics(request, WorkerRequestStats(), time.time())
         code = error.code if isinstance(error, RequestError) else "INTERNAL"
@@ -385,12 +289,12 @@ class Router:
         request.stopped = True
         return self._metrics(request, WorkerRequestStats(), time.time())
 
-    async def _start_colocated(self, request: _InFlight, prompt: list[int], params: SamplingParams) -> None:
+    async def _start_colocated(self, request: InFlight, prompt: list[int], params: SamplingParams) -> None:
         decode = self.workers[request.served.decode_worker].actor
         await _call(decode.generate.remote(request.key, prompt, params, self.router_id))
 
     async def _prefill_remotely(
-        self, request: _InFlight, prompt: list[int], params: SamplingParams
+        self, request: InFlight, prompt: list[int], params: SamplingParams
     ) -> RouterEvent | None:
         """Reserve on the decode worker, prefill on the prefill worker; returns the first token's event.
 
@@ -428,31 +332,20 @@ class Router:
         self._prefill_finished(request, prompt)
         return self._event(request, [result.first_token])
 
-    async def _start_decode(self, request: _InFlight) -> None:
+    async def _start_decode(self, request: InFlight) -> None:
         """Hand the first token to the decode worker: it decodes once all the KV has landed."""
         decode = self.workers[request.route.decode_worker].actor
         first_token, first_time = request.prefill.first_token, request.prefill.first_token_time
         await _call(decode.decode.remote(request.key, first_token, first_time, self.router_id))
 
-    def _prefill_finished(self, request: _InFlight, prompt: list[int]) -> None:
+    def _prefill_finished(self, request: InFlight, prompt: list[int]) -> None:
         if request.prefill_pending:
             request.prefill_pending = False
             self.policy.prefill_done(request.route, prompt)
 
-    async def _watch_idle_streams(self) -> None:
-        """Fail a stream that got no update for ``stream_idle_timeout_s`` (one timer for all requests)."""
-        limit = self.config.stream_idle_timeout_s
-        while True:
-            await asyncio.sleep(min(1.0, limit / 4))
-            now = time.monotonic()
-            for request in list(self.active.values()):
-                if request.waiter is not None and now - request.last_update > limit:
-                    error = f"no token from the decode worker for {limit} s"
-                    request.deliver(TokenUpdate(request.key, [], "abort", error=error))
-
     def _event(
         self,
-        request: _InFlight,
+        request: InFlight,
         token_ids: list[int],
         finish_reason: str | None = None,
         stats: WorkerRequestStats | None = None,
@@ -476,7 +369,7 @@ class Router:
         self.metrics.request_finished(metrics, "aborted" if finish_reason == "abort" else "finished")
         return RouterEvent(token_ids, text, finish_reason, metrics)
 
-    def _metrics(self, request: _InFlight, stats: WorkerRequestStats, now: float) -> RequestMetrics:
+    def _metrics(self, request: InFlight, stats: WorkerRequestStats, now: float) -> RequestMetrics:
         served, prefill = request.served, request.prefill
         return RequestMetrics(
             request_id=request.request_id,

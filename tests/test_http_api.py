@@ -203,7 +203,7 @@ def test_stop_matcher_holds_back_a_possible_stop_across_chunks():
 
 def test_chat_completion_streams_and_not_on_the_rendered_prompt(deployment, oai):
     prompt = render_chat(ByteTokenizer(), MESSAGES)
-    assert prompt == "system: Be brief.\nuser: Hello there\nassistant:"
+    assert prompt == "system: Be brief.\nuser: Hello there\nassistant: "  # the plain template
     text, _ = grpc_text(deployment, prompt, 10)
     r = oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, **GREEDY)
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")

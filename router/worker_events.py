@@ -1,0 +1,170 @@
+"""How tokens get from the decode workers' event streams to the requests waiting for them (``Router``'s half).
+
+``InFlight`` is a request the router serves: the updates delivered to it queue up until its client stream
+takes them (``next_updates``). ``WorkerEvents`` runs a reader task per decode worker that demultiplexes
+the worker's stream into the requests by their key, and keeps the routing policy's view of which workers
+are available: a decode worker whose stream drops is unavailable (its requests fail) until it streams
+again; a failed prefill worker is probed until it answers. One more task fails a stream that went idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pdserve.engine.tokenizer import IncrementalDetokenizer
+from pdserve.router.policy import Route, RouterConfig, RoutingPolicy
+
+from pdserve.messages import TokenUpdate
+
+if TYPE_CHECKING:
+    from pdserve.router.router import WorkerHandle
+
+log = logging.getLogger("pdserve.router.router")  # the router's records, under its logger as before the split
+
+
+@dataclass
+class InFlight:
+    """A request the router is serving: where it went, what came back, what the client has been sent."""
+
+    request_id: str  # the client's id
+    key: str  # the id the workers know it by: unique per router and incarnation, so ids can be reused
+    route: Route  # as routed (the policy's bookkeeping uses it)
+    served: Route  # as served (differs after a fallback to local prefill)
+    received: float
+    num_prompt_tokens: int
+    detokenizer: IncrementalDetokenizer | None
+    prefill: Any = None  # the prefill worker's PrefillResult
+    num_cached_tokens: int = 0  # on the decode worker, as its reservation found it
+    fallback: str = ""
+    ttft_s: float | None = None
+    num_output_tokens: int = 0
+    prefill_pending: bool = False
+    aborted: bool = False
+    queued: bool = True  # counted in the router's queue until its first token
+    done: asyncio.Event = field(default_factory=asyncio.Event)  # set once no worker holds it any more
+    pending: list[TokenUpdate] = field(default_factory=list)  # delivered, not yet streamed
+    waiter: asyncio.Future | None = None  # set while the client stream waits for updates
+    last_update: float = field(default_factory=time.monotonic)
+    last_event: float = 0.0  # unix time of the last event with tokens
+    stopped: bool = False  # its consumer had what it wanted (``Router.stopped``): an early end is a finish
+
+    def deliver(self, update: TokenUpdate) -> None:
+        self.pending.append(update)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def next_updates(self) -> list[TokenUpdate]:
+        """Everything delivered since the last call (waits for at least one update)."""
+        if not self.pending:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        updates, self.pending = self.pending, []
+        self.last_update = time.monotonic()
+        return updates
+
+
+class WorkerEvents:
+    """The reader tasks of one router: ``start`` subscribes to every decode worker, ``close`` stops them.
+
+    ``active`` and ``by_key`` are the router's requests by client id and by worker key (shared, not copied).
+    """
+
+    def __init__(
+        self,
+        router_id: str,
+        config: RouterConfig,
+        policy: RoutingPolicy,
+        workers: dict[str, WorkerHandle],
+        active: dict[str, InFlight],
+        by_key: dict[str, InFlight],
+    ) -> None:
+        self.router_id = router_id
+        self.config = config
+        self.policy = policy
+        self.workers = workers
+        self.active = active
+        self._by_key = by_key
+        self.num_items = 0  # event-stream items received from the workers
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self, decode_workers: list[WorkerHandle], timeout_s: float) -> None:
+        """Subscribe to every decode worker's event stream; returns once all of them confirmed."""
+        loop = asyncio.get_running_loop()
+        subscribed = [loop.create_future() for _ in decode_workers]
+        for worker, confirmed in zip(decode_workers, subscribed, strict=True):
+            self._tasks.append(asyncio.create_task(self._read(worker, confirmed)))
+        self._tasks.append(asyncio.create_task(self._watch_idle_streams()))
+        self._tasks.append(asyncio.create_task(self._probe_prefill_workers()))
+        await asyncio.wait_for(asyncio.gather(*subscribed), timeout_s)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    async def _read(self, worker: WorkerHandle, subscribed: asyncio.Future) -> None:
+        """Demultiplex one worker's stream into the requests; while it is down, route nothing to it."""
+        delay = 0.1
+        while True:
+            try:
+                stream = worker.actor.events.options(num_returns="streaming").remote(self.router_id)
+                async for ref in stream:
+                    item = await ref
+                    if not subscribed.done():
+                        subscribed.set_result(None)
+                    if not self.policy.is_available(worker.worker_id):
+                        log.info("%s: worker %s is back", self.router_id, worker.worker_id)
+                        self.policy.set_available(worker.worker_id, True)
+                    delay = 0.1
+                    self.num_items += 1
+                    by_key = self._by_key
+                    for update in item.updates:
+                        request = by_key.get(update.request_id)
+                        if request is not None:
+                            request.deliver(update)
+                reason = "ended its event stream"
+            except Exception as e:  # the worker died or restarts: its requests cannot finish
+                reason = f"dropped its event stream ({type(e).__name__})"
+            if self.policy.is_available(worker.worker_id):
+                log.warning("%s: worker %s %s; failing its requests", self.router_id, worker.worker_id, reason)
+            self.policy.set_available(worker.worker_id, False)
+            for request in list(self.active.values()):
+                if request.served.decode_worker == worker.worker_id:
+                    error = f"decode worker {worker.worker_id} {reason}"
+                    request.deliver(TokenUpdate(request.key, [], "abort", error=error))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    async def _probe_prefill_workers(self) -> None:
+        """Bring a prefill worker that failed back into the pool once it answers again (Ray restarts it)."""
+        while True:
+            await asyncio.sleep(0.5)
+            for worker_id in self.policy.prefill:
+                if self.policy.is_available(worker_id):
+                    continue
+                try:
+                    await asyncio.wait_for(self.workers[worker_id].actor.ready.remote(), 2.0)
+                except Exception:
+                    continue
+                log.info("%s: prefill worker %s is back", self.router_id, worker_id)
+                self.policy.set_available(worker_id, True)
+
+    async def _watch_idle_streams(self) -> None:
+        """Fail a stream that got no update for ``stream_idle_timeout_s`` (one timer for all requests)."""
+        limit = self.config.stream_idle_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, limit / 4))
+            now = time.monotonic()
+            for request in list(self.active.values()):
+                if request.waiter is not None and now - request.last_update > limit:
+                    error = f"no token from the decode worker for {limit} s"
+                    request.deliver(TokenUpdate(request.key, [], "abort", error=error))
