@@ -78,7 +78,8 @@ def test_every_command_has_the_same_options_and_defaults():
     bench = bench_parser().parse_args([])
     assert engine_config_from_args(serve) == engine_config_from_args(generate) == engine_config_from_args(bench)
     assert engine_config_from_args(serve) == EngineConfig()
-    assert pdserve_parser().parse_args(["demo"]).model == EngineConfig().model
+    demo = pdserve_parser().parse_args(["demo"])  # the demo answers questions with a trained model by design
+    assert (demo.model, demo.bench_model) == ("smollm2", EngineConfig().model)
     assert SimConfig.from_engine_config(engine_config_from_args(sim_parser().parse_args([]))) == SimConfig(
         max_num_batched_tokens=DEFAULT_TOKEN_BUDGET
     )
