@@ -94,15 +94,21 @@ def _idle(w: WorkerStats) -> bool:
     )
 
 
-async def wait_drained(address: str, timeout_s: float = 30.0, interval_s: float = 0.1) -> Drain:
-    """Poll the ``Stats`` RPC until nothing holds a block or a slot anywhere, or ``timeout_s`` passes."""
+async def wait_drained(
+    address: str, timeout_s: float = 30.0, interval_s: float = 0.1, ignore_unavailable: bool = False
+) -> Drain:
+    """Poll the ``Stats`` RPC until nothing holds a block or a slot anywhere, or ``timeout_s`` passes.
+
+    ``ignore_unavailable``: judge only the workers that answer (a dead worker's blocks died with it).
+    """
     started = time.monotonic()
     async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
         stub = pb_grpc.PDServeStub(channel)
         while True:
             resp = await stub.Stats(pb.StatsRequest(), timeout=30)
             workers = [worker_stats_from_proto(w) for w in resp.workers]
-            clean = resp.num_active_requests == 0 and all(_idle(w) for w in workers)
+            judged = [w for w in workers if w.state == "serving" or not ignore_unavailable]
+            clean = resp.num_active_requests == 0 and all(_idle(w) for w in judged)
             waited = time.monotonic() - started
             if clean or waited > timeout_s:
                 in_use = sum(w.blocks_total - w.blocks_free - w.blocks_cached for w in workers if w.state == "serving")
