@@ -65,7 +65,7 @@ REJECTED_BACKOFF_S = (0.02, 0.2)
 Canaries = list[tuple[list[int], list[int]]]  # (prompt, its greedy tokens from the offline engine)
 
 
-# ---- the drain check, shared with tests/test_overload.py ------------------------------------------------
+# ---- the drain check and the Health/Stats probe, shared with tests/test_overload.py -------------------------
 class Drain(NamedTuple):
     """What ``Stats`` showed when a drained deployment was checked."""
 
@@ -114,6 +114,30 @@ async def wait_drained(
                 in_use = sum(w.blocks_total - w.blocks_free - w.blocks_cached for w in workers if w.state == "serving")
                 return Drain(clean, in_use, resp.num_active_requests, waited, workers)
             await asyncio.sleep(interval_s)
+
+
+@dataclass
+class Probe:
+    """Latencies of ``Health`` and ``Stats``, called one after the other while something else runs."""
+
+    health_s: list[float] = field(default_factory=list)
+    stats_s: list[float] = field(default_factory=list)
+    statuses: Counter[str] = field(default_factory=Counter)  # Health's status, "NOT OK: ..." when not ok
+
+    async def run(self, address: str, stop: asyncio.Event, interval_s: float) -> None:
+        async with AsyncClient(address, timeout_s=30) as client:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                health = await client.health()
+                t1 = time.monotonic()
+                await client.stats()
+                self.health_s.append(t1 - t0)
+                self.stats_s.append(time.monotonic() - t1)
+                self.statuses[health.status if health.ok else f"NOT OK: {health.status}"] += 1
+                try:
+                    await asyncio.wait_for(stop.wait(), interval_s)
+                except TimeoutError:
+                    pass
 
 
 # ---- what each client does ------------------------------------------------------------------------------
@@ -262,8 +286,7 @@ class PhaseReport:
     itl_s: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     blocks_leaked: int = 0
-    health_s: list[float] = field(default_factory=list)
-    stats_s: list[float] = field(default_factory=list)
+    probe: Probe = field(default_factory=Probe)
 
     @property
     def started(self) -> int:
@@ -313,8 +336,8 @@ class PhaseReport:
             "ttft_p99_ms": _ms(percentile(self.ttft_s, 99)),
             "itl_p50_ms": _ms(percentile(self.itl_s, 50)),
             "itl_p99_ms": _ms(percentile(self.itl_s, 99)),
-            "health_max_ms": _ms(max(self.health_s, default=0.0)),
-            "stats_max_ms": _ms(max(self.stats_s, default=0.0)),
+            "health_max_ms": _ms(max(self.probe.health_s, default=0.0)),
+            "stats_max_ms": _ms(max(self.probe.stats_s, default=0.0)),
             "errors": self.errors[:20],
         }
 
@@ -338,31 +361,13 @@ async def client_loop(
             await asyncio.sleep(rng.uniform(*REJECTED_BACKOFF_S))
 
 
-async def monitor(address: str, phase: PhaseReport, stop: asyncio.Event) -> None:
-    """Health and Stats once a second; Health must answer serving with every worker up."""
-    async with AsyncClient(address, timeout_s=30) as client:
-        while not stop.is_set():
-            t0 = time.monotonic()
-            health = await client.health()
-            t1 = time.monotonic()
-            await client.stats()
-            phase.health_s.append(t1 - t0)
-            phase.stats_s.append(time.monotonic() - t1)
-            if not health.ok or health.status != "serving":
-                phase.fail(f"Health during {phase.name}: ok={health.ok} status={health.status!r}")
-            try:
-                await asyncio.wait_for(stop.wait(), 1.0)
-            except TimeoutError:
-                pass
-
-
 async def run_phase(
     d: Deployment, phase: PhaseReport, phase_s: float, drain_timeout_s: float, seed: int, canaries: Canaries
 ) -> None:
     started = time.monotonic()
     clients = Clients.open(d.address, phase.streams)
     stop = asyncio.Event()
-    watcher = asyncio.create_task(monitor(d.address, phase, stop))
+    watcher = asyncio.create_task(phase.probe.run(d.address, stop, interval_s=1.0))
     try:
         ends_at = started + phase_s
         tasks = [
@@ -383,6 +388,9 @@ async def run_phase(
         stop.set()
         await watcher
         await clients.close()
+    unhealthy = {status: n for status, n in phase.probe.statuses.items() if status != "serving"}
+    if unhealthy:  # every worker must answer Health, under load too
+        phase.fail(f"Health during {phase.name} answered {unhealthy}")
     drain = await wait_drained(d.address, timeout_s=30.0)
     if not drain.clean:
         phase.blocks_leaked = drain.blocks_in_use
@@ -479,8 +487,9 @@ def total(phases: list[PhaseReport]) -> PhaseReport:
         merged.itl_s += p.itl_s
         merged.errors += p.errors
         merged.blocks_leaked += p.blocks_leaked
-        merged.health_s += p.health_s
-        merged.stats_s += p.stats_s
+        merged.probe.health_s += p.probe.health_s
+        merged.probe.stats_s += p.probe.stats_s
+        merged.probe.statuses += p.probe.statuses
     return merged
 
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import grpc
 import psutil
 import pytest
 import ray
-from pdserve.bench.soak import wait_drained
+from pdserve.bench.soak import Probe, random_prompt, wait_drained
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.router.client import AsyncClient
 from pdserve.router.policy import MODES, RouterConfig
@@ -43,32 +43,11 @@ def ray_cluster():
     ray.shutdown()
 
 
-@dataclass
-class Watch:
-    """Latencies of Health and Stats calls made one after another while something else runs."""
-
-    health_s: list[float] = field(default_factory=list)
-    stats_s: list[float] = field(default_factory=list)
-    statuses: set[str] = field(default_factory=set)
-
-    def check(self, min_calls: int) -> None:
-        assert len(self.health_s) >= min_calls and len(self.stats_s) >= min_calls, (self.health_s, self.stats_s)
-        assert max(self.health_s) < ANSWER_WITHIN_S, f"Health took {max(self.health_s):.3f} s"
-        assert max(self.stats_s) < ANSWER_WITHIN_S, f"Stats took {max(self.stats_s):.3f} s"
-        assert self.statuses == {"serving"}, self.statuses
-
-
-async def watch(address: str, stop: asyncio.Event, into: Watch, interval_s: float = 0.05) -> None:
-    async with AsyncClient(address, timeout_s=30) as client:
-        while not stop.is_set():
-            t0 = time.monotonic()
-            health = await client.health()
-            t1 = time.monotonic()
-            await client.stats()
-            into.health_s.append(t1 - t0)
-            into.stats_s.append(time.monotonic() - t1)
-            into.statuses.add(health.status if health.ok else f"NOT OK: {health.status}")
-            await asyncio.sleep(interval_s)
+def check_answers(probe: Probe, min_calls: int) -> None:
+    assert len(probe.health_s) >= min_calls and len(probe.stats_s) >= min_calls, probe
+    assert max(probe.health_s) < ANSWER_WITHIN_S, f"Health took {max(probe.health_s):.3f} s"
+    assert max(probe.stats_s) < ANSWER_WITHIN_S, f"Stats took {max(probe.stats_s):.3f} s"
+    assert set(probe.statuses) == {"serving"}, probe.statuses
 
 
 async def consume(client: AsyncClient, prompt: list[int], params: SamplingParams, mode: str | None = None) -> list[int]:
@@ -78,10 +57,6 @@ async def consume(client: AsyncClient, prompt: list[int], params: SamplingParams
 async def assert_drained(address: str) -> None:
     drain = await wait_drained(address, timeout_s=10)
     assert drain.clean, drain.describe()
-
-
-def random_prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(256) for _ in range(n)]
 
 
 # ---- admission ---------------------------------------------------------------------------------------
@@ -129,7 +104,7 @@ def test_a_full_queue_refuses_at_once_without_growing_the_router_and_health_and_
         router = psutil.Process(d.router_usage()[0]["pid"])
         rng = random.Random(7)
 
-        async def main() -> tuple[list[list[float]], list[int], Watch]:
+        async def main() -> tuple[list[list[float]], list[int], Probe]:
             async with AsyncClient(d.address) as client:
                 first_tokens = [asyncio.Event() for _ in range(RUNNERS)]
 
@@ -142,8 +117,8 @@ def test_a_full_queue_refuses_at_once_without_growing_the_router_and_health_and_
                 holders += [asyncio.create_task(consume(client, [1, 2, 3], QUEUED_PARAMS)) for _ in range(QUEUE_LIMIT)]
                 await wait_for_queue(d.address, RUNNERS, QUEUE_LIMIT)  # saturated: the queue is at its limit
 
-                stop, watched = asyncio.Event(), Watch()
-                watcher = asyncio.create_task(watch(d.address, stop, watched))
+                stop, probe = asyncio.Event(), Probe()
+                prober = asyncio.create_task(probe.run(d.address, stop, interval_s=0.05))
                 limit = asyncio.Semaphore(BURST_CONCURRENCY)
 
                 async def refuse() -> float:
@@ -155,23 +130,23 @@ def test_a_full_queue_refuses_at_once_without_growing_the_router_and_health_and_
                     latencies.append(await asyncio.gather(*[refuse() for _ in range(BURST_SIZE)]))
                     rss.append(router.memory_info().rss)
                 stop.set()
-                await watcher
+                await prober
                 await wait_for_queue(d.address, RUNNERS, QUEUE_LIMIT, timeout_s=0)  # still saturated at the end
                 for task in holders:  # the clients walk away; their requests end everywhere
                     task.cancel()
                 await asyncio.gather(*holders, return_exceptions=True)
                 await assert_drained(d.address)
                 assert len(await consume(client, [1, 2, 3], QUEUED_PARAMS)) == 4  # admitted again
-            return latencies, rss, watched
+            return latencies, rss, probe
 
-        latencies, rss, watched = asyncio.run(main())
+        latencies, rss, probe = asyncio.run(main())
     refused = sorted(t for burst in latencies for t in burst)
     p99 = refused[len(refused) * 99 // 100]
     slowest = refused[-1]
     assert p99 < REJECT_WITHIN_S and slowest < 2 * REJECT_WITHIN_S, f"refusals: p99 {p99:.3f} s, max {slowest:.3f} s"
     growth = rss[-1] - rss[WARMUP_BURSTS]
     assert growth < RSS_GROWTH_BOUND, f"router RSS grew {growth / 2**20:.1f} MiB over {MEASURED_BURSTS} bursts: {rss}"
-    watched.check(min_calls=10)
+    check_answers(probe, min_calls=10)
 
 
 # ---- KV exhaustion ------------------------------------------------------------------------------------
@@ -212,25 +187,25 @@ def test_a_decode_worker_out_of_kv_preempts_and_completes_every_request(tight, k
         chunks = [chunk async for chunk in client.generate(prompt, KV_PARAMS, mode=mode)]
         return [t for chunk in chunks for t in chunk.token_ids], chunks[-1].metadata.mode
 
-    async def main() -> tuple[list[tuple[list[int], str]], Watch, list]:
+    async def main() -> tuple[list[tuple[list[int], str]], Probe, list]:
         since = time.time()
-        stop, watched = asyncio.Event(), Watch()
-        watcher = asyncio.create_task(watch(tight.address, stop, watched))
+        stop, probe = asyncio.Event(), Probe()
+        prober = asyncio.create_task(probe.run(tight.address, stop, interval_s=0.05))
         async with AsyncClient(tight.address, timeout_s=120) as client:
             results = await asyncio.gather(*[served(client, p) for p in KV_PROMPTS[mode]])
             stats = await client.stats(steps_since=since)
         stop.set()
-        await watcher
+        await prober
         await assert_drained(tight.address)
-        return results, watched, stats
+        return results, probe, stats
 
-    results, watched, stats = asyncio.run(main())
+    results, probe, stats = asyncio.run(main())
     assert [tokens for tokens, _ in results] == kv_expected[mode]
     modes = {served_mode for _, served_mode in results}
     assert modes == ({"colocated", "disaggregated"} if mode == "auto" else {mode})
     [decode] = [w for w in stats if w.role == "decode"]
     assert sum(s.num_preempted for s in decode.steps) > 0, "the decode worker never preempted"
-    watched.check(min_calls=3)
+    check_answers(probe, min_calls=3)
     tight.check_integrity()
 
 
