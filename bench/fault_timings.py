@@ -102,33 +102,34 @@ async def prefill_killed(d: Deployment, expected: list[int]) -> Timing:
     return Timing("prefill worker killed mid-prefill", f"{outcome} (local prefill)", outcome_s, freed_s, serving_s)
 
 
-async def decode_killed(d: Deployment) -> Timing:
+async def mid_stream(d: Deployment, fault: str, cause: Callable[[AsyncClient], Awaitable[None]]) -> Timing:
+    """A long stream is running when ``cause`` strikes; its decode worker must come back afterwards."""
     async with AsyncClient(d.address) as client:
         first = asyncio.Event()
         task = asyncio.create_task(stream(client, LONG, first))
         await first.wait()
-        [victim] = [w.worker_id for w in await client.stats() if w.num_running > 0]
-        killed = time.monotonic()
-        ray.kill(next(w.actor for w in d.decode_workers if w.worker_id == victim), no_restart=False)
+        struck = time.monotonic()
+        await cause(client)
         outcome, _ = await task
-        outcome_s = time.monotonic() - killed
-        freed_s = await freed_after(d.address, killed)
+        outcome_s = time.monotonic() - struck
+        freed_s = await freed_after(d.address, struck)
         await until(lambda: _health_is(client, "serving"))
-    return Timing("decode worker killed mid-stream", outcome, outcome_s, freed_s, time.monotonic() - killed)
+    return Timing(fault, outcome, outcome_s, freed_s, time.monotonic() - struck)
+
+
+async def decode_killed(d: Deployment) -> Timing:
+    async def kill_its_worker(client: AsyncClient) -> None:
+        [victim] = [w.worker_id for w in await client.stats() if w.num_running > 0]
+        ray.kill(next(w.actor for w in d.decode_workers if w.worker_id == victim), no_restart=False)
+
+    return await mid_stream(d, "decode worker killed mid-stream", kill_its_worker)
 
 
 async def engine_crashed(d: Deployment) -> Timing:
-    async with AsyncClient(d.address) as client:
-        first = asyncio.Event()
-        task = asyncio.create_task(stream(client, LONG, first))
-        await first.wait()
-        crashed = time.monotonic()
+    async def crash(client: AsyncClient) -> None:
         ray.get(d.decode_workers[0].actor.inject_fault.remote("step"))
-        outcome, _ = await task
-        outcome_s = time.monotonic() - crashed
-        freed_s = await freed_after(d.address, crashed)
-        await until(lambda: _health_is(client, "serving"))
-    return Timing("engine loop crash", outcome, outcome_s, freed_s, time.monotonic() - crashed)
+
+    return await mid_stream(d, "engine loop crash", crash)
 
 
 async def kv_stalled(d: Deployment) -> Timing:
