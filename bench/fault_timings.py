@@ -1,0 +1,217 @@
+"""How long each fault of ``tests/test_faults.py`` takes to reach its clear outcome (the tests only bound it).
+
+One fresh deployment per fault, configured as in those tests (``tiny`` preset, gRPC KV transport, one
+prefill and one decode worker unless said otherwise, reservation TTL 4 s, push timeout 1 s); each row
+times the fault from the moment it is caused to the client's outcome, then to every KV block free or
+cached on the workers that answer (through ``Stats``), then to the deployment serving with that worker again.
+
+    python bench/fault_timings.py        # about 2 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import NamedTuple
+
+import grpc
+import ray
+from pdserve.bench.soak import wait_drained
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.router.client import AsyncClient
+
+from pdserve.deployment import Deployment, DeploymentConfig
+
+ENGINE = EngineConfig(
+    model="tiny", device="cpu", num_kv_blocks=400, max_num_batched_tokens=32, torch_threads=1, max_model_len=1024
+)
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True)
+PROMPT = [random.Random(3).randrange(256) for _ in range(300)]
+TTL_S = 4.0
+
+
+class Timing(NamedTuple):
+    fault: str
+    outcome: str  # what the client got
+    outcome_s: float  # fault -> that outcome
+    freed_s: float  # fault -> every block free or cached on the workers that answer, nothing active
+    serving_s: float | None  # fault -> the worker serves again (None: not applicable)
+
+
+def deployment(**overrides) -> Deployment:
+    config = dict(
+        engine=ENGINE,
+        mode="disaggregated",
+        num_prefill_workers=1,
+        num_decode_workers=1,
+        transport="grpc",
+        reservation_ttl_s=TTL_S,
+        push_timeout_s=1.0,
+    )
+    return Deployment(DeploymentConfig(**{**config, **overrides})).start()
+
+
+async def stream(client: AsyncClient, params: SamplingParams, first: asyncio.Event | None = None) -> tuple[str, list]:
+    tokens: list[int] = []
+    try:
+        async for chunk in client.generate(PROMPT, params):
+            tokens += chunk.token_ids
+            if first is not None:
+                first.set()
+    except grpc.aio.AioRpcError as e:
+        return e.code().name, tokens
+    return "completed", tokens
+
+
+async def until(predicate: Callable[[], Awaitable[bool]], timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not reached in {timeout_s} s")
+        await asyncio.sleep(0.05)
+
+
+async def freed_after(address: str, since: float) -> float:
+    drain = await wait_drained(address, timeout_s=60, ignore_unavailable=True)
+    if not drain.clean:
+        raise AssertionError(drain.describe())
+    return time.monotonic() - since
+
+
+async def prefill_killed(d: Deployment, expected: list[int]) -> Timing:
+    async with AsyncClient(d.address) as client:
+        ray.get(d.prefill_workers[0].actor.inject_fault.remote("slow_steps"))
+        task = asyncio.create_task(stream(client, GREEDY))
+        await until(lambda: _any_stats(client, lambda w: w.role == "prefill" and w.num_steps >= 2))
+        killed = time.monotonic()
+        ray.kill(d.prefill_workers[0].actor, no_restart=False)
+        outcome, tokens = await task
+        outcome_s = time.monotonic() - killed
+        assert tokens == expected, "the local prefill must give the same tokens"
+        freed_s = await freed_after(d.address, killed)
+
+        async def disaggregated_again() -> bool:
+            chunks = [c async for c in client.generate(PROMPT, GREEDY)]
+            return chunks[-1].metadata.prefill_worker == "prefill-0"
+
+        await until(disaggregated_again)
+        serving_s = time.monotonic() - killed
+    return Timing("prefill worker killed mid-prefill", f"{outcome} (local prefill)", outcome_s, freed_s, serving_s)
+
+
+async def mid_stream(d: Deployment, fault: str, cause: Callable[[AsyncClient], Awaitable[None]]) -> Timing:
+    """A long stream is running when ``cause`` strikes; its decode worker must come back afterwards."""
+    async with AsyncClient(d.address) as client:
+        first = asyncio.Event()
+        task = asyncio.create_task(stream(client, LONG, first))
+        await first.wait()
+        struck = time.monotonic()
+        await cause(client)
+        outcome, _ = await task
+        outcome_s = time.monotonic() - struck
+        freed_s = await freed_after(d.address, struck)
+        await until(lambda: _health_is(client, "serving"))
+    return Timing(fault, outcome, outcome_s, freed_s, time.monotonic() - struck)
+
+
+async def decode_killed(d: Deployment) -> Timing:
+    async def kill_its_worker(client: AsyncClient) -> None:
+        [victim] = [w.worker_id for w in await client.stats() if w.num_running > 0]
+        ray.kill(next(w.actor for w in d.decode_workers if w.worker_id == victim), no_restart=False)
+
+    return await mid_stream(d, "decode worker killed mid-stream", kill_its_worker)
+
+
+async def engine_crashed(d: Deployment) -> Timing:
+    async def crash(client: AsyncClient) -> None:
+        ray.get(d.decode_workers[0].actor.inject_fault.remote("step"))
+
+    return await mid_stream(d, "engine loop crash", crash)
+
+
+async def kv_stalled(d: Deployment) -> Timing:
+    async with AsyncClient(d.address) as client:
+        ray.get(d.prefill_workers[0].actor.inject_fault.remote("stall_pushes"))
+        sent = time.monotonic()
+        outcome, _ = await stream(client, GREEDY)
+        outcome_s = time.monotonic() - sent
+    return Timing(
+        f"KV stops arriving (TTL {TTL_S:.0f} s)", outcome, outcome_s, await freed_after(d.address, sent), None
+    )
+
+
+async def client_deadline(d: Deployment) -> Timing:
+    async with AsyncClient(d.address, timeout_s=1.0) as client:
+        sent = time.monotonic()
+        outcome, _ = await stream(client, SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
+        outcome_s = time.monotonic() - sent
+    return Timing("client deadline (1 s)", outcome, outcome_s, await freed_after(d.address, sent), None)
+
+
+def router_restart(expected: list[int]) -> Timing:
+    """The first router process dies; a second deployment's router finds the named workers and serves."""
+    first = deployment(detached_workers=True)
+    for router in first.routers:
+        ray.kill(router)
+    restarted = time.monotonic()
+    second = deployment(detached_workers=True)
+    try:
+
+        async def serve() -> Timing:
+            async with AsyncClient(second.address) as client:
+                outcome, tokens = await stream(client, GREEDY)
+            assert tokens == expected
+            served_s = time.monotonic() - restarted
+            freed_s = await freed_after(second.address, restarted)
+            return Timing(
+                "router restart (detached workers)", f"{outcome} by the same workers", served_s, freed_s, served_s
+            )
+
+        return asyncio.run(serve())
+    finally:
+        second.stop()
+
+
+async def _any_stats(client: AsyncClient, predicate: Callable) -> bool:
+    return any(predicate(w) for w in await client.stats())
+
+
+async def _health_is(client: AsyncClient, status: str) -> bool:
+    health = await client.health()
+    return health.ok and health.status == status
+
+
+def main() -> int:
+    expected = LLMEngine(ENGINE).generate([PROMPT], GREEDY)[0].token_ids
+    colocated = {"mode": "colocated", "num_prefill_workers": 0}
+    scenarios: list[tuple[dict, Callable[[Deployment], Awaitable[Timing]]]] = [
+        ({}, lambda d: prefill_killed(d, expected)),
+        ({**colocated, "num_decode_workers": 2}, decode_killed),
+        (colocated, engine_crashed),
+        ({}, kv_stalled),
+        ({}, client_deadline),
+    ]
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        rows = []
+        for overrides, measure in scenarios:
+            d = deployment(**overrides)
+            try:
+                rows.append(asyncio.run(measure(d)))
+            finally:
+                d.stop()
+        rows.append(router_restart(expected))
+    finally:
+        ray.shutdown()
+    print(f"{'fault':<36} {'client outcome':<32} {'outcome s':>9} {'freed s':>7} {'serving s':>9}")
+    for r in rows:
+        serving = "-" if r.serving_s is None else f"{r.serving_s:.2f}"
+        print(f"{r.fault:<36} {r.outcome:<32} {r.outcome_s:>9.2f} {r.freed_s:>7.2f} {serving:>9}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
