@@ -323,10 +323,15 @@ class LLMEngine:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens leaves no room to generate within max_model_len={max_len}"
             )
+        pool = f"{self.block_manager.num_blocks} blocks of {self.config.block_size} tokens"
         if self.block_manager.blocks_needed(len(token_ids) + 1) > self.block_manager.num_blocks:
-            raise ValueError(
-                f"prompt: {len(token_ids)} tokens need more KV blocks than this engine has "
-                f"({self.block_manager.num_blocks} of {self.config.block_size} tokens)"
+            raise ValueError(f"prompt: {len(token_ids)} tokens need more KV blocks than this engine has ({pool})")
+        longest = min(len(token_ids) + params.max_tokens, max_len)
+        if self.block_manager.blocks_needed(longest) > self.block_manager.num_blocks:
+            room = self.block_manager.num_blocks * self.config.block_size - len(token_ids)
+            raise ValueError(  # it could never be scheduled again once it outgrew the pool
+                f"max_tokens: {len(token_ids)} prompt tokens + {params.max_tokens} need more KV blocks than this "
+                f"engine has ({pool}); at most {room}"
             )
         if request_id is None:
             request_id = f"req-{next(self._ids)}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import NamedTuple
 
 from pdserve.engine.block_manager import BlockManager
@@ -72,6 +73,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.clock = time.time  # the simulator swaps in its virtual clock
+        # Which running requests may be preempted to break a stall (a prefill worker keeps those whose
+        # KV blocks a push is still reading); None = any.
+        self.preemptable: Callable[[Request], bool] | None = None
 
     # ---- queue management ----------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -106,6 +110,20 @@ class Scheduler:
 
     # ---- the step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """The next step. If it would compute nothing while several requests run (partial prefills holding
+        every block, each waiting for one more), the newest preemptable one is preempted until it can."""
+        output = self._schedule_once()
+        preempted: list[str] = []
+        while not output.chunks and len(self.running) > 1:
+            victim = next((r for r in reversed(self.running) if self.preemptable is None or self.preemptable(r)), None)
+            if victim is None:
+                break
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            output = self._schedule_once()
+        return SchedulerOutput(output.chunks, preempted + output.preempted) if preempted else output
+
+    def _schedule_once(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []

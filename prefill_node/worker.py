@@ -111,6 +111,8 @@ class PrefillWorker:
         self._jobs: dict[str, _Job] = {}  # touched on the loop thread only (after creation)
         self._kv_bytes = 0
         self._num_pushes = 0
+        # a stalled step may preempt a partial prefill, but never one whose blocks a push is still reading
+        engine.scheduler.preemptable = lambda r: not (job := self._jobs.get(r.request_id)) or not job.handles
         self.aengine = AsyncEngine(engine, on_step=self._on_step, on_tick=self._on_tick, on_crash=self._on_crash)
         self.node = current_node()  # where Ray placed this worker, for ready() and stats()
 

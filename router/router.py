@@ -429,7 +429,7 @@ class Router:
     async def stats(self, steps_since: float | None = None) -> list[WorkerStats]:
         """Every worker's statistics; a worker that does not answer is listed as unavailable."""
         refs = [w.actor.stats.remote(steps_since) for w in self.workers.values()]
-        answers = await asyncio.gather(*[asyncio.wait_for(r, 5.0) for r in refs], return_exceptions=True)
+        answers = await asyncio.gather(*[asyncio.wait_for(r, 2.0) for r in refs], return_exceptions=True)
         out = []
         for worker, answer in zip(self.workers.values(), answers, strict=True):
             if isinstance(answer, BaseException):

@@ -210,13 +210,10 @@ def test_a_decode_worker_out_of_kv_preempts_and_completes_every_request(tight, k
 
 
 def test_a_request_longer_than_the_kv_pool_is_refused_and_the_worker_keeps_serving(tight):
-    """FAILS today: a request whose prompt fits the pool but whose prompt + max_tokens does not (40 + 400
-    tokens here, 384 slots; both within max_model_len=1024) streams 344 tokens, then stalls for good: the
-    scheduler preempts it for its own next block, and its recompute can never be scheduled again (its own
-    cached blocks are all the pool has), so it sits at the head of the waiting queue, and every request
-    behind it on that worker waits too, until the client's deadline or the router's 600 s idle timeout
-    aborts it. Expected: refused at once with INVALID_ARGUMENT naming max_tokens (as a prompt longer than
-    the pool already is), and the worker serving the next request at once."""
+    """A request whose prompt fits the pool but whose prompt + max_tokens does not (40 + 400 tokens here,
+    384 slots; both within max_model_len=1024) used to stream 344 tokens and then stall for good (its
+    recompute could never be scheduled again), holding up every request behind it on that worker. It is
+    refused at once with INVALID_ARGUMENT naming max_tokens, and the worker serves the next request."""
     big_prompt = random_prompt(random.Random(99), 40)
     big_params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 
@@ -259,12 +256,10 @@ def test_a_request_longer_than_the_kv_pool_is_refused_and_the_worker_keeps_servi
 
 
 def test_partial_prefills_that_fill_the_kv_pool_are_preempted_not_deadlocked():
-    """FAILS today: with a per-request chunk cap below the step budget (``max_chunk_tokens``), several
-    long prompts are prefilled side by side; once their partial prefills hold every block none of them can
-    take its next chunk, and the scheduler preempts only to make room for decodes, of which there are none:
-    every step schedules nothing, for ever (a decode worker's streams hang until the router's idle timeout).
-    This is the engine a decode worker runs, stepped here directly to show the stall without waiting for it.
-    Expected: the newest partial prefill is preempted, and all three complete with the engine's tokens."""
+    """With a per-request chunk cap below the step budget (``max_chunk_tokens``), several long prompts are
+    prefilled side by side; once their partial prefills hold every block none of them can take its next
+    chunk. That used to stall every step for ever; now the newest partial prefill is preempted and all three
+    complete with the engine's tokens. (The engine a decode worker runs, stepped here directly.)"""
     config = replace(TIGHT, max_num_batched_tokens=512, max_chunk_tokens=64)
     rng = random.Random(5)
     prompts = [random_prompt(rng, n) for n in (300, 300, 200)]  # each fits the 24 blocks alone
