@@ -55,6 +55,16 @@ class SchedulerOutput(NamedTuple):
         """Keys attended, summed over every scheduled token (token i of a chunk sees start + i + 1)."""
         return sum(chunk_context_tokens(c.start, len(c.token_ids)) for c in self.chunks)
 
+    @property
+    def num_decode_context_tokens(self) -> int:
+        """Of ``num_context_tokens``, the keys attended by decode tokens (``start + 1`` each)."""
+        return sum(c.start + 1 for c in self.chunks if len(c.token_ids) == 1 and c.samples)
+
+    @property
+    def num_kv_read_tokens(self) -> int:
+        """Already cached tokens whose KV the step reads: the sum of the chunks' starts."""
+        return sum(c.start for c in self.chunks)
+
 
 class SchedulerConfig(NamedTuple):
     max_num_batched_tokens: int
