@@ -1,7 +1,7 @@
 """Results directories: ``results.json``, ``report.md`` and PNG plots, from plain data.
 
-Every function takes plain data (``RequestRecord`` lists, step tuples, floats), so simulated runs and
-measured runs of the real deployment go through the same code. ``write_report`` is the one call a
+Every function takes plain data (``RequestRecord`` lists, ``StepStats`` lists, floats), so simulated
+runs and measured runs of the real deployment go through the same code. ``write_report`` is the one call a
 runner needs::
 
     runs = [RunData("colocated", records_a, steps_a), RunData("disaggregated", records_b, steps_b,
@@ -27,8 +27,6 @@ from pdserve.bench.metrics import (
     BenchmarkMetrics,
     RequestRecord,
     SweepPoint,
-    TimelineStep,
-    as_timeline_steps,
     compute_metrics,
     find_knee,
     itl_values,
@@ -43,6 +41,8 @@ from pdserve.bench.plots import (
     plot_ttft_cdf,
 )
 
+from pdserve.messages import StepStats
+
 
 @dataclass(frozen=True)
 class RunData:
@@ -56,7 +56,7 @@ class RunData:
 
     name: str
     records: Sequence[RequestRecord]
-    steps: Sequence[Any] = ()
+    steps: Sequence[StepStats] = ()
     kv_bytes_moved: int | None = None
     duration_s: float | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
@@ -261,14 +261,14 @@ def write_plots(out_dir: str, content: ReportContent) -> dict[str, str]:
 
 def _timeline_plots(out_dir: str, run: RunData, itl_target_ms: float | None) -> dict[str, str]:
     """A per-step timeline of a run's instance, or of its first two when it has several."""
-    steps = as_timeline_steps(run.steps)
-    instances = list(dict.fromkeys(s.instance for s in steps))
+    steps = sorted(run.steps, key=lambda s: s.started)
+    instances = list(dict.fromkeys(s.worker for s in steps))
     plots = {}
     for inst in instances[:2]:
         label = f"{run.name} {inst}".strip()
         key = f"timeline_{_slug(label)}"
         plots[key] = plot_step_timeline(
-            [s for s in steps if s.instance == inst],
+            [s for s in steps if s.worker == inst],
             os.path.join(out_dir, f"{key}.png"),
             itl_target_ms,
             f"Per-step timeline: {label}",
@@ -293,7 +293,7 @@ def results_document(content: ReportContent) -> dict[str, Any]:
                 "duration_s": run.duration_s,
                 "metrics": m.to_dict(),
                 "requests": [rec.to_dict() for rec in run.records],
-                "steps": [s._asdict() for s in as_timeline_steps(run.steps)],
+                "steps": [s._asdict() for s in run.steps],
             }
             for run, m in content.metrics
         ],
@@ -408,7 +408,7 @@ def load_results(path: str) -> tuple[dict[str, Any], list[RunData]]:
         RunData(
             r["name"],
             [RequestRecord.from_dict(d) for d in r["requests"]],
-            [TimelineStep(**s) for s in r.get("steps", [])],
+            [StepStats(**s) for s in r.get("steps", [])],
             r.get("kv_bytes_moved"),
             duration_s=r.get("duration_s"),
             meta=r.get("meta") or {},

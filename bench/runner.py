@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from pdserve.bench.metrics import RequestRecord, SweepPoint, TimelineStep, find_knee, parse_slo, sweep_point
+from pdserve.bench.metrics import RequestRecord, SweepPoint, find_knee, parse_slo, sweep_point
 from pdserve.bench.report import RunData, markdown_table, write_report
 from pdserve.bench.sim.cli import parse_sweep
 from pdserve.bench.workloads import (
@@ -38,16 +39,20 @@ from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.engine.options import add_engine_arguments, engine_config_from_args
 from tqdm import tqdm
 
+from pdserve.messages import StepStats
+
 ARCHITECTURES = ("colocated", "disaggregated", "auto")
 
 
 @dataclass(frozen=True)
 class MeasuredRun:
+    """One measured run: the client's records and every worker's steps (``worker`` set), on one clock
+    (unix time), ordered by start."""
+
     records: list[RequestRecord]
-    steps: list[TimelineStep]
+    steps: list[StepStats]
     kv_bytes_moved: int
     duration_s: float
-    raw_steps: list[tuple]  # (started, duration_s, prefill, decode, seqs, context tokens, worker id)
 
 
 # ---- sending a workload --------------------------------------------------------------------------------
@@ -129,27 +134,9 @@ def measure(
         records = asyncio.run(send_workload(address, requests, mode, max_concurrency, progress, desc))
         duration = time.time() - t0
         stats = client.stats(steps_since=t0)
-    steps = [
-        TimelineStep(s.started - t0, s.duration_s, s.num_prefill_tokens, s.num_decode_tokens, w.worker_id)
-        for w in stats
-        for s in w.steps
-    ]
-    steps.sort(key=lambda s: s.start)
+    steps = sorted((s._replace(worker=w.worker_id) for w in stats for s in w.steps), key=lambda s: s.started)
     moved = sum(w.kv_bytes_moved - before.get(w.worker_id, 0) for w in stats if w.role == "prefill")
-    raw = [
-        (
-            s.started,
-            s.duration_s,
-            s.num_prefill_tokens,
-            s.num_decode_tokens,
-            s.num_seqs,
-            s.num_context_tokens,
-            w.worker_id,
-        )
-        for w in stats
-        for s in w.steps
-    ]
-    return MeasuredRun(records, steps, moved, duration, raw)
+    return MeasuredRun(records, steps, moved, duration)
 
 
 def warmup_requests(n: int, seed: int) -> list[WorkloadRequest]:
@@ -197,29 +184,15 @@ def engine_config(args: argparse.Namespace, chunk: int | None = None) -> EngineC
     )
 
 
-def run_architecture(
-    architecture: str, args: argparse.Namespace, requests: Sequence[WorkloadRequest], engine: EngineConfig
-) -> tuple[MeasuredRun, dict[str, Any]]:
+@contextlib.contextmanager
+def deployed(architecture: str, args: argparse.Namespace, engine: EngineConfig) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A fresh deployment of ``architecture`` (or ``--target``): yields its address and a description."""
     from pdserve.deployment import Deployment
 
-    warm = warmup_requests(args.warmup, args.seed)
-
-    def run_against(address: str, mode: str | None) -> MeasuredRun:
-        return measure(
-            address,
-            requests,
-            mode,
-            warmup=warm,
-            max_concurrency=args.max_concurrency,
-            progress=not args.no_progress,
-            desc=architecture,
-        )
-
     if args.target:
-        return run_against(args.target, architecture), {"target": args.target}
+        yield args.target, {"target": args.target}
+        return
     config = deployment_config(architecture, args, engine)
-    with Deployment(config) as deployment:
-        run = run_against(deployment.address, None)
     meta = {
         "architecture": architecture,
         "prefill_workers": config.num_prefill_workers,
@@ -229,6 +202,24 @@ def run_architecture(
         "max_num_batched_tokens": engine.max_num_batched_tokens,
         "max_chunk_tokens": engine.max_chunk_tokens,
     }
+    with Deployment(config) as deployment:
+        yield deployment.address, meta
+
+
+def run_architecture(
+    architecture: str, args: argparse.Namespace, requests: Sequence[WorkloadRequest], engine: EngineConfig
+) -> tuple[MeasuredRun, dict[str, Any]]:
+    """Warm up and run ``requests`` once on a fresh deployment of ``architecture``."""
+    with deployed(architecture, args, engine) as (address, meta):
+        run = measure(
+            address,
+            requests,
+            architecture if args.target else None,
+            warmup=warmup_requests(args.warmup, args.seed),
+            max_concurrency=args.max_concurrency,
+            progress=not args.no_progress,
+            desc=architecture,
+        )
     return run, meta
 
 

@@ -8,13 +8,20 @@ import os
 import numpy as np
 import pdserve.engine.scheduler as engine_scheduler
 import pytest
-from pdserve.bench.metrics import compute_metrics
-from pdserve.bench.sim.calibrate import CalibrationGrid, MeasuredStep, fit_linear_profile, measure_step_records
+from pdserve.bench.metrics import RequestRecord, compute_metrics
+from pdserve.bench.sim.calibrate import (
+    CalibrationGrid,
+    calibrate_from_runs,
+    deployment_latencies,
+    fit_linear_profile,
+    fit_role,
+    measure_step_records,
+)
 from pdserve.bench.sim.cli import main
 from pdserve.bench.sim.cost_model import LinearCostModel, RooflineCostModel, StepShape, chunk_context_tokens
 from pdserve.bench.sim.demo import compare_chunking, run_chunked_prefill_demo
 from pdserve.bench.sim.experiments import chunk_sweep, find_knee, max_rate_meeting_slo, pd_search
-from pdserve.bench.sim.profiles import MODELS, LinearProfile, get_hardware, get_model
+from pdserve.bench.sim.profiles import MODELS, LinearProfile, RoleFit, get_hardware, get_model, load_linear_profile
 from pdserve.bench.sim.simulator import SimConfig, simulate
 from pdserve.bench.workloads import (
     WorkloadRequest,
@@ -24,11 +31,15 @@ from pdserve.bench.workloads import (
     shared_prefix_workload,
 )
 
+from pdserve.messages import StepStats
+
 H100_8B = RooflineCostModel(get_hardware("H100"), get_model("Llama-3-8B"))
 
 
 def _steps(result):
-    return [(s.instance, s.start, s.duration, s.prefill_tokens, s.decode_tokens, s.num_seqs) for s in result.steps]
+    return [
+        (s.worker, s.started, s.duration_s, s.num_prefill_tokens, s.num_decode_tokens, s.num_seqs) for s in result.steps
+    ]
 
 
 def _worst_stream_itl(result) -> float:
@@ -54,7 +65,7 @@ def test_chunk_equal_to_prompt_reproduces_unchunked_timeline():
     unchunked = simulate(reqs, H100_8B, SimConfig(enable_chunked_prefill=False, max_num_batched_tokens=budget))
     assert _steps(chunked) == _steps(unchunked)
     assert [r.token_times for r in chunked.records] == [r.token_times for r in unchunked.records]
-    assert max(s.prefill_tokens for s in chunked.steps) >= 3000  # the long prompt went through in one step
+    assert max(s.num_prefill_tokens for s in chunked.steps) >= 3000  # the long prompt went through in one step
     smaller = simulate(reqs, H100_8B, SimConfig(chunk_size=1000, max_num_batched_tokens=budget))
     assert _steps(smaller) != _steps(unchunked)  # ...while a real chunk changes the timeline
 
@@ -122,7 +133,7 @@ def test_concurrency_cap_and_stop_time():
     assert sorted(s for s, _ in spans)[2] > 0  # the third request waited for a slot
     stopped = simulate(reqs, H100_8B, SimConfig(stop_time_s=0.03))
     assert all(not r.ok and r.error == "unfinished at stop time" for r in stopped.records)
-    assert all(s.start <= 0.03 for s in stopped.steps)
+    assert all(s.started <= 0.03 for s in stopped.steps)
 
 
 # ---- disaggregation ---------------------------------------------------------------------------------------
@@ -135,17 +146,17 @@ def test_disaggregated_kv_stream_overlaps_next_chunk():
     res = simulate(req, H100_8B, cfg, mode="disaggregated")
     rec = res.records[0]
     prefill = res.steps_of("prefill-0")
-    assert [s.prefill_tokens for s in prefill] == [1024] * 4
+    assert [s.num_prefill_tokens for s in prefill] == [1024] * 4
     assert res.kv_bytes_moved == 4096 * kvb == rec.meta["kv_bytes"]
-    assert rec.token_times[0] == pytest.approx(prefill[-1].end)  # TTFT = the last chunk's step end
+    assert rec.token_times[0] == pytest.approx(prefill[-1].ended)  # TTFT = the last chunk's step end
     # a chunk's transfer (2.7 ms) is shorter than a chunk's compute, so only the last one is exposed
-    assert rec.meta["kv_done"] == pytest.approx(prefill[-1].end + 1024 * kvb / 50e9 + 1e-4)
+    assert rec.meta["kv_done"] == pytest.approx(prefill[-1].ended + 1024 * kvb / 50e9 + 1e-4)
     assert rec.token_times[1] > rec.meta["kv_done"] and len(rec.token_times) == 5
     decode = res.steps_of("decode-0")
-    assert all(s.prefill_tokens == 0 for s in decode) and decode[0].start == pytest.approx(rec.meta["kv_done"])
+    assert all(s.num_prefill_tokens == 0 for s in decode) and decode[0].started == pytest.approx(rec.meta["kv_done"])
     # a slow link (1 GB/s: 134 ms per chunk) is busy back to back from the first chunk's end
     slow = simulate(req, H100_8B, SimConfig(**{**cfg.to_dict(), "kv_link_bw": 1e9}), mode="disaggregated")
-    first_end = slow.steps_of("prefill-0")[0].end
+    first_end = slow.steps_of("prefill-0")[0].ended
     assert slow.records[0].meta["kv_done"] == pytest.approx(first_end + 4 * 1024 * kvb / 1e9 + 1e-4)
 
 
@@ -229,37 +240,72 @@ def test_presets_match_engine_configs():
 # ---- calibration ------------------------------------------------------------------------------------------
 
 
-def test_calibration_recovers_known_constants():
-    truth = dict(fixed_overhead_s=0.004, per_prefill_token_s=5e-4, per_decode_token_s=2e-3, per_context_token_s=1e-7)
+TRUTH = (0.004, 5e-4, 2e-3, 1e-7, 4e-6, 3e-6)  # LINEAR_TERMS: fixed, prefill, decode, prefill ctx, decode ctx, KV read
 
-    def true_time(p: int, d: int, ctx: int) -> float:
-        return (
-            truth["fixed_overhead_s"]
-            + truth["per_prefill_token_s"] * p
-            + truth["per_decode_token_s"] * d
-            + truth["per_context_token_s"] * ctx
-        )
 
-    rng = np.random.default_rng(0)
-    records = []
+def _synthetic_steps(truth=TRUTH, noise=0.005, seed=0, worker="w") -> list[StepStats]:
+    """Steps of varied shapes timed by ``truth`` (plus relative noise)."""
+    rng = np.random.default_rng(seed)
+    steps = []
     for p in (0, 32, 128, 512):
         for d in (0, 4, 16):
-            for ctx_scale in (1, 8):
+            for ctx in (64, 1024, 4096):
                 if p == d == 0:
                     continue
-                ctx = chunk_context_tokens(0, p) * ctx_scale + d * 300 * ctx_scale
-                records.append(MeasuredStep(p, d, ctx, true_time(p, d, ctx) * (1 + rng.normal(0, 0.005))))
-    # steps slowed 4x by other load on the machine
-    records += [MeasuredStep(p, d, c, 4 * true_time(p, d, c)) for p, d, c in ((0, 4, 1200), (32, 0, 528))]
-    prof = fit_linear_profile(records, model="tiny")
-    for key, value in truth.items():
-        assert getattr(prof, key) == pytest.approx(value, rel=0.05), key
-    assert prof.num_records == len(records) - 2 and prof.r2 > 0.99 and prof.mean_abs_rel_error < 0.01
-    untrimmed = fit_linear_profile(records, trim_slow=None)
-    assert untrimmed.num_records == len(records)
-    assert abs(untrimmed.fixed_overhead_s / 0.004 - 1) > 0.2  # the slow steps would have skewed the fit
+                chunks = [(ctx, 1, True)] * d + ([(ctx // 2, p, True)] if p else [])
+                shape = StepShape.from_chunks(chunks)
+                duration = LinearCostModel(_profile(truth), get_model("tiny")).step_time(shape)
+                steps.append(shape.to_stats(worker, 0.0, duration * (1 + rng.normal(0, noise))))
+    return steps
+
+
+def _profile(truth) -> LinearProfile:
+    return LinearProfile(model="tiny", roles={"all": RoleFit(tuple(truth))})
+
+
+def test_calibration_recovers_known_constants_and_keeps_the_tail():
+    records = _synthetic_steps()
+    slow = [s._replace(duration_s=4 * s.duration_s) for s in records[:2]]  # slowed 4x by other load
+    fit = fit_role(records + slow)
+    assert fit.coefficients == pytest.approx(TRUTH, rel=0.05)
+    assert fit.num_kept == len(records) and fit.r2 > 0.99 and fit.mean_abs_rel_error < 0.01
+    assert fit.ratio_percentiles[50] == pytest.approx(1.0, abs=0.01)  # the body is the fit...
+    assert fit.ratio_percentiles[100] == pytest.approx(4.0, rel=0.05)  # ...the tail is kept, not hidden
+    assert fit.ratio_at(1.0) == pytest.approx(fit.ratio_percentiles[100]) and fit.ratio_at(0.5) < 1.02
+    untrimmed = fit_role(records + slow, trim_slow=None)
+    assert untrimmed.num_kept == len(records) + 2
+    assert abs(untrimmed.coefficients[0] / TRUTH[0] - 1) > 0.2  # the slow steps would have skewed the fit
     with pytest.raises(ValueError):
-        fit_linear_profile(records[:3])
+        fit_role(records[:3])
+
+
+def test_per_role_fits_and_a_missing_term_falls_back_to_all():
+    fast = _synthetic_steps(worker="decode-0")
+    slower = tuple(2 * c for c in TRUTH)
+    prefill = [s for s in _synthetic_steps(slower, worker="prefill-0") if s.num_decode_tokens == 0]
+    runs = [("colocated", fast, []), ("disaggregated", prefill, [])]
+    profile = calibrate_from_runs(runs, model="tiny")
+    assert set(profile.roles) == {"all", "colocated", "prefill"}
+    assert profile.roles["colocated"].coefficients == pytest.approx(TRUTH, rel=0.05)
+    prefill_fit = profile.roles["prefill"]
+    assert prefill_fit.coefficients[1] == pytest.approx(2 * TRUTH[1], rel=0.05)  # its own prefill term
+    assert prefill_fit.coefficients[2] == profile.roles["all"].coefficients[2]  # it never decodes
+    assert profile.fit_for("decode") is profile.roles["all"]  # no decode-role records
+    cost = LinearCostModel(profile, get_model("tiny"))
+    shape = StepShape.from_chunks([(0, 128, True)])
+    assert cost.step_time(shape, "prefill") == pytest.approx(2 * cost.step_time(shape, "colocated"), rel=0.1)
+    back = LinearProfile.from_dict(json.loads(json.dumps(profile.to_dict())))
+    assert back.roles["prefill"].coefficients == pytest.approx(prefill_fit.coefficients)
+
+
+def test_deployment_latencies_from_client_records_and_worker_steps():
+    steps = [StepStats(10.0, 0.05, num_prefill_tokens=64, worker="decode-0")]
+    steps += [StepStats(10.05 + 0.02 * k, 0.02, num_decode_tokens=1, worker="decode-0") for k in range(3)]
+    # sent at 9.99, taken in at 10.0 (idle worker, no queue), first token at the step end 10.05 + 4 ms
+    meta = {"decode_worker": "decode-0", "prefill_worker": "", "queue_s": 0.0, "prefill_s": 0.05}
+    record = RequestRecord("r", 9.99, (10.054, 10.074, 10.094, 10.114), 64, meta=meta)
+    token, control = deployment_latencies([(steps, [record])])
+    assert token == pytest.approx(0.004) and control == pytest.approx(0.01)
 
 
 def test_measure_step_records_on_the_real_engine():
@@ -267,9 +313,10 @@ def test_measure_step_records_on_the_real_engine():
     assert len(records) >= 6
     assert any(r.num_prefill_tokens and r.num_decode_tokens for r in records)  # mixed steps
     assert any(r.num_prefill_tokens == 0 and r.num_decode_tokens == 4 for r in records)  # decode-only steps
-    assert all(r.duration_s > 0 and r.context_tokens >= r.num_prefill_tokens for r in records)
-    prof = fit_linear_profile(records, model="tiny")
-    model = LinearCostModel(prof, get_model("tiny"))
+    assert all(r.duration_s > 0 and r.num_context_tokens >= r.num_prefill_tokens for r in records)
+    assert any(r.num_decode_context_tokens > 4 * 200 for r in records)  # the 256-token decode contexts
+    profile = fit_linear_profile({"all": records}, model="tiny")
+    model = LinearCostModel(profile, get_model("tiny"))
     assert model.step_time(StepShape.from_chunks([(0, 64, True)])) > 0
 
 
@@ -279,9 +326,9 @@ def test_measure_step_records_on_the_real_engine():
 def test_demo_scenario():
     on = run_chunked_prefill_demo(H100_8B)  # 8k prompt, chunk 1024, 24 decodes, 50 ms target
     assert on.steps_in_window == 8 and on.steps_over_target == 0
-    assert all(s.prefill_tokens == 1024 and s.decode_tokens == 24 for s in on.window_steps)
+    assert all(s.num_prefill_tokens == 1024 and s.num_decode_tokens == 24 for s in on.window_steps)
     assert on.worst_decode_stall_ms < 50 < on.long_prompt_ttft_ms
-    assert on.long_prompt_ttft_ms == pytest.approx(sum(s.duration for s in on.window_steps) * 1000)
+    assert on.long_prompt_ttft_ms == pytest.approx(sum(s.duration_s for s in on.window_steps) * 1000)
     assert on.decode_throughput_tok_s == pytest.approx(24 * 8 / (on.long_prompt_ttft_ms / 1000))
     cmp = compare_chunking(H100_8B, prompt_len=32768)
     assert cmp.off.steps_in_window == 1 and cmp.on.steps_in_window == 32
@@ -312,9 +359,11 @@ def test_chunk_sweep_knee_and_rate_search():
 def test_pd_search_small():
     spec = WorkloadSpec(num_requests=30, rate=8.0, prompt_len_mean=1500, output_len_mean=60, seed=2)
     rows = pd_search(spec, H100_8B, 3, {"ttft": 300, "tpot": 25}, SimConfig(chunk_size=1024), iterations=2)
-    assert [r.name for r in rows] == ["colocated x3", "1P:2D", "2P:1D"]
+    assert [r.name for r in rows] == ["colocated x3", "1P:2D", "2P:1D", "auto 1P:2D", "auto 2P:1D"]
     assert all(r.num_gpus == 3 and r.max_rate is not None and r.max_rate > 0 for r in rows)
     assert rows[0].kv_bytes_moved == 0 < rows[1].kv_bytes_moved
+    # prompts average 1500 tokens, above the auto threshold (512): auto sends most, not all, remote
+    assert 0 < rows[3].kv_bytes_moved < rows[1].kv_bytes_moved
     with pytest.raises(ValueError):
         pd_search(spec, H100_8B, 3, {})
 
@@ -344,7 +393,7 @@ def test_cli_run_writes_every_file(tmp_path):
     names = set(os.listdir(out))
     assert {"results.json", "report.md", "itl_cdf.png", "ttft_cdf.png", "throughput_latency.png"} <= names
     assert {
-        "timeline_colocated-x2-colo-0.png",
+        "timeline_colocated-x2-decode-0.png",
         "timeline_disaggregated-1P-1D-prefill-0.png",
         "timeline_disaggregated-1P-1D-decode-0.png",
     } <= names
@@ -407,11 +456,7 @@ def test_cli_calibrate_then_simulate_on_cpu_profile(tmp_path, monkeypatch):
     import pdserve.bench.sim.calibrate as calibrate_mod
 
     # the real engine measurement is covered above; here the CLI path gets known records
-    synthetic = [
-        MeasuredStep(p, d, chunk_context_tokens(0, p) + 64 * d, 0.002 + 1e-4 * p + 5e-4 * d)
-        for p in (0, 16, 64)
-        for d in (1, 4)
-    ]
+    synthetic = _synthetic_steps()
     seen = {}
 
     def fake_measure(model, grid, seed, threads, progress):
@@ -422,13 +467,14 @@ def test_cli_calibrate_then_simulate_on_cpu_profile(tmp_path, monkeypatch):
     path = str(tmp_path / "cpu.json")
     assert main(["--calibrate", path, "--calibrate-model", "tiny", "--calibrate-quick", "--quiet"]) == 0
     assert seen["model"] == "tiny" and seen["grid"].prefill_sizes == CalibrationGrid.quick().prefill_sizes
-    prof = LinearProfile.from_dict(json.load(open(path)))
-    assert prof.model == "tiny" and prof.num_records == 6
-    assert prof.per_prefill_token_s == pytest.approx(1e-4, rel=1e-6)
+    prof = load_linear_profile(path)
+    assert prof.model == "tiny" and prof.roles["all"].num_records == len(synthetic)
+    assert prof.roles["all"].terms()["per_prefill_token_s"] == pytest.approx(TRUTH[1], rel=0.05)
     out = str(tmp_path / "cpu")
     on_cpu_profile = ["--hardware", "cpu-measured", "--calibration", path, "--out", out, "--quiet"]
     workload = ["--num-requests", "5", "--rate", "5", "--prompt-len-mean", "64", "--output-len-mean", "8"]
-    assert main([*on_cpu_profile, *workload]) == 0
+    assert main([*on_cpu_profile, *workload, "--mode", "all"]) == 0
     doc = json.load(open(os.path.join(out, "results.json")))
     assert doc["config"]["cost_model"] == "cpu-measured/tiny"
+    assert [r["name"] for r in doc["runs"]] == ["colocated x2", "disaggregated 1P:1D", "auto 1P:1D"]
     assert main([*on_cpu_profile, "--model-profile", "bench"]) == 2  # measured on another model
