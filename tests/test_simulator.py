@@ -184,6 +184,92 @@ def test_disaggregated_waits_for_decode_blocks():
     assert ttfts[-1] > 3 * ttfts[0]  # later requests could only start once blocks were free
 
 
+# ---- the router's policy and the protocol are the real ones ---------------------------------------------
+
+
+def test_requests_are_routed_by_the_routers_policy(monkeypatch):
+    from pdserve.router import policy as policy_mod
+
+    reqs = random_workload(12, prompt_len_mean=300, output_len_mean=10, rate=50.0, seed=4)
+    spread = simulate(reqs, H100_8B, SimConfig(), num_instances=2)
+    assert {r.meta["decode_worker"] for r in spread.records} == {"decode-0", "decode-1"}
+    real_route = policy_mod.RoutingPolicy.route
+    calls = []
+
+    def always_decode_1(self, prompt, max_tokens, mode):
+        calls.append(mode)
+        return real_route(self, prompt, max_tokens, mode)._replace(decode_worker="decode-1")
+
+    monkeypatch.setattr(policy_mod.RoutingPolicy, "route", always_decode_1)
+    pinned = simulate(reqs, H100_8B, SimConfig(), num_instances=2)
+    assert len(calls) == len(reqs)  # one routing decision per request, by the policy
+    assert {r.meta["decode_worker"] for r in pinned.records} == {"decode-1"}
+    assert not pinned.steps_of("decode-0") and all(r.ok for r in pinned.records)
+
+
+def test_auto_follows_the_routers_threshold():
+    reqs = [WorkloadRequest(f"short-{i}", [i] * 100, 8, 0.01 * i) for i in range(4)]
+    reqs += [WorkloadRequest(f"long-{i}", [50 + i] * 2000, 8, 0.005 + 0.01 * i) for i in range(3)]
+    res = simulate(reqs, H100_8B, SimConfig(auto_min_remote_tokens=512), mode="auto")
+    modes = {r.request_id: r.meta["mode"] for r in res.records}
+    assert all(modes[f"short-{i}"] == "colocated" for i in range(4))
+    assert all(modes[f"long-{i}"] == "disaggregated" for i in range(3))
+    assert sum(s.num_prefill_tokens for s in res.steps_of("prefill-0")) == 3 * 2000  # only the long prompts
+    assert res.kv_bytes_moved == 3 * 2000 * H100_8B.kv_bytes_per_token
+    everything_local = simulate(reqs, H100_8B, SimConfig(auto_min_remote_tokens=5000), mode="auto")
+    assert {r.meta["mode"] for r in everything_local.records} == {"colocated"}
+    assert not everything_local.steps_of("prefill-0")
+
+
+def test_prefill_instance_reserves_when_a_prefill_is_about_to_start():
+    # six 1000-token prompts at once; budget 512: the prefill instance admits (and reserves) one at a time
+    reqs = [WorkloadRequest(f"r{i}", [i] * 1000, 4, 0.0) for i in range(6)]
+    res = simulate(reqs, H100_8B, SimConfig(max_num_batched_tokens=512), mode="disaggregated")
+    records = sorted(res.records, key=lambda r: r.request_id)
+    reserved = [r.meta["reserved_at"] for r in records]
+    starts = [s.started for s in res.steps_of("prefill-0")]
+    assert reserved[0] == 0.0
+    for k in range(1, 6):
+        # r{k} waits in the FIFO until r{k-1} has left the engine's waiting queue (its first step
+        # started), and is reserved before r{k-1}'s prefill is done
+        began = min(t for t in starts if t >= reserved[k - 1])
+        assert began <= reserved[k] < records[k - 1].token_times[0]
+    assert all(r.ok and len(r.token_times) == 4 for r in res.records)
+
+
+def test_deployment_latencies_shift_tokens_and_delay_the_handoff():
+    req = [WorkloadRequest("r", [1] * 600, 4, 0.0)]
+    base = SimConfig(chunk_size=512, enable_prefix_caching=False)
+    plain = simulate(req, H100_8B, base, mode="disaggregated").records[0]
+    late = SimConfig(**{**base.to_dict(), "token_latency_s": 0.003, "control_latency_s": 0.010})
+    res = simulate(req, H100_8B, late, mode="disaggregated")
+    rec = res.records[0]
+    # one call to the prefill worker, the reservation's round trip, then the same prefill
+    assert rec.ttft == pytest.approx(plain.ttft + 3 * 0.010 + 0.003)
+    # the decode call leaves the router once the first token is there: its step starts after that
+    first_decode = res.steps_of("decode-0")[0]
+    assert first_decode.started == pytest.approx(rec.token_times[0] + 0.010)
+    assert rec.token_times[1] == pytest.approx(first_decode.ended + 0.003)
+
+
+def test_step_tail_resamples_the_measured_noise_deterministically():
+    noisy = LinearProfile(
+        model="tiny",
+        roles={"all": RoleFit(TRUTH, ratio_percentiles=tuple(1.0 + 0.02 * i for i in range(101)))},
+    )
+    cost = LinearCostModel(noisy, get_model("tiny"))
+    reqs = random_workload(10, prompt_len_mean=100, output_len_mean=20, rate=100.0, seed=1)
+
+    def ratios(**cfg):  # each step's time over the fit's time for its shape
+        steps = simulate(reqs, cost, SimConfig(**cfg)).steps
+        return [s.duration_s / cost.step_time(StepShape.from_stats(s)) for s in steps]
+
+    with_tail, again, other_seed = ratios(), ratios(), ratios(seed=1)
+    assert with_tail == again and with_tail != other_seed
+    assert all(1.0 <= r <= 3.0 for r in with_tail) and max(with_tail) > 2.0 and min(with_tail) < 1.5
+    assert ratios(step_tail=False) == pytest.approx([1.0] * len(ratios(step_tail=False)))
+
+
 # ---- cost model and profiles ------------------------------------------------------------------------------
 
 
