@@ -8,6 +8,7 @@ then name the per-request mode override). Writes results.json, report.md and PNG
 
     pdserve bench --architectures colocated,disaggregated,auto --workers 2 --workload random \
         --num-requests 64 --rate 4 --slo ttft=2000,tpot=200 --out results/ab
+    pdserve bench --architectures colocated,disaggregated --repeats 3 ...   # median and spread of each figure
     pdserve bench --sweep chunk=128,256,512,1024 --workload interference --out results/sweep
 """
 
@@ -28,6 +29,7 @@ import grpc
 from pdserve.bench.metrics import RequestRecord, SweepPoint, find_knee, parse_slo, sweep_point
 from pdserve.bench.report import RunData, markdown_table, write_report
 from pdserve.bench.sim.cli import parse_sweep
+from pdserve.bench.spread import differences, spread_table, summarize
 from pdserve.bench.workloads import (
     WorkloadRequest,
     add_workload_arguments,
@@ -245,6 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target", default=None, help="HOST:PORT of a running router (no deployment is started)")
     g.add_argument("--auto-min-remote-tokens", type=int, default=512)
     g.add_argument("--warmup", type=int, default=4, help="warm-up requests per architecture (not measured)")
+    g.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per architecture, each on a fresh deployment; the report gives every figure's median and "
+        "spread (min–max) and calls out only differences beyond the spread",
+    )
     add_engine_arguments(p, exclude=("seed",))  # --seed seeds the workload
     add_workload_arguments(p)
     p.add_argument("--max-output", type=int, default=None, help="shortcut: cap every output length")
@@ -287,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--architectures: unknown {bad} (choose from {', '.join(ARCHITECTURES)})")
         if args.workers < 1:
             raise ValueError("--workers must be >= 1")
+        if args.repeats < 1:
+            raise ValueError("--repeats must be >= 1")
         kind = args.workload or ("interference" if args.sweep else "random")
         requests = _workload(args, kind)
         chunks = parse_sweep(args.sweep) if args.sweep else None
@@ -301,13 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if chunks:
             return _sweep(args, chunks, requests, slo)
-        runs = []
-        for arch in archs:
-            print(f"[{arch}] {len(requests)} requests ({kind}) ...", flush=True)
-            run, meta = run_architecture(arch, args, requests, engine_config(args))
-            runs.append(RunData(arch, run.records, run.steps, run.kv_bytes_moved, run.duration_s, meta))
-            failed = sum(1 for r in run.records if not r.succeeded)
-            print(f"[{arch}] done in {run.duration_s:.1f} s, {failed} failed", flush=True)
+        runs = _run_repeats(args, archs, requests, kind)
         files = write_report(
             args.out,
             runs,
@@ -318,11 +323,34 @@ def main(argv: list[str] | None = None) -> int:
         )
         print()
         print(markdown_table([(r.name, r.metrics(slo), r.kv_bytes_moved) for r in runs]))
+        if args.repeats > 1:
+            summary = summarize({a: [r.metrics(slo) for r in runs if r.group == a] for a in archs})
+            print("\nmedian (min–max) over the repeats:\n" + spread_table(summary))
+            found = differences(summary)
+            print("\ndifferences beyond the spread:\n" + ("\n".join(f"- {d}" for d in found) or "- none"))
         print(f"\nwrote {', '.join(files.all_paths())}")
         return 0
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def _run_repeats(
+    args: argparse.Namespace, archs: list[str], requests: list[WorkloadRequest], kind: str
+) -> list[RunData]:
+    """Every architecture ``--repeats`` times, each on a fresh deployment, interleaved (colocated #1,
+    disaggregated #1, colocated #2, ...) so that a change in the machine's load hits them alike."""
+    runs = []
+    for i in range(args.repeats):
+        for arch in archs:
+            name = arch if args.repeats == 1 else f"{arch} #{i + 1}"
+            print(f"[{name}] {len(requests)} requests ({kind}) ...", flush=True)
+            run, meta = run_architecture(arch, args, requests, engine_config(args))
+            meta = {**meta, "repeat": i + 1}
+            runs.append(RunData(name, run.records, run.steps, run.kv_bytes_moved, run.duration_s, meta, group=arch))
+            failed = sum(1 for r in run.records if not r.succeeded)
+            print(f"[{name}] done in {run.duration_s:.1f} s, {failed} failed", flush=True)
+    return runs
 
 
 def _sweep(args: argparse.Namespace, chunks: list[int], requests: list[WorkloadRequest], slo: dict) -> int:
