@@ -75,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-prompts", type=int, default=2)
     p.add_argument("--long-len", type=int, default=1536)
     p.add_argument("--long-period", type=float, default=1.0)
-    p.add_argument("--random-requests", type=int, default=16)
-    p.add_argument("--rate", type=float, default=4.0)
+    p.add_argument("--random-requests", type=int, default=14)
+    p.add_argument("--rate", type=float, default=2.5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--measured", default=None, help="a measured.json to re-simulate (no deployment is started)")
     p.add_argument("--no-tail", action="store_true", help="simulate without the measured step-time tail")
@@ -120,14 +120,15 @@ def bench_arguments(args: argparse.Namespace) -> argparse.Namespace:
     from pdserve.bench.runner import build_parser as bench_parser
 
     argv = ["--model", args.model, "--workers", "2", "--transport", args.transport]
-    argv += ["--max-num-batched-tokens", str(args.chunk), "--torch-threads", "1", "--no-progress", "--warmup", "2"]
+    argv += ["--max-num-batched-tokens", str(args.chunk), "--torch-threads", "1", "--no-progress", "--warmup", "6"]
     argv += ["--no-prefix-caching"]  # a repeat must not find the previous repeat's prompts in the cache
     return bench_parser().parse_args(argv)
 
 
 def measure_all(args: argparse.Namespace, say: Any = print) -> list[Run]:
-    """Every measured run: per architecture one deployment, the calibration workloads once, then the
-    validation workloads ``args.repeats`` times each."""
+    """Every measured run: per architecture one deployment, warmed up, then the validation workloads
+    ``args.repeats`` times each with the calibration workloads (once each) between the repeats, so that
+    calibration and validation see the same stretch of the machine's load."""
     from pdserve.bench.runner import deployed, engine_config, measure, warmup_requests
 
     bench_args = bench_arguments(args)
@@ -137,8 +138,12 @@ def measure_all(args: argparse.Namespace, say: Any = print) -> list[Run]:
     for arch in ARCHITECTURES:
         with deployed(arch, bench_args, engine) as (address, _):
             warm = warmup_requests(bench_args.warmup, args.seed)
-            plan = [("calibration", name, 0, reqs) for name, reqs in calibration.items()]
-            plan += [("validation", name, i, reqs) for i in range(args.repeats) for name, reqs in validation.items()]
+            plan, pending = [], [("calibration", name, 0, reqs) for name, reqs in calibration.items()]
+            for i in range(args.repeats):
+                plan += [("validation", name, i, reqs) for name, reqs in validation.items()]
+                if pending and i < args.repeats - 1:
+                    plan.append(pending.pop(0))
+            plan += pending
             for purpose, name, repeat, requests in plan:
                 run = measure(address, requests, None, warmup=warm, progress=False)
                 warm = ()

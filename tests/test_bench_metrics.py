@@ -247,3 +247,26 @@ def test_repeats_median_spread_and_differences_beyond_it(tmp_path):
     assert any(d.startswith("ITL p50: A") for d in doc["differences"])
     single = write_report(str(tmp_path / "one"), [a[0], b[0]])
     assert "Median and spread" not in open(single.report_md).read()
+
+
+def test_bench_repeats_run_each_architecture_on_fresh_deployments(monkeypatch, tmp_path, capsys):
+    import pdserve.bench.runner as runner
+    from pdserve.bench.runner import MeasuredRun
+
+    calls = []
+
+    def fake_run(arch, args, requests, engine):  # one call = one fresh deployment
+        calls.append(arch)
+        gap = {"colocated": 0.05, "disaggregated": 0.02}[arch] * (1 + 0.01 * len(calls))
+        return MeasuredRun([_stream(r.request_id, 0.0, [gap] * 3) for r in requests], [], 0, 1.0), {}
+
+    monkeypatch.setattr(runner, "run_architecture", fake_run)
+    argv = ["--architectures", "colocated,disaggregated", "--repeats", "3", "--num-requests", "2"]
+    assert runner.main([*argv, "--target", "x:1", "--no-progress", "--out", str(tmp_path)]) == 0
+    assert calls == ["colocated", "disaggregated"] * 3  # interleaved, one deployment per run
+    doc = json.load(open(tmp_path / "results.json"))
+    assert [r["name"] for r in doc["runs"]][:2] == ["colocated #1", "disaggregated #1"]
+    assert {r["group"] for r in doc["runs"]} == {"colocated", "disaggregated"}
+    out = capsys.readouterr().out
+    assert "median (min–max) over the repeats" in out and "ITL p50: disaggregated" in out
+    assert runner.main(["--repeats", "0"]) == 2

@@ -13,10 +13,10 @@ same engine does the same arithmetic everywhere; the roles differ in what else t
 at the time, which is what a per-role fit captures. ``all`` fits every record; a role that never
 exercises a term (a prefill worker never decodes) takes that coefficient from ``all``.
 
-``fit_role`` solves least squares on relative errors with every coefficient >= 0, trims steps slowed
-down by other load on the machine (noise only ever makes a step slower) and keeps the tail it trimmed:
-``RoleFit.ratio_percentiles`` is the distribution of measured/predicted over every record, which the
-simulator resamples per step. ``deployment_latencies`` measures the token delivery latency (a worker's
+``fit_role`` is a median regression of the relative error with every coefficient >= 0, so the fit is
+a shape's typical step, and it keeps what other load on the machine adds (noise only ever makes a step
+slower): ``RoleFit.ratio_percentiles`` is the distribution of measured/predicted over every record,
+which the simulator resamples per step. ``deployment_latencies`` measures the token delivery latency (a worker's
 step end to the client) and the control-call latency (client to worker) from the same runs.
 
 ``measure_step_records`` instead drives a real ``engine.LLMEngine`` alone through a grid of batch
@@ -32,7 +32,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from pdserve.bench.metrics import RequestRecord
@@ -54,12 +54,10 @@ def step_role(worker: str, architecture: str) -> str:
     return "colocated" if architecture == "colocated" else "decode"
 
 
-def _nonneg_lstsq(x: np.ndarray, y: np.ndarray, free: list[int]) -> np.ndarray:
-    """Least squares of the *relative* error (rows weighted by 1/y: timing noise is proportional to
-    the step time) over the columns ``free``, every coefficient >= 0: drop the most negative one and
-    refit until none is. Columns not in ``free`` stay 0."""
-    w = 1.0 / np.maximum(y, 1e-12)
-    xw, yw = x * w[:, None], y * w
+def _nonneg_lstsq(x: np.ndarray, y: np.ndarray, free: list[int], scale: np.ndarray) -> np.ndarray:
+    """Least squares over the columns ``free`` with rows scaled by ``scale``, every coefficient >= 0:
+    drop the most negative one and refit until none is. Columns not in ``free`` stay 0."""
+    xw, yw = x * scale[:, None], y * scale
     active = list(free)
     coef = np.zeros(x.shape[1])
     while active:
@@ -73,57 +71,70 @@ def _nonneg_lstsq(x: np.ndarray, y: np.ndarray, free: list[int]) -> np.ndarray:
     return np.maximum(coef, 0.0)
 
 
-def fit_role(steps: Sequence[StepStats], trim_slow: float | None = 0.5, fallback: RoleFit | None = None) -> RoleFit:
+def _median_fit(x: np.ndarray, y: np.ndarray, free: list[int], offset: np.ndarray, rounds: int = 30) -> np.ndarray:
+    """Non-negative coefficients minimising the sum of *relative* absolute errors (timing noise is
+    proportional to the step time): a median regression, by iteratively reweighted least squares. The
+    fit is the typical step of a shape, whatever slow outliers the machine adds."""
+    target = y - offset
+    coef = _nonneg_lstsq(x, target, free, 1.0 / np.maximum(y, 1e-12))
+    for _ in range(rounds):
+        rel = np.abs(y - offset - x @ coef) / np.maximum(y, 1e-12)
+        scale = 1.0 / (np.maximum(y, 1e-12) * np.sqrt(np.maximum(rel, 1e-3)))
+        new = _nonneg_lstsq(x, target, free, scale)
+        if np.allclose(new, coef, rtol=1e-6, atol=1e-12):
+            break
+        coef = new
+    return coef
+
+
+def fit_role(steps: Sequence[StepStats], robust: bool = True, fallback: RoleFit | None = None) -> RoleFit:
     """Fit ``LINEAR_TERMS`` to ``steps`` (at least ``MIN_RECORDS``; raises ValueError otherwise).
 
-    ``trim_slow``: records more than this fraction slower than the current fit are dropped and the fit
-    repeated (a few rounds, keeping at least half); ``None`` fits all records once. Terms whose
+    ``robust``: a median regression of the relative error, so the fit is the typical step and the slow
+    ones (other load on the machine only ever makes a step slower) land in ``ratio_percentiles``, the
+    tail; else plain least squares of the relative error, which the slow steps pull up. Terms whose
     regressor is zero in every record take ``fallback``'s coefficient (0 without one).
     """
     if len(steps) < MIN_RECORDS:
         raise ValueError(f"calibration: need at least {MIN_RECORDS} step records, got {len(steps)}")
-    x_all = np.asarray([linear_features(StepShape.from_stats(s)) for s in steps], dtype=float)
-    y_all = np.asarray([s.duration_s for s in steps], dtype=float)
-    absent = [j for j in range(x_all.shape[1]) if not np.any(x_all[:, j])]
-    fixed = np.zeros(x_all.shape[1])
+    x = np.asarray([linear_features(StepShape.from_stats(s)) for s in steps], dtype=float)
+    y = np.asarray([s.duration_s for s in steps], dtype=float)
+    absent = [j for j in range(x.shape[1]) if not np.any(x[:, j])]
+    fixed = np.zeros(x.shape[1])
     if fallback is not None:
         fixed[absent] = [fallback.coefficients[j] for j in absent]
-    free = [j for j in range(x_all.shape[1]) if j not in absent]
-    keep = np.ones(len(steps), dtype=bool)
-    coef = _nonneg_lstsq(x_all, y_all, free) + fixed
-    for _ in range(5 if trim_slow is not None else 0):
-        pred = x_all @ coef
-        new_keep = (y_all - pred) <= trim_slow * np.maximum(pred, 1e-12)  # type: ignore[operator]
-        if new_keep.sum() < max(MIN_RECORDS, len(steps) // 2) or np.array_equal(new_keep, keep):
-            break
-        keep = new_keep
-        coef = _nonneg_lstsq(x_all[keep], y_all[keep], free) + fixed
-    x, y = x_all[keep], y_all[keep]
-    resid = y - x @ coef
+    free = [j for j in range(x.shape[1]) if j not in absent]
+    offset = x @ fixed
+    if robust:
+        coef = _median_fit(x, y, free, offset) + fixed
+    else:
+        coef = _nonneg_lstsq(x, y - offset, free, 1.0 / np.maximum(y, 1e-12)) + fixed
+    pred = np.maximum(x @ coef, 1e-12)
+    resid = y - pred
     ss_tot = float(np.sum((y - y.mean()) ** 2))
-    ratios = y_all / np.maximum(x_all @ coef, 1e-12)
+    rel = np.abs(resid) / np.maximum(y, 1e-12)
     return RoleFit(
         tuple(float(c) for c in coef),
         num_records=len(steps),
-        num_kept=int(keep.sum()),
         r2=1.0 - float(np.sum(resid**2)) / ss_tot if ss_tot > 0 else 1.0,
         rms_residual_s=float(np.sqrt(np.mean(resid**2))),
-        mean_abs_rel_error=float(np.mean(np.abs(resid) / np.maximum(y, 1e-12))),
-        ratio_percentiles=tuple(float(v) for v in np.percentile(ratios, RATIO_PERCENTILES)),
+        mean_abs_rel_error=float(np.mean(rel)),
+        median_abs_rel_error=float(np.median(rel)),
+        ratio_percentiles=tuple(float(v) for v in np.percentile(y / pred, RATIO_PERCENTILES)),
     )
 
 
 def fit_linear_profile(
-    steps_by_role: Mapping[str, Sequence[StepStats]], model: str = "bench", trim_slow: float | None = 0.5, **extra: Any
+    steps_by_role: Mapping[str, Sequence[StepStats]], model: str = "bench", robust: bool = True, **extra: Any
 ) -> LinearProfile:
     """``all`` over every record, then each role of ``ROLES`` with at least ``MIN_RECORDS`` records.
     ``extra`` goes into the profile (latencies, ``notes``, ...)."""
     everything = [s for steps in steps_by_role.values() for s in steps]
-    roles = {"all": fit_role(everything, trim_slow)}
+    roles = {"all": fit_role(everything, robust)}
     for role in ROLES:
         steps = steps_by_role.get(role, ())
         if len(steps) >= MIN_RECORDS:
-            roles[role] = fit_role(steps, trim_slow, fallback=roles["all"])
+            roles[role] = fit_role(steps, robust, fallback=roles["all"])
     return LinearProfile(model=model, roles=roles, **extra)
 
 
@@ -136,8 +147,17 @@ def _busy_between(steps: Sequence[StepStats], lo: float, hi: float) -> bool:
     return any(s.started < hi and s.ended > lo for s in steps)
 
 
-def deployment_latencies(runs: Iterable[tuple[Sequence[StepStats], Sequence[RequestRecord]]]) -> tuple[float, float]:
-    """``(token_latency_s, control_latency_s)`` measured on deployments (medians; 0.0 without data).
+class Latencies(NamedTuple):
+    """What a deployment adds around the steps (seconds; 0.0 and () without data)."""
+
+    token_s: float  # median
+    control_s: float  # median
+    control_percentiles: tuple[float, ...]  # at RATIO_PERCENTILES
+
+
+def deployment_latencies(runs: Iterable[tuple[Sequence[StepStats], Sequence[RequestRecord]]]) -> Latencies:
+    """The token delivery latency (median) and the control-call latency (median and distribution),
+    measured on deployments.
 
     Token latency: for every token a client received, the time since the last step end on the worker
     that produced it (the first token of a remotely prefilled request comes from its prefill worker).
@@ -172,8 +192,10 @@ def deployment_latencies(runs: Iterable[tuple[Sequence[StepStats], Sequence[Requ
             if r.send_time <= taken_in and not _busy_between(by_worker[worker], r.send_time, taken_in):
                 calls.append(taken_in - r.send_time)
     token = statistics.median(delays) if delays else 0.0
-    control = statistics.median(calls) if calls else 0.0
-    return token, control
+    if not calls:
+        return Latencies(token, 0.0, ())
+    table = tuple(float(v) for v in np.percentile(calls, RATIO_PERCENTILES))
+    return Latencies(token, statistics.median(calls), table)
 
 
 def calibrate_from_runs(
@@ -186,10 +208,15 @@ def calibrate_from_runs(
     for arch, steps, _ in runs:
         for s in steps:
             by_role[step_role(s.worker, arch)].append(s)
-    token, control = deployment_latencies((steps, records) for _, steps, records in runs)
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    latency = deployment_latencies((steps, records) for _, steps, records in runs)
     return fit_linear_profile(
-        by_role, model, token_latency_s=token, control_latency_s=control, measured_at=stamp, **extra
+        by_role,
+        model,
+        token_latency_s=latency.token_s,
+        control_latency_s=latency.control_s,
+        control_latency_percentiles=latency.control_percentiles,
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        **extra,
     )
 
 
@@ -204,12 +231,14 @@ def describe_profile(profile: LinearProfile) -> str:
         tail = f"measured/predicted p50 {r[50]:.2f} p90 {r[90]:.2f} p99 {r[99]:.2f} max {r[100]:.2f}" if r else ""
         lines.append(f"  {role:>9}: {terms}")
         lines.append(
-            f"  {'':>9}  {fit.num_kept}/{fit.num_records} steps kept, R^2 {fit.r2:.3f}, mean |rel err| "
-            f"{fit.mean_abs_rel_error:.1%}; {tail}"
+            f"  {'':>9}  {fit.num_records} steps, R^2 {fit.r2:.3f}, |rel err| median "
+            f"{fit.median_abs_rel_error:.1%} mean {fit.mean_abs_rel_error:.1%}; {tail}"
         )
+    c = profile.control_latency_percentiles
+    spread = f" (p90 {c[90] * 1e3:.1f}, p99 {c[99] * 1e3:.1f})" if c else ""
     lines.append(
         f"  token latency {profile.token_latency_s * 1e3:.2f} ms, control latency "
-        f"{profile.control_latency_s * 1e3:.2f} ms, KV link {profile.kv_link_bw / 1e9:.1f} GB/s"
+        f"{profile.control_latency_s * 1e3:.2f} ms{spread}, KV link {profile.kv_link_bw / 1e9:.1f} GB/s"
     )
     return "\n".join(lines)
 

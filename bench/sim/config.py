@@ -36,7 +36,8 @@ class SimConfig:
     Around the steps: ``token_latency_s`` (a step's end to the client receiving its tokens) and
     ``control_latency_s`` (one router-to-worker call), both 0 by default (a GPU profile's steps dwarf
     them) and measured for the cpu-measured profile (``LinearProfile.link_settings``). ``step_tail``
-    multiplies every step by the cost model's measured noise at a draw from ``random.Random(seed)``.
+    multiplies every step by the cost model's measured noise at a draw from ``random.Random(seed)``,
+    and draws each control call's latency from ``control_latency_percentiles`` when given.
     ``auto_*`` are the router's auto thresholds (``router.policy.RouterConfig``, same defaults).
     """
 
@@ -52,6 +53,7 @@ class SimConfig:
     stop_time_s: float | None = None
     token_latency_s: float = 0.0
     control_latency_s: float = 0.0
+    control_latency_percentiles: tuple[float, ...] = ()
     step_tail: bool = True
     seed: int = 0
     auto_min_remote_tokens: int = _ROUTER_DEFAULTS.auto_min_remote_tokens

@@ -146,6 +146,17 @@ LINEAR_TERMS = (
 RATIO_PERCENTILES = tuple(range(101))  # where RoleFit.ratio_percentiles samples measured/predicted
 
 
+def quantile_at(percentiles: tuple[float, ...], u: float, default: float = 0.0) -> float:
+    """Interpolate a table of evenly spaced percentiles (0 ... 100) at quantile ``u`` in [0, 1]."""
+    if not percentiles:
+        return default
+    if len(percentiles) == 1:
+        return percentiles[0]
+    x = min(max(u, 0.0), 1.0) * (len(percentiles) - 1)
+    i = min(int(x), len(percentiles) - 2)
+    return percentiles[i] + (percentiles[i + 1] - percentiles[i]) * (x - i)
+
+
 @dataclass(frozen=True)
 class RoleFit:
     """One role's linear step time (``LINEAR_TERMS`` coefficients, seconds) and how well it fits.
@@ -153,15 +164,15 @@ class RoleFit:
     ``ratio_percentiles``: measured / predicted step time over *all* the role's records (slow ones
     included) at percentiles 0, 1, ..., 100: the body and the tail of what the machine adds on top of
     the fit. ``ratio_at(u)`` interpolates it (the simulator resamples it when it models the tail).
-    ``r2``, ``rms_residual_s`` and ``mean_abs_rel_error`` are over the kept (untrimmed) records.
+    The quality figures (``r2``, ``rms_residual_s``, the relative errors) are over every record.
     """
 
     coefficients: tuple[float, ...]
     num_records: int = 0
-    num_kept: int = 0
     r2: float = 0.0
     rms_residual_s: float = 0.0
     mean_abs_rel_error: float = 0.0
+    median_abs_rel_error: float = 0.0
     ratio_percentiles: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
@@ -173,12 +184,7 @@ class RoleFit:
 
     def ratio_at(self, u: float) -> float:
         """The measured/predicted ratio at quantile ``u`` in [0, 1] (1.0 when none was recorded)."""
-        r = self.ratio_percentiles
-        if not r:
-            return 1.0
-        x = min(max(u, 0.0), 1.0) * (len(r) - 1)
-        i = min(int(x), len(r) - 2)
-        return r[i] + (r[i + 1] - r[i]) * (x - i)
+        return quantile_at(self.ratio_percentiles, u, 1.0)
 
     def terms(self) -> dict[str, float]:
         return dict(zip(LINEAR_TERMS, self.coefficients, strict=True))
@@ -204,7 +210,8 @@ class LinearProfile:
     the cpu-measured JSON): one ``RoleFit`` per role (``colocated``, ``prefill``, ``decode``; ``all``
     fits every record and stands in for a role that has none), plus what the deployment adds around
     the steps, as measured: the KV link, ``token_latency_s`` (a worker's step end to the client's
-    receipt of its tokens, median) and ``control_latency_s`` (one call from the router to a worker).
+    receipt of its tokens, median) and ``control_latency_s`` (one call from the client or router to a
+    worker, median; ``control_latency_percentiles`` its distribution at percentiles 0 ... 100).
     Valid for the model it was measured on.
     """
 
@@ -214,6 +221,7 @@ class LinearProfile:
     kv_link_latency_s: float = 200e-6
     token_latency_s: float = 0.0
     control_latency_s: float = 0.0
+    control_latency_percentiles: tuple[float, ...] = ()
     kv_memory_bytes: float = 0.5 * 2**30  # the engine's default kv_cache_memory_gb
     name: str = CPU_MEASURED
     measured_at: str = ""
@@ -233,11 +241,13 @@ class LinearProfile:
             "kv_link_latency_s": self.kv_link_latency_s,
             "token_latency_s": self.token_latency_s,
             "control_latency_s": self.control_latency_s,
+            "control_latency_percentiles": self.control_latency_percentiles,
         }
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["roles"] = {k: v.to_dict() for k, v in self.roles.items()}
+        d["control_latency_percentiles"] = [round(x, 6) for x in self.control_latency_percentiles]
         return d
 
     @staticmethod
@@ -247,7 +257,9 @@ class LinearProfile:
             raise ValueError("not a per-role calibration (no 'roles'); calibrate again")
         known = {f.name for f in fields(LinearProfile)} - {"roles"}
         roles = {k: RoleFit.from_dict(v) for k, v in d["roles"].items()}
-        return LinearProfile(roles=roles, **{k: v for k, v in d.items() if k in known})
+        rest = {k: v for k, v in d.items() if k in known}
+        rest["control_latency_percentiles"] = tuple(rest.get("control_latency_percentiles", ()))
+        return LinearProfile(roles=roles, **rest)
 
 
 def save_linear_profile(profile: LinearProfile, path: str) -> None:

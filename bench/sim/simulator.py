@@ -21,10 +21,12 @@ Modes (the deployment's default mode; ``auto`` decides per request):
   first token; the prefill side holds its blocks until its last transfer has landed.
 
 Around the steps, ``SimConfig`` adds what a deployment adds: ``token_latency_s`` from a step's end to
-the client, ``control_latency_s`` per router-to-worker call (one to start a local prefill; three to
-start a remote one: the call to the prefill worker and the reservation's round trip to the decode
-worker; one for the decode call). With ``step_tail``, each step's time is multiplied by the cost
-model's ``tail_factor`` at a seeded uniform draw (the measured noise of a shared machine).
+the client, and a control latency per call: the router's call that starts a request on its worker, the
+reservation the prefill instance makes on the decode instance (there it is applied between steps, like
+every call into an engine loop) and its answer, and the router's decode call once the first token has
+reached it. With ``step_tail``, each step's time is multiplied by the cost model's ``tail_factor`` at a
+seeded uniform draw (the measured noise of a shared machine), and each call's latency is drawn from its
+measured distribution.
 
 Events at the same virtual time are all applied before any idle instance starts its next step, so
 requests sent together are batched together. The simulator is deterministic for a given seed.
@@ -45,6 +47,7 @@ from typing import Any
 from pdserve.bench.metrics import BenchmarkMetrics, RequestRecord, compute_metrics
 from pdserve.bench.sim.config import SimConfig
 from pdserve.bench.sim.cost_model import CostModel, StepShape
+from pdserve.bench.sim.profiles import quantile_at
 from pdserve.bench.workloads import WorkloadRequest
 from pdserve.engine import remote_kv
 from pdserve.engine.block_manager import BlockManager
@@ -180,6 +183,13 @@ class Simulator:
     def _clock(self) -> float:
         return self.now
 
+    def _control_latency(self) -> float:
+        """One router-to-worker call: the median, or a draw from the measured distribution with the tail."""
+        c = self.config
+        if c.step_tail and c.control_latency_percentiles:
+            return quantile_at(c.control_latency_percentiles, self._rng.random())
+        return c.control_latency_s
+
     def _at(self, t: float, handler: Callable[..., None], *args: Any) -> None:
         heapq.heappush(self._events, (t, next(self._seq), handler, args))
 
@@ -240,7 +250,7 @@ class Simulator:
         client.meta.update(
             mode=route.mode, decode_worker=route.decode_worker, prefill_worker=route.prefill_worker or ""
         )
-        self._at(self.now + self.config.control_latency_s, self._on_dispatch, client)
+        self._at(self.now + self._control_latency(), self._on_dispatch, client)
 
     def _on_dispatch(self, client: _Client) -> None:
         route = client.route
@@ -333,7 +343,7 @@ class Simulator:
         client = inst.fifo[0]
         assert client.decode is not None
         inst.reserving = True
-        self._at(self.now + self.config.control_latency_s, self._call, client.decode, self._reserve, inst, client)
+        self._at(self.now + self._control_latency(), self._call, client.decode, self._reserve, inst, client)
 
     def _call(self, target: _Instance, handler: Callable[..., None], *args: Any) -> None:
         """A call reaching ``target``'s engine loop: applied now when it is idle, else after its step."""
@@ -350,7 +360,7 @@ class Simulator:
         if cached is None:
             client.decode.waiting_for_room.add(prefill)
             return
-        self._at(self.now + self.config.control_latency_s, self._on_reserved, prefill, client, reservation, cached)
+        self._at(self.now + self._control_latency(), self._on_reserved, prefill, client, reservation, cached)
 
     def _on_reserved(self, inst: _Instance, client: _Client, reservation: Request, cached: int) -> None:
         inst.reserving = False
@@ -380,7 +390,7 @@ class Simulator:
         client.meta["prefill_done"] = self.now
         assert client.route is not None
         self.policy.prefill_done(client.route, client.wreq.prompt_token_ids)
-        self._at(client.token_times[0] + self.config.control_latency_s, self._on_decode_call, client)
+        self._at(client.token_times[0] + self._control_latency(), self._on_decode_call, client)
 
     def _on_kv_complete(self, client: _Client) -> None:
         assert client.prefill is not None and client.prefill_req is not None
