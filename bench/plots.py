@@ -190,3 +190,27 @@ def plot_pd_search(rows: Sequence[Any], path: str) -> str:
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def plot_fit_residuals(points: Mapping[str, Sequence[tuple[float, float]]], path: str) -> str:
+    """Measured against predicted step time per role (``(predicted_s, measured_s)`` pairs, log-log): the
+    calibration fit's residuals. On the diagonal the fit is exact; above it a step ran slower."""
+    fig, ax = plt.subplots(figsize=(6.5, 5))
+    lo, hi = float("inf"), 0.0
+    for role, pts in points.items():
+        if not pts:
+            continue
+        x = np.array([p[0] for p in pts]) * 1000.0
+        y = np.array([p[1] for p in pts]) * 1000.0
+        ax.scatter(x, y, s=8, alpha=0.5, label=f"{role} (n={len(pts)})")
+        lo, hi = min(lo, x.min(), y.min()), max(hi, x.max(), y.max())
+    if hi > 0:
+        ax.plot([lo, hi], [lo, hi], color="black", linewidth=1, label="measured = predicted")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("predicted step time (ms)")
+    ax.set_ylabel("measured step time (ms)")
+    ax.set_title("Step-time fit: residuals per role")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return _save(fig, path)

@@ -1,13 +1,15 @@
 """Validate the simulator against the real system on this machine.
 
 1. Measure: one deployment per architecture (colocated: 2 decode workers; disaggregated and auto:
-   1 prefill + 1 decode worker), warmed up, serves a *calibration* workload of each kind (other
-   requests: another seed) once, then each validation workload ``--repeats`` times (3). Every
+   1 prefill + 1 decode worker; no prefix caching, so that a repeat is not served from the previous
+   one's cache), warmed up, serves each validation workload ``--repeats`` times (3), and between two
+   repeats each *calibration* workload (the same kinds, other requests: another seed each time). Every
    request's client timestamps and every worker's steps are kept (``measured.json``).
 2. Calibrate the ``cpu-measured`` profile from the calibration runs only: per role (colocated, prefill,
-   decode worker) a linear step-time fit with separate prefill and decode terms, the distribution of
-   measured/predicted step times (the tail that other load on 2 shared cores adds, resampled by the
-   simulator), and the token delivery and control-call latencies (``bench.sim.calibrate``).
+   decode worker) a linear step-time fit with separate prefill and decode terms (the typical step), the
+   machine's slowdown on top of it per 0.3 s window (the tail that other load on 2 shared cores adds;
+   the simulator replays a draw of it, shared by all workers), the token delivery and control-call
+   latencies and the engine loop's gap between steps (``bench.sim.calibrate``).
 3. Simulate each validation workload on each architecture, through the engine's scheduler and the
    router's ``RoutingPolicy``, and compare TTFT p50/p99 and ITL p50/p99 with the median of the
    measured repeats; the measured spread (min–max) is printed next to the error. A figure is a miss
@@ -127,23 +129,23 @@ def bench_arguments(args: argparse.Namespace) -> argparse.Namespace:
 
 def measure_all(args: argparse.Namespace, say: Any = print) -> list[Run]:
     """Every measured run: per architecture one deployment, warmed up, then the validation workloads
-    ``args.repeats`` times each with the calibration workloads (once each) between the repeats, so that
-    calibration and validation see the same stretch of the machine's load."""
+    ``args.repeats`` times each, and between two repeats the calibration workloads (another seed each
+    time), so that calibration and validation sample the same stretch of the machine's load."""
     from pdserve.bench.runner import deployed, engine_config, measure, warmup_requests
 
     bench_args = bench_arguments(args)
     engine = engine_config(bench_args)
-    calibration, validation = workloads(args, args.seed + 1000), workloads(args, args.seed)
+    validation = workloads(args, args.seed)
+    calibration = [workloads(args, args.seed + 1000 * (k + 1)) for k in range(max(1, args.repeats - 1))]
     runs: list[Run] = []
     for arch in ARCHITECTURES:
         with deployed(arch, bench_args, engine) as (address, _):
             warm = warmup_requests(bench_args.warmup, args.seed)
-            plan, pending = [], [("calibration", name, 0, reqs) for name, reqs in calibration.items()]
+            plan = []
             for i in range(args.repeats):
                 plan += [("validation", name, i, reqs) for name, reqs in validation.items()]
-                if pending and i < args.repeats - 1:
-                    plan.append(pending.pop(0))
-            plan += pending
+                if i < len(calibration):  # between the repeats: calibration and validation share the load
+                    plan += [("calibration", name, i, reqs) for name, reqs in calibration[i].items()]
             for purpose, name, repeat, requests in plan:
                 run = measure(address, requests, None, warmup=warm, progress=False)
                 warm = ()
@@ -195,7 +197,7 @@ def compare(args: argparse.Namespace, runs: Sequence[Run], profile: Any, say: An
     from pdserve.bench.sim.simulator import simulate
 
     engine = engine_config(bench_arguments(args))
-    config = SimConfig.from_engine_config(engine, **profile.link_settings(), step_tail=not args.no_tail)
+    config = SimConfig.from_engine_config(engine, **profile.sim_settings(), step_tail=not args.no_tail)
     cost = LinearCostModel(profile, get_model(args.model))
     rows = []
     for name, requests in workloads(args, args.seed).items():
@@ -258,9 +260,23 @@ def main(argv: list[str] | None = None) -> int:
     calibration = [(r.architecture, r.steps, r.records) for r in runs if r.purpose == "calibration"]
     profile = calibrate_from_runs(calibration, model=args.model, notes="in place: the calibration runs of validate_sim")
     save_linear_profile(profile, os.path.join(args.out, "profile.json"))
+    plot_residuals(args, runs, profile)
     print(describe_profile(profile), flush=True)
     rows = compare(args, runs, profile)
     return report(args, runs, rows, doc.get("measured_s", 0.0), time.monotonic() - t0)
+
+
+def plot_residuals(args: argparse.Namespace, runs: Sequence[Run], profile: Any) -> str:
+    """``fit_residuals.png``: measured against predicted step time of every calibration step, per role."""
+    from pdserve.bench.plots import plot_fit_residuals
+    from pdserve.bench.sim.calibrate import residuals, step_role
+
+    by_role: dict[str, list[StepStats]] = {}
+    for r in runs:
+        if r.purpose == "calibration":
+            for s in r.steps:
+                by_role.setdefault(step_role(s.worker, r.architecture), []).append(s)
+    return plot_fit_residuals(residuals(profile, by_role), os.path.join(args.out, "fit_residuals.png"))
 
 
 def report(

@@ -15,13 +15,23 @@ from pdserve.bench.sim.calibrate import (
     deployment_latencies,
     fit_linear_profile,
     fit_role,
+    machine_slowdown,
     measure_step_records,
+    step_gap,
 )
 from pdserve.bench.sim.cli import main
 from pdserve.bench.sim.cost_model import LinearCostModel, RooflineCostModel, StepShape, chunk_context_tokens
 from pdserve.bench.sim.demo import compare_chunking, run_chunked_prefill_demo
 from pdserve.bench.sim.experiments import chunk_sweep, find_knee, max_rate_meeting_slo, pd_search
-from pdserve.bench.sim.profiles import MODELS, LinearProfile, RoleFit, get_hardware, get_model, load_linear_profile
+from pdserve.bench.sim.profiles import (
+    MODELS,
+    LinearProfile,
+    RoleFit,
+    get_hardware,
+    get_model,
+    load_linear_profile,
+    quantile_at,
+)
 from pdserve.bench.sim.simulator import SimConfig, simulate
 from pdserve.bench.workloads import (
     WorkloadRequest,
@@ -252,22 +262,31 @@ def test_deployment_latencies_shift_tokens_and_delay_the_handoff():
     assert rec.token_times[1] == pytest.approx(first_decode.ended + 0.003)
 
 
-def test_step_tail_resamples_the_measured_noise_deterministically():
-    noisy = LinearProfile(
-        model="tiny",
-        roles={"all": RoleFit(TRUTH, ratio_percentiles=tuple(1.0 + 0.02 * i for i in range(101)))},
-    )
-    cost = LinearCostModel(noisy, get_model("tiny"))
+def test_machine_slowdown_stretches_steps_by_the_windows_they_span():
+    cost = LinearCostModel(_profile(TRUTH), get_model("tiny"))
     reqs = random_workload(10, prompt_len_mean=100, output_len_mean=20, rate=100.0, seed=1)
 
-    def ratios(**cfg):  # each step's time over the fit's time for its shape
-        steps = simulate(reqs, cost, SimConfig(**cfg)).steps
+    def ratios(**cfg):  # each step's wall time over its priced time (windows of 20 ms: many of them)
+        steps = simulate(reqs, cost, SimConfig(**{"slowdown_window_s": 0.02, **cfg})).steps
         return [s.duration_s / cost.step_time(StepShape.from_stats(s)) for s in steps]
 
-    with_tail, again, other_seed = ratios(), ratios(), ratios(seed=1)
-    assert with_tail == again and with_tail != other_seed
-    assert all(1.0 <= r <= 3.0 for r in with_tail) and max(with_tail) > 2.0 and min(with_tail) < 1.5
-    assert ratios(step_tail=False) == pytest.approx([1.0] * len(ratios(step_tail=False)))
+    assert ratios(slowdown_percentiles=(2.0,) * 101) == pytest.approx([2.0] * len(ratios()))
+    bursty = tuple(1.0 if i < 90 else 5.0 for i in range(101))  # a tenth of the windows 5x slower
+    with_tail, again, other_seed = (
+        ratios(slowdown_percentiles=bursty),
+        ratios(slowdown_percentiles=bursty),
+        ratios(slowdown_percentiles=bursty, seed=1),
+    )
+    assert with_tail == again and with_tail != other_seed  # deterministic for a seed
+    assert all(1.0 - 1e-9 <= r <= 5.0 + 1e-9 for r in with_tail) and max(with_tail) > 2.0
+    assert ratios(slowdown_percentiles=bursty, step_tail=False) == pytest.approx([1.0] * len(ratios()))
+    # a step much longer than a window spans many of them: it does a window's share of work in each, so it
+    # runs at the harmonic mean of the factors (as a busy worker on a machine with bursts of load does)
+    long_step = [WorkloadRequest("long", [3] * 4000, 1, 0.0)]
+    cfg = SimConfig(max_num_batched_tokens=4096, slowdown_window_s=1e-4, slowdown_percentiles=bursty)
+    step = simulate(long_step, cost, cfg).steps[0]
+    harmonic = 1 / np.mean([1 / quantile_at(bursty, u) for u in np.linspace(0, 1, 100_001)])
+    assert step.duration_s / cost.step_time(StepShape.from_stats(step)) == pytest.approx(harmonic, rel=0.02)
 
 
 # ---- cost model and profiles ------------------------------------------------------------------------------
@@ -396,6 +415,22 @@ def test_deployment_latencies_from_client_records_and_worker_steps():
     # (sent at 10.03 during the first step, taken in at its end 10.05, first token at the next step's end)
     busy = RequestRecord("b", 10.03, (10.074, 10.094), 64, meta={**meta, "queue_s": 0.0, "prefill_s": 0.02})
     assert deployment_latencies([(steps, [busy])]).control_s == 0.0
+
+
+def test_machine_slowdown_and_step_gap_from_measured_steps():
+    profile = _profile(TRUTH)
+    fast = _synthetic_steps(noise=0.0, worker="decode-0")[:10]
+    # ten steps in the first 0.3 s window at the fit's time, ten in the next window 3x slower
+    steps, t = [], 0.0
+    for k, s in enumerate(fast * 2):
+        factor = 1.0 if k < 10 else 3.0
+        t = 0.0 if k == 0 else (0.3 if k == 10 else t)
+        steps.append(s._replace(started=t, duration_s=s.duration_s * factor))
+        t += 0.001
+    table = machine_slowdown(profile, [("colocated", steps)], window_s=0.3)
+    assert table[0] == pytest.approx(1.0) and table[100] == pytest.approx(3.0)
+    back_to_back = [StepStats(0.01 * k, 0.008, worker="w") for k in range(5)]  # 2 ms between steps
+    assert step_gap([*back_to_back, StepStats(5.0, 0.008, worker="w")]) == pytest.approx(0.002)  # idle gap left out
 
 
 def test_measure_step_records_on_the_real_engine():

@@ -26,6 +26,8 @@ shapes (``pdserve sim --calibrate``): no deployment, so only the ``all`` role.
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import itertools
 import random
 import statistics
 import time
@@ -198,26 +200,66 @@ def deployment_latencies(runs: Iterable[tuple[Sequence[StepStats], Sequence[Requ
     return Latencies(token, statistics.median(calls), table)
 
 
+def step_gap(steps: Iterable[StepStats], busy_within_s: float = 0.05) -> float:
+    """Median time between a worker's consecutive steps when the next began within ``busy_within_s``
+    (the engine loop's own work between steps; longer gaps are idle time)."""
+    by_worker: dict[str, list[StepStats]] = defaultdict(list)
+    for s in steps:
+        by_worker[s.worker].append(s)
+    gaps = []
+    for worker_steps in by_worker.values():
+        pairs = itertools.pairwise(sorted(worker_steps, key=lambda s: s.started))
+        gaps += [b.started - a.ended for a, b in pairs if b.started - a.ended < busy_within_s]
+    return max(0.0, statistics.median(gaps)) if gaps else 0.0
+
+
+def machine_slowdown(
+    profile: LinearProfile, runs: Iterable[tuple[str, Sequence[StepStats]]], window_s: float
+) -> tuple[float, ...]:
+    """The machine's slowdown at percentiles 0 ... 100: per ``window_s`` of each worker's time, the
+    measured duration of the steps that began in it over what ``profile`` (each step's role) predicts.
+    Short windows see short stalls, long ones the average: ``window_s`` sets how bursty the simulated
+    machine is (and long steps span several windows, so they see less of a burst than short ones)."""
+    factors = []
+    for arch, steps in runs:
+        sums: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
+        for s in steps:
+            fit = profile.fit_for(step_role(s.worker, arch))
+            window = sums[s.worker, int(s.started // window_s)]
+            window[0] += s.duration_s
+            window[1] += fit.predict(linear_features(StepShape.from_stats(s)))
+        factors += [measured / predicted for measured, predicted in sums.values() if predicted > 0]
+    return tuple(float(v) for v in np.percentile(factors, RATIO_PERCENTILES)) if factors else ()
+
+
 def calibrate_from_runs(
-    runs: Iterable[tuple[str, Sequence[StepStats], Sequence[RequestRecord]]], model: str = "bench", **extra: Any
+    runs: Iterable[tuple[str, Sequence[StepStats], Sequence[RequestRecord]]],
+    model: str = "bench",
+    window_s: float = 0.3,
+    **extra: Any,
 ) -> LinearProfile:
     """The cpu-measured profile from deployment runs ``(architecture, steps, records)``: per-role fits
-    of the steps (``step.worker`` names the worker) and the deployment's latencies."""
+    of the steps (``step.worker`` names the worker), the deployment's latencies and the machine's
+    slowdown per ``window_s``."""
     runs = list(runs)
     by_role: dict[str, list[StepStats]] = defaultdict(list)
     for arch, steps, _ in runs:
         for s in steps:
             by_role[step_role(s.worker, arch)].append(s)
     latency = deployment_latencies((steps, records) for _, steps, records in runs)
-    return fit_linear_profile(
+    profile = fit_linear_profile(
         by_role,
         model,
         token_latency_s=latency.token_s,
         control_latency_s=latency.control_s,
         control_latency_percentiles=latency.control_percentiles,
+        step_gap_s=statistics.median([step_gap(steps) for _, steps, _ in runs]),
+        slowdown_window_s=window_s,
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
         **extra,
     )
+    slowdown = machine_slowdown(profile, ((arch, steps) for arch, steps, _ in runs), window_s)
+    return dataclasses.replace(profile, slowdown_percentiles=slowdown)
 
 
 def describe_profile(profile: LinearProfile) -> str:
@@ -238,8 +280,16 @@ def describe_profile(profile: LinearProfile) -> str:
     spread = f" (p90 {c[90] * 1e3:.1f}, p99 {c[99] * 1e3:.1f})" if c else ""
     lines.append(
         f"  token latency {profile.token_latency_s * 1e3:.2f} ms, control latency "
-        f"{profile.control_latency_s * 1e3:.2f} ms{spread}, KV link {profile.kv_link_bw / 1e9:.1f} GB/s"
+        f"{profile.control_latency_s * 1e3:.2f} ms{spread}, gap between steps {profile.step_gap_s * 1e3:.2f} ms, "
+        f"KV link {profile.kv_link_bw / 1e9:.1f} GB/s"
     )
+    w = profile.slowdown_percentiles
+    if w:
+        mean = float(np.mean(np.interp(np.linspace(0, 100, 1001), RATIO_PERCENTILES, w)))
+        lines.append(
+            f"  machine slowdown per {profile.slowdown_window_s:g} s window: p50 {w[50]:.2f} p90 {w[90]:.2f} "
+            f"p99 {w[99]:.2f} max {w[100]:.2f} (mean {mean:.2f})"
+        )
     return "\n".join(lines)
 
 

@@ -81,7 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=SimConfig().auto_min_remote_tokens,
         help="auto: prefill remotely above this many uncached prompt tokens (the router's threshold)",
     )
-    g.add_argument("--no-tail", action="store_true", help="cpu-measured: leave out the measured step-time noise")
+    g.add_argument(
+        "--no-tail",
+        action="store_true",
+        help="cpu-measured: leave out the machine's measured slowdown and latency tails",
+    )
 
     add_engine_arguments(p, only=ENGINE_OPTIONS)
 
@@ -144,9 +148,9 @@ def make_cost_model(
     tp: int = 1,
     calibration: str = DEFAULT_CALIBRATION,
     combine: str = "max",
-) -> tuple[Any, dict[str, float]]:
+) -> tuple[Any, dict[str, Any]]:
     """``(cost model, SimConfig fields it implies)`` for the named profiles: the KV link of the hardware,
-    and for cpu-measured the deployment latencies it measured too."""
+    and for cpu-measured the deployment latencies and the machine's slowdown it measured too."""
     from pdserve.bench.sim.cost_model import LinearCostModel, RooflineCostModel
     from pdserve.bench.sim.profiles import CPU_MEASURED, get_hardware, get_model, load_linear_profile
 
@@ -157,7 +161,7 @@ def make_cost_model(
             raise ValueError(f"hardware cpu-measured: {calibration} was measured on model {prof.model!r}, not {name!r}")
         if tp != 1:
             raise ValueError("hardware cpu-measured: --tp is not modelled (measured on one process)")
-        return LinearCostModel(prof, get_model(name)), prof.link_settings()
+        return LinearCostModel(prof, get_model(name)), prof.sim_settings()
     hw = get_hardware(hardware)
     link = {"kv_link_bw": hw.kv_link_bw, "kv_link_latency_s": hw.kv_link_latency_s}
     return RooflineCostModel(hw, get_model(model_profile or "Llama-3-8B"), tp, combine), link

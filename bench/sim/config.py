@@ -33,11 +33,14 @@ class SimConfig:
     ``num_kv_blocks=None`` sizes the pool from the cost model's memory left after the weights.
     ``stop_time_s`` ends the run at that virtual time (requests still open are recorded as failed).
 
-    Around the steps: ``token_latency_s`` (a step's end to the client receiving its tokens) and
-    ``control_latency_s`` (one router-to-worker call), both 0 by default (a GPU profile's steps dwarf
-    them) and measured for the cpu-measured profile (``LinearProfile.link_settings``). ``step_tail``
-    multiplies every step by the cost model's measured noise at a draw from ``random.Random(seed)``,
-    and draws each control call's latency from ``control_latency_percentiles`` when given.
+    Around the steps: ``token_latency_s`` (a step's end to the client receiving its tokens),
+    ``control_latency_s`` (one router-to-worker call) and ``step_gap_s`` (an engine loop's time between
+    two steps), all 0 by default (a GPU profile's steps dwarf them) and measured for the cpu-measured
+    profile (``LinearProfile.sim_settings``). The machine's slowdown: with ``step_tail`` and
+    ``slowdown_percentiles``, every ``slowdown_window_s`` of virtual time draws one factor from that
+    distribution (``random.Random(seed)``), shared by all instances (a burst of other load slows them
+    all), and a step's priced work is stretched by the factors of the windows it spans; each control
+    call's latency is drawn from ``control_latency_percentiles``. ``step_tail=False`` leaves both out.
     ``auto_*`` are the router's auto thresholds (``router.policy.RouterConfig``, same defaults).
     """
 
@@ -54,6 +57,9 @@ class SimConfig:
     token_latency_s: float = 0.0
     control_latency_s: float = 0.0
     control_latency_percentiles: tuple[float, ...] = ()
+    step_gap_s: float = 0.0
+    slowdown_window_s: float = 0.3
+    slowdown_percentiles: tuple[float, ...] = ()
     step_tail: bool = True
     seed: int = 0
     auto_min_remote_tokens: int = _ROUTER_DEFAULTS.auto_min_remote_tokens
@@ -69,9 +75,11 @@ class SimConfig:
                 raise ValueError(f"sim: {name} must be None or >= 1, got {v}")
         if self.kv_link_bw is not None and not self.kv_link_bw > 0:
             raise ValueError(f"sim: kv_link_bw must be > 0, got {self.kv_link_bw}")
-        for name in ("token_latency_s", "control_latency_s", "auto_min_remote_tokens", "auto_max_prefill_queue_tokens"):
+        for name in ("token_latency_s", "control_latency_s", "step_gap_s", "auto_min_remote_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"sim: {name} must be >= 0, got {getattr(self, name)}")
+        if not self.slowdown_window_s > 0:
+            raise ValueError(f"sim: slowdown_window_s must be > 0, got {self.slowdown_window_s}")
 
     @staticmethod
     def from_engine_config(engine: EngineConfig, **extra: Any) -> SimConfig:

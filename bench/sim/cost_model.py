@@ -25,7 +25,7 @@ which is what makes very small chunks expensive.
     step = c0 + a * prefill_tokens + b * decode_tokens + cp * prefill_context + cd * decode_context
            + r * prefill_kv_read
 
-times, when the simulator models the tail, a factor drawn from the role's measured/predicted ratios.
+(a shape's typical step); the simulator stretches it by the machine's measured slowdown (``SimConfig``).
 Prefill attention (many queries over a chunk's keys) and decode attention (one query reading a whole
 cached context) get separate terms: their costs per attended key differ, on a GPU by an order of
 magnitude (decode is bandwidth-bound), and on a CPU too (different kernels).
@@ -154,16 +154,13 @@ class CostModel(Protocol):
 
     ``role`` names the instance's place in the deployment (``ROLES``: a colocated instance, a prefill
     instance, or a decode instance next to prefill instances); a model may price them differently.
-    ``tail_factor(role, u)`` is the multiplier at quantile ``u`` of the role's step-time noise (1.0 when
-    the model has none): the simulator draws ``u`` per step when ``SimConfig.step_tail`` is on."""
+    The price is deterministic: what a loaded machine adds on top is ``SimConfig``'s (the slowdown trace)."""
 
     name: str
     kv_bytes_per_token: int
     model: ModelProfile
 
     def step_time(self, shape: StepShape, role: str = "colocated") -> float: ...
-
-    def tail_factor(self, role: str, u: float) -> float: ...
 
     def kv_capacity_tokens(self) -> int: ...
 
@@ -220,9 +217,6 @@ class RooflineCostModel:
         """The roofline prices every role alike (a prefill instance just never runs decodes)."""
         return self.breakdown(shape).total
 
-    def tail_factor(self, role: str, u: float) -> float:
-        return 1.0
-
     def kv_capacity_tokens(self) -> int:
         """Tokens of KV that fit in one instance (``tp`` GPUs) after the weights. Raises ValueError if
         the weights alone do not fit."""
@@ -248,9 +242,6 @@ class LinearCostModel:
         if shape.num_tokens == 0:
             return 0.0
         return self.profile.fit_for(role).predict(linear_features(shape))
-
-    def tail_factor(self, role: str, u: float) -> float:
-        return self.profile.fit_for(role).ratio_at(u)
 
     def kv_capacity_tokens(self) -> int:
         return int(self.profile.kv_memory_bytes // self.model.kv_bytes_per_token)

@@ -163,7 +163,7 @@ class RoleFit:
 
     ``ratio_percentiles``: measured / predicted step time over *all* the role's records (slow ones
     included) at percentiles 0, 1, ..., 100: the body and the tail of what the machine adds on top of
-    the fit. ``ratio_at(u)`` interpolates it (the simulator resamples it when it models the tail).
+    the fit. ``ratio_at(u)`` interpolates it.
     The quality figures (``r2``, ``rms_residual_s``, the relative errors) are over every record.
     """
 
@@ -208,10 +208,12 @@ class RoleFit:
 class LinearProfile:
     """A measured step-time model of our engine on this machine (``bench.sim.calibrate`` writes it as
     the cpu-measured JSON): one ``RoleFit`` per role (``colocated``, ``prefill``, ``decode``; ``all``
-    fits every record and stands in for a role that has none), plus what the deployment adds around
-    the steps, as measured: the KV link, ``token_latency_s`` (a worker's step end to the client's
-    receipt of its tokens, median) and ``control_latency_s`` (one call from the client or router to a
-    worker, median; ``control_latency_percentiles`` its distribution at percentiles 0 ... 100).
+    fits every record and stands in for a role that has none), plus what the deployment and the machine
+    add around the steps, as measured: the KV link; ``token_latency_s`` (a worker's step end to the
+    client's receipt of its tokens, median); ``control_latency_s`` (one call from the client or router to
+    a worker, median; ``control_latency_percentiles`` its distribution); ``step_gap_s`` (a busy engine
+    loop's time between two steps, median); and the machine's slowdown: per ``slowdown_window_s`` of a
+    worker's time, measured step time over the fit's, at percentiles 0 ... 100 (``slowdown_percentiles``).
     Valid for the model it was measured on.
     """
 
@@ -222,6 +224,9 @@ class LinearProfile:
     token_latency_s: float = 0.0
     control_latency_s: float = 0.0
     control_latency_percentiles: tuple[float, ...] = ()
+    step_gap_s: float = 0.0
+    slowdown_window_s: float = 0.3
+    slowdown_percentiles: tuple[float, ...] = ()
     kv_memory_bytes: float = 0.5 * 2**30  # the engine's default kv_cache_memory_gb
     name: str = CPU_MEASURED
     measured_at: str = ""
@@ -234,20 +239,17 @@ class LinearProfile:
     def fit_for(self, role: str) -> RoleFit:
         return self.roles.get(role) or self.roles["all"]
 
-    def link_settings(self) -> dict[str, float]:
-        """``SimConfig`` fields this profile sets: the KV link and the deployment's latencies."""
-        return {
-            "kv_link_bw": self.kv_link_bw,
-            "kv_link_latency_s": self.kv_link_latency_s,
-            "token_latency_s": self.token_latency_s,
-            "control_latency_s": self.control_latency_s,
-            "control_latency_percentiles": self.control_latency_percentiles,
-        }
+    def sim_settings(self) -> dict[str, Any]:
+        """``SimConfig`` fields this profile sets: the KV link, the deployment's latencies, the machine's slowdown."""
+        names = ("kv_link_bw", "kv_link_latency_s", "token_latency_s", "control_latency_s")
+        names += ("control_latency_percentiles", "step_gap_s", "slowdown_window_s", "slowdown_percentiles")
+        return {name: getattr(self, name) for name in names}
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["roles"] = {k: v.to_dict() for k, v in self.roles.items()}
         d["control_latency_percentiles"] = [round(x, 6) for x in self.control_latency_percentiles]
+        d["slowdown_percentiles"] = [round(x, 4) for x in self.slowdown_percentiles]
         return d
 
     @staticmethod
@@ -258,7 +260,8 @@ class LinearProfile:
         known = {f.name for f in fields(LinearProfile)} - {"roles"}
         roles = {k: RoleFit.from_dict(v) for k, v in d["roles"].items()}
         rest = {k: v for k, v in d.items() if k in known}
-        rest["control_latency_percentiles"] = tuple(rest.get("control_latency_percentiles", ()))
+        for name in ("control_latency_percentiles", "slowdown_percentiles"):
+            rest[name] = tuple(rest.get(name, ()))
         return LinearProfile(roles=roles, **rest)
 
 

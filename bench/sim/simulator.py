@@ -24,9 +24,10 @@ Around the steps, ``SimConfig`` adds what a deployment adds: ``token_latency_s``
 the client, and a control latency per call: the router's call that starts a request on its worker, the
 reservation the prefill instance makes on the decode instance (there it is applied between steps, like
 every call into an engine loop) and its answer, and the router's decode call once the first token has
-reached it. With ``step_tail``, each step's time is multiplied by the cost model's ``tail_factor`` at a
-seeded uniform draw (the measured noise of a shared machine), and each call's latency is drawn from its
-measured distribution.
+reached it; ``step_gap_s`` between a busy instance's steps. With ``step_tail``, the machine's measured
+slowdown stretches every step: each window of virtual time draws one factor, shared by all instances
+(other load on a shared machine slows every worker at once), and a step's priced work advances at the
+pace of the windows it spans; each call's latency is drawn from its measured distribution.
 
 Events at the same virtual time are all applied before any idle instance starts its next step, so
 requests sent together are batched together. The simulator is deterministic for a given seed.
@@ -157,6 +158,7 @@ class Simulator:
         self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._seq = itertools.count()
         self._rng = random.Random(config.seed)
+        self._slowdown: dict[int, float] = {}  # window index -> the machine's slowdown factor there
 
     # ---- setup ---------------------------------------------------------------------------------
     def _build(self, budget: int, max_model_len: int) -> None:
@@ -290,13 +292,25 @@ class Simulator:
         if not output.chunks:
             return  # waiting for blocks; retried after the next event
         shape = StepShape.from_output(output)
-        duration = self.cost_model.step_time(shape, inst.cost_role)
-        if self.config.step_tail:
-            duration *= self.cost_model.tail_factor(inst.cost_role, self._rng.random())
-        duration = max(duration, 1e-9)
+        duration = self._stretch(self.now, max(self.cost_model.step_time(shape, inst.cost_role), 1e-9))
         inst.busy, inst.output = True, output
         self.steps.append(shape.to_stats(inst.name, self.now, duration, len(output.preempted)))
         self._at(self.now + duration, self._on_step_done, inst)
+
+    def _stretch(self, start: float, work: float) -> float:
+        """Wall time of ``work`` seconds of priced step time begun at ``start`` on the slowed-down machine."""
+        c = self.config
+        if not (c.step_tail and c.slowdown_percentiles):
+            return work
+        t, k = start, int(start // c.slowdown_window_s)
+        while True:
+            if k not in self._slowdown:
+                self._slowdown[k] = quantile_at(c.slowdown_percentiles, self._rng.random(), 1.0)
+            factor, end = max(self._slowdown[k], 1e-6), (k + 1) * c.slowdown_window_s
+            room = max(end - t, 0.0) / factor  # priced work that fits in the rest of this window
+            if work <= room:
+                return t + work * factor - start
+            work, t, k = work - room, end, k + 1
 
     def _on_step_done(self, inst: _Instance) -> None:
         output = inst.output
@@ -311,6 +325,12 @@ class Simulator:
         waiting, inst.waiting_for_room = inst.waiting_for_room, set()
         for prefill in waiting:  # requests finished in this step may have freed blocks: try again
             prefill.reserving = False
+        if self.config.step_gap_s > 0:  # the engine loop's own time before its next step
+            inst.busy = True
+            self._at(self.now + self.config.step_gap_s, self._on_gap_done, inst)
+
+    def _on_gap_done(self, inst: _Instance) -> None:
+        inst.busy = False
 
     def _after_step_chunks(self, inst: _Instance, output: SchedulerOutput) -> None:
         sched = inst.scheduler
@@ -346,8 +366,8 @@ class Simulator:
         self._at(self.now + self._control_latency(), self._call, client.decode, self._reserve, inst, client)
 
     def _call(self, target: _Instance, handler: Callable[..., None], *args: Any) -> None:
-        """A call reaching ``target``'s engine loop: applied now when it is idle, else after its step."""
-        if target.busy:
+        """A call reaching ``target``'s engine loop: applied now unless a step runs, else after that step."""
+        if target.output is not None:
             target.commands.append((handler, args))
         else:
             handler(*args)
