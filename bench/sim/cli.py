@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--itl-target-ms", type=float, default=50.0)
     g.add_argument("--out", default=DEFAULT_OUT, help="results directory")
 
+    _add_action_arguments(p)
+    return p
+
+
+def _add_action_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("actions")
     g.add_argument("--demo", action="store_true", help="the chunked-prefill demo and the 32k off/on ratio")
     g.add_argument("--demo-prompt-len", type=int, default=8192)
@@ -125,7 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--torch-threads", type=int, default=None, help="calibration: torch threads of the engine")
     g.add_argument("--sweep", default=None, metavar="chunk=128,256,...", help="chunk-size sweep")
     g.add_argument("--quiet", action="store_true")
-    return p
 
 
 def parse_sweep(text: str) -> list[int]:

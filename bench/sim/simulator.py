@@ -20,14 +20,10 @@ Modes (the deployment's default mode; ``auto`` decides per request):
   ``kv_link_bw`` plus ``kv_link_latency_s``), overlapping the next chunk; the last chunk samples the
   first token; the prefill side holds its blocks until its last transfer has landed.
 
-Around the steps, ``SimConfig`` adds what a deployment adds: ``token_latency_s`` from a step's end to
-the client, and a control latency per call: the router's call that starts a request on its worker, the
-reservation the prefill instance makes on the decode instance (there it is applied between steps, like
-every call into an engine loop) and its answer, and the router's decode call once the first token has
-reached it; ``step_gap_s`` between a busy instance's steps. With ``step_tail``, the machine's measured
-slowdown stretches every step: each window of virtual time draws one factor, shared by all instances
-(other load on a shared machine slows every worker at once), and a step's priced work advances at the
-pace of the windows it spans; each call's latency is drawn from its measured distribution.
+Around the steps, ``SimConfig`` adds a deployment's latencies (a token's delivery; each control call:
+starting a request, the reservation, applied between the decode instance's steps, and its answer, the
+decode call; the engine loop's gap between steps) and, with ``step_tail``, the machine's measured
+slowdown: one factor per window of virtual time, shared by all instances, stretching the steps there.
 
 Events at the same virtual time are all applied before any idle instance starts its next step, so
 requests sent together are batched together. The simulator is deterministic for a given seed.
@@ -41,7 +37,7 @@ import itertools
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -505,7 +501,3 @@ def simulate(
         )
     sim = Simulator(cost_model, config, mode, num_instances, num_prefill, num_decode, tp)
     return sim.run(requests, max_concurrency)
-
-
-def records_by_label(records: Iterable[RequestRecord], label: str) -> list[RequestRecord]:
-    return [r for r in records if r.label == label]
