@@ -7,7 +7,7 @@
    request's client timestamps and every worker's steps are kept (``measured.json``).
 2. Calibrate the ``cpu-measured`` profile from the calibration runs only: per role (colocated, prefill,
    decode worker) a linear step-time fit with separate prefill and decode terms (the typical step), the
-   machine's slowdown on top of it per 0.3 s window (the tail that other load on 2 shared cores adds;
+   machine's slowdown on top of it per 0.1 s window (the tail that other load on 2 shared cores adds;
    the simulator replays a draw of it, shared by all workers), the token delivery and control-call
    latencies and the engine loop's gap between steps (``bench.sim.calibrate``).
 3. Simulate each validation workload on each architecture, through the engine's scheduler and the

@@ -73,16 +73,17 @@ def _nonneg_lstsq(x: np.ndarray, y: np.ndarray, free: list[int], scale: np.ndarr
     return np.maximum(coef, 0.0)
 
 
-def _median_fit(x: np.ndarray, y: np.ndarray, free: list[int], offset: np.ndarray, rounds: int = 30) -> np.ndarray:
-    """Non-negative coefficients minimising the sum of *relative* absolute errors (timing noise is
-    proportional to the step time): a median regression, by iteratively reweighted least squares. The
-    fit is the typical step of a shape, whatever slow outliers the machine adds."""
+def _median_fit(x: np.ndarray, y: np.ndarray, free: list[int], offset: np.ndarray, rounds: int = 50) -> np.ndarray:
+    """Non-negative coefficients minimising the sum of absolute errors relative to the *prediction*
+    (``|y - p| / p``: timing noise is proportional to the step time, and so the typical measured step is
+    the prediction: median(measured / predicted) = 1 as far as the terms allow), by iteratively
+    reweighted least squares. The fit is a shape's typical step, whatever slow outliers the machine adds."""
     target = y - offset
     coef = _nonneg_lstsq(x, target, free, 1.0 / np.maximum(y, 1e-12))
     for _ in range(rounds):
-        rel = np.abs(y - offset - x @ coef) / np.maximum(y, 1e-12)
-        scale = 1.0 / (np.maximum(y, 1e-12) * np.sqrt(np.maximum(rel, 1e-3)))
-        new = _nonneg_lstsq(x, target, free, scale)
+        pred = np.maximum(x @ coef + offset, 1e-9)
+        rel = np.abs(y - pred) / pred
+        new = _nonneg_lstsq(x, target, free, 1.0 / (pred * np.sqrt(np.maximum(rel, 1e-3))))
         if np.allclose(new, coef, rtol=1e-6, atol=1e-12):
             break
         coef = new
@@ -235,7 +236,7 @@ def machine_slowdown(
 def calibrate_from_runs(
     runs: Iterable[tuple[str, Sequence[StepStats], Sequence[RequestRecord]]],
     model: str = "bench",
-    window_s: float = 0.3,
+    window_s: float = 0.1,
     **extra: Any,
 ) -> LinearProfile:
     """The cpu-measured profile from deployment runs ``(architecture, steps, records)``: per-role fits

@@ -58,7 +58,7 @@ class SimConfig:
     control_latency_s: float = 0.0
     control_latency_percentiles: tuple[float, ...] = ()
     step_gap_s: float = 0.0
-    slowdown_window_s: float = 0.3
+    slowdown_window_s: float = 0.1
     slowdown_percentiles: tuple[float, ...] = ()
     step_tail: bool = True
     seed: int = 0

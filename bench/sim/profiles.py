@@ -225,7 +225,7 @@ class LinearProfile:
     control_latency_s: float = 0.0
     control_latency_percentiles: tuple[float, ...] = ()
     step_gap_s: float = 0.0
-    slowdown_window_s: float = 0.3
+    slowdown_window_s: float = 0.1
     slowdown_percentiles: tuple[float, ...] = ()
     kv_memory_bytes: float = 0.5 * 2**30  # the engine's default kv_cache_memory_gb
     name: str = CPU_MEASURED
