@@ -1,8 +1,9 @@
 """Validate the simulator against the real system on this machine.
 
 1. Measure: one deployment per architecture (colocated: 2 decode workers; disaggregated and auto:
-   1 prefill + 1 decode worker; no prefix caching, so that a repeat is not served from the previous
-   one's cache), warmed up, serves each validation workload ``--repeats`` times (3), and between two
+   1 prefill + 1 decode worker; no prefix caching, and each repeat's token ids shifted, so that neither
+   the workers' caches nor the router's prefix view treat a repeat differently from the first run),
+   warmed up, serves each validation workload ``--repeats`` times (3), and between two
    repeats each *calibration* workload (the same kinds, other requests: another seed each time). Every
    request's client timestamps and every worker's steps are kept (``measured.json``).
 2. Calibrate the ``cpu-measured`` profile from the calibration runs only: per role (colocated, prefill,
@@ -24,6 +25,7 @@ Writes ``validation.md``, ``measured.json`` and ``profile.json`` into ``--out``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -33,7 +35,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from pdserve.bench.metrics import RequestRecord, compute_metrics
-from pdserve.bench.workloads import WorkloadRequest, WorkloadSpec, build_workload
+from pdserve.bench.workloads import TOKEN_ID_HIGH, WorkloadRequest, WorkloadSpec, build_workload
 
 from pdserve.messages import StepStats
 
@@ -86,8 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def workloads(args: argparse.Namespace, seed: int) -> dict[str, list[WorkloadRequest]]:
-    """The two validation workloads (the calibration ones use another seed)."""
+def workloads(args: argparse.Namespace, seed: int, repeat: int = 0) -> dict[str, list[WorkloadRequest]]:
+    """The two validation workloads (the calibration ones use another seed). ``repeat`` > 0 shifts every
+    token id: the same lengths and arrival times, but prompts the router has not seen, so that its prefix
+    view (which remembers what it sent where, caching or not) does not route a repeat differently."""
     interference = WorkloadSpec(
         kind="interference",
         num_requests=args.long_prompts,
@@ -110,10 +114,16 @@ def workloads(args: argparse.Namespace, seed: int) -> dict[str, list[WorkloadReq
         output_len_mean=40,
         output_len_max=96,
     )
-    return {
-        "interference": list(build_workload(interference).requests),
-        "random": list(build_workload(random_spec).requests),
-    }
+    built = {"interference": build_workload(interference).requests, "random": build_workload(random_spec).requests}
+    return {name: [shift_tokens(r, 37 * repeat) for r in reqs] for name, reqs in built.items()}
+
+
+def shift_tokens(request: WorkloadRequest, offset: int) -> WorkloadRequest:
+    """The same request with every token id moved by ``offset`` (mod the byte vocabulary)."""
+    if not offset:
+        return request
+    ids = [(t + offset) % TOKEN_ID_HIGH for t in request.prompt_token_ids]
+    return dataclasses.replace(request, prompt_token_ids=ids)
 
 
 def bench_arguments(args: argparse.Namespace) -> argparse.Namespace:
@@ -135,7 +145,7 @@ def measure_all(args: argparse.Namespace, say: Any = print) -> list[Run]:
 
     bench_args = bench_arguments(args)
     engine = engine_config(bench_args)
-    validation = workloads(args, args.seed)
+    validation = [workloads(args, args.seed, repeat=i) for i in range(args.repeats)]
     calibration = [workloads(args, args.seed + 1000 * (k + 1)) for k in range(max(1, args.repeats - 1))]
     runs: list[Run] = []
     for arch in ARCHITECTURES:
@@ -143,7 +153,7 @@ def measure_all(args: argparse.Namespace, say: Any = print) -> list[Run]:
             warm = warmup_requests(bench_args.warmup, args.seed)
             plan = []
             for i in range(args.repeats):
-                plan += [("validation", name, i, reqs) for name, reqs in validation.items()]
+                plan += [("validation", name, i, reqs) for name, reqs in validation[i].items()]
                 if i < len(calibration):  # between the repeats: calibration and validation share the load
                     plan += [("calibration", name, i, reqs) for name, reqs in calibration[i].items()]
             for purpose, name, repeat, requests in plan:
