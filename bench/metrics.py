@@ -30,6 +30,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from pdserve.messages import StepStats
+
 SLO_KEYS = ("ttft", "tpot", "e2el")
 
 
@@ -322,72 +324,16 @@ def ttft_values(records: Iterable[RequestRecord], label: str | None = None) -> l
     return [r.ttft for r in records if r.succeeded and (label is None or r.label == label)]  # type: ignore[misc]
 
 
-# ---- step timelines and chunk sweeps ---------------------------------------------------------------------
+# ---- chunk sweeps ---------------------------------------------------------------------
 
 
-class TimelineStep(NamedTuple):
-    """One engine step as plots and sweeps see it (seconds, token counts)."""
-
-    start: float
-    duration: float
-    prefill_tokens: int
-    decode_tokens: int
-    instance: str = ""
-
-
-def as_timeline_steps(steps: Iterable[Any]) -> list[TimelineStep]:
-    """Normalise step records: ``(start, duration, prefill, decode[, instance])`` tuples, the simulator's
-    ``StepRecord``, or the engine's ``StepStats`` (``started``, ``duration_s``, ``num_prefill_tokens``,
-    ``num_decode_tokens``)."""
-    out = []
-    for s in steps:
-        if isinstance(s, TimelineStep):
-            out.append(s)
-        elif hasattr(s, "duration_s") and hasattr(s, "num_prefill_tokens"):
-            out.append(
-                TimelineStep(
-                    float(s.started),
-                    float(s.duration_s),
-                    int(s.num_prefill_tokens),
-                    int(s.num_decode_tokens),
-                    str(getattr(s, "instance", "")),
-                )
-            )
-        elif hasattr(s, "prefill_tokens") and hasattr(s, "duration"):
-            out.append(
-                TimelineStep(
-                    float(s.start),
-                    float(s.duration),
-                    int(s.prefill_tokens),
-                    int(s.decode_tokens),
-                    str(getattr(s, "instance", "")),
-                )
-            )
-        elif isinstance(s, Mapping):
-            out.append(
-                TimelineStep(
-                    float(s["start"]),
-                    float(s["duration"]),
-                    int(s["prefill_tokens"]),
-                    int(s["decode_tokens"]),
-                    str(s.get("instance", "")),
-                )
-            )
-        else:
-            start, duration, prefill, decode, *rest = s
-            out.append(
-                TimelineStep(float(start), float(duration), int(prefill), int(decode), str(rest[0]) if rest else "")
-            )
-    return out
-
-
-def prefill_throughput(steps: Iterable[Any]) -> float:
+def prefill_throughput(steps: Iterable[StepStats]) -> float:
     """Prefill tokens per second of the steps that carry prefill tokens (0 when none do)."""
     tokens = busy = 0.0
-    for s in as_timeline_steps(steps):
-        if s.prefill_tokens > 0:
-            tokens += s.prefill_tokens
-            busy += s.duration
+    for s in steps:
+        if s.num_prefill_tokens > 0:
+            tokens += s.num_prefill_tokens
+            busy += s.duration_s
     return tokens / busy if busy > 0 else 0.0
 
 
@@ -423,7 +369,7 @@ def interference_itls(records: Sequence[RequestRecord]) -> list[float] | None:
     return itls_during_prefill((r.token_times for r in streams), windows)
 
 
-def sweep_point(chunk_size: int, records: Sequence[RequestRecord], steps: Iterable[Any]) -> SweepPoint:
+def sweep_point(chunk_size: int, records: Sequence[RequestRecord], steps: Iterable[StepStats]) -> SweepPoint:
     """Summarise one run of a chunk sweep.
 
     ``p99_itl_ms`` is the P99 of ``interference_itls`` when the run has ``"stream"``/``"long"``

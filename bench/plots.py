@@ -3,9 +3,8 @@ returns its path.
 
 ITL and TTFT CDFs per run; a per-step timeline (bar height = step time, each bar split by its share of
 prefill vs decode tokens, the ITL target as a line); throughput against latency; the chunk sweep (P99 ITL
-against prefill throughput, the knee for the ITL target marked); the P:D search. Steps may be
-``(start, duration, prefill_tokens, decode_tokens[, instance])`` tuples, the simulator's ``StepRecord``
-or the engine's ``StepStats``.
+against prefill throughput, the knee for the ITL target marked); the P:D search. Steps are
+``pdserve.messages.StepStats``, measured or simulated.
 """
 
 from __future__ import annotations
@@ -19,7 +18,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
-from pdserve.bench.metrics import SweepPoint, TimelineStep, as_timeline_steps, find_knee
+from pdserve.bench.metrics import SweepPoint, find_knee
+
+from pdserve.messages import StepStats
 
 PREFILL_COLOR = "#7b3fa0"  # the lesson's purple for prefill compute
 DECODE_COLOR = "#3b8bc2"
@@ -69,27 +70,27 @@ def plot_ttft_cdf(ttft_s: Mapping[str, Sequence[float]], path: str, target_ms: f
     return plot_cdf(ttft_s, path, "Time to first token", "TTFT (ms)", target_ms)
 
 
-def timeline_window(steps: Sequence[TimelineStep], max_steps: int) -> list[TimelineStep]:
+def timeline_window(steps: Sequence[StepStats], max_steps: int) -> list[StepStats]:
     """At most ``max_steps`` consecutive steps, centred on the longest one (where the story is)."""
     if len(steps) <= max_steps:
         return list(steps)
-    worst = max(range(len(steps)), key=lambda i: steps[i].duration)
+    worst = max(range(len(steps)), key=lambda i: steps[i].duration_s)
     lo = min(max(0, worst - max_steps // 2), len(steps) - max_steps)
     return list(steps[lo : lo + max_steps])
 
 
 def plot_step_timeline(
-    steps: Iterable[Any], path: str, itl_target_ms: float | None = None, title: str = "", max_steps: int = 200
+    steps: Iterable[StepStats], path: str, itl_target_ms: float | None = None, title: str = "", max_steps: int = 200
 ) -> str:
     """The lesson's picture: one bar per step (in order), height = step time, split by the step's share
     of prefill vs decode tokens. Shows a window of ``max_steps`` around the longest step."""
-    tl = timeline_window(as_timeline_steps(steps), max_steps)
+    tl = timeline_window(sorted(steps, key=lambda s: s.started), max_steps)
     fig, ax = plt.subplots(figsize=(9, 4))
     if tl:
         x = np.arange(len(tl))
-        dur = np.array([s.duration for s in tl]) * 1000.0
-        tokens = np.array([max(1, s.prefill_tokens + s.decode_tokens) for s in tl], dtype=float)
-        pre = dur * np.array([s.prefill_tokens for s in tl]) / tokens
+        dur = np.array([s.duration_s for s in tl]) * 1000.0
+        tokens = np.array([max(1, s.num_prefill_tokens + s.num_decode_tokens) for s in tl], dtype=float)
+        pre = dur * np.array([s.num_prefill_tokens for s in tl]) / tokens
         ax.bar(x, pre, width=0.85, color=PREFILL_COLOR, label="prefill tokens' share")
         ax.bar(x, dur - pre, width=0.85, bottom=pre, color=DECODE_COLOR, label="decode tokens' share")
     if itl_target_ms is not None:
@@ -187,5 +188,29 @@ def plot_pd_search(rows: Sequence[Any], path: str) -> str:
     ax.set_ylabel("requests/s per GPU")
     ax.set_title("Colocated vs P:D splits")
     ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_fit_residuals(points: Mapping[str, Sequence[tuple[float, float]]], path: str) -> str:
+    """Measured against predicted step time per role (``(predicted_s, measured_s)`` pairs, log-log): the
+    calibration fit's residuals. On the diagonal the fit is exact; above it a step ran slower."""
+    fig, ax = plt.subplots(figsize=(6.5, 5))
+    lo, hi = float("inf"), 0.0
+    for role, pts in points.items():
+        if not pts:
+            continue
+        x = np.array([p[0] for p in pts]) * 1000.0
+        y = np.array([p[1] for p in pts]) * 1000.0
+        ax.scatter(x, y, s=8, alpha=0.5, label=f"{role} (n={len(pts)})")
+        lo, hi = min(lo, x.min(), y.min()), max(hi, x.max(), y.max())
+    if hi > 0:
+        ax.plot([lo, hi], [lo, hi], color="black", linewidth=1, label="measured = predicted")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("predicted step time (ms)")
+    ax.set_ylabel("measured step time (ms)")
+    ax.set_title("Step-time fit: residuals per role")
+    ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     return _save(fig, path)

@@ -1,7 +1,7 @@
 """Results directories: ``results.json``, ``report.md`` and PNG plots, from plain data.
 
-Every function takes plain data (``RequestRecord`` lists, step tuples, floats), so simulated runs and
-measured runs of the real deployment go through the same code. ``write_report`` is the one call a
+Every function takes plain data (``RequestRecord`` lists, ``StepStats`` lists, floats), so simulated
+runs and measured runs of the real deployment go through the same code. ``write_report`` is the one call a
 runner needs::
 
     runs = [RunData("colocated", records_a, steps_a), RunData("disaggregated", records_b, steps_b,
@@ -27,8 +27,6 @@ from pdserve.bench.metrics import (
     BenchmarkMetrics,
     RequestRecord,
     SweepPoint,
-    TimelineStep,
-    as_timeline_steps,
     compute_metrics,
     find_knee,
     itl_values,
@@ -42,6 +40,9 @@ from pdserve.bench.plots import (
     plot_throughput_latency,
     plot_ttft_cdf,
 )
+from pdserve.bench.spread import Spread, differences, spread_table, summarize
+
+from pdserve.messages import StepStats
 
 
 @dataclass(frozen=True)
@@ -51,16 +52,19 @@ class RunData:
     ``duration_s`` overrides the metrics' first-send-to-last-token duration (e.g. wall time of a
     measured benchmark). ``meta`` is copied into results.json (mode, worker counts, ...).
     ``series`` groups runs into one line of the throughput-vs-latency plot (e.g. one architecture
-    at several request rates); default: the run's name.
+    at several request rates); default: the run's name. Runs with the same ``group`` are repeats of
+    one configuration: the report adds each figure's median and spread, and the differences between
+    groups that exceed the spread (``bench.spread``); the CDF plots pool a group's repeats.
     """
 
     name: str
     records: Sequence[RequestRecord]
-    steps: Sequence[Any] = ()
+    steps: Sequence[StepStats] = ()
     kv_bytes_moved: int | None = None
     duration_s: float | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
     series: str | None = None
+    group: str | None = None
 
     def metrics(self, slo_ms: Mapping[str, float] | None = None) -> BenchmarkMetrics:
         return compute_metrics(self.records, slo_ms or {}, self.duration_s)
@@ -85,6 +89,17 @@ class ReportContent:
     def __post_init__(self) -> None:
         if self.itl_target_ms is not None and not self.itl_target_ms > 0:
             raise ValueError(f"report: itl_target_ms must be > 0, got {self.itl_target_ms}")
+
+    @property
+    def repeats(self) -> dict[str, list[tuple[RunData, BenchmarkMetrics]]]:
+        """The runs by group (a run without a group is its own), when some group has several; else {}."""
+        groups: dict[str, list[tuple[RunData, BenchmarkMetrics]]] = {}
+        for run, m in self.metrics:
+            groups.setdefault(run.group or run.name, []).append((run, m))
+        return groups if any(len(g) > 1 for g in groups.values()) else {}
+
+    def spread(self) -> dict[str, dict[str, Spread]]:
+        return summarize({g: [m for _, m in runs] for g, runs in self.repeats.items()})
 
 
 @dataclass(frozen=True)
@@ -238,17 +253,24 @@ def write_plots(out_dir: str, content: ReportContent) -> dict[str, str]:
     metrics, sweep, itl_target_ms = content.metrics, content.sweep, content.itl_target_ms
     runs = [run for run, _ in metrics]
     if runs:
+        pooled: dict[str, list[RequestRecord]] = {}  # a group's repeats pooled into one curve
+        for r in runs:
+            pooled.setdefault(r.group or r.name, []).extend(r.records)
         plots["itl_cdf"] = plot_itl_cdf(
-            {r.name: itl_values(r.records) for r in runs}, os.path.join(out_dir, "itl_cdf.png"), itl_target_ms
+            {name: itl_values(recs) for name, recs in pooled.items()},
+            os.path.join(out_dir, "itl_cdf.png"),
+            itl_target_ms,
         )
         plots["ttft_cdf"] = plot_ttft_cdf(
-            {r.name: ttft_values(r.records) for r in runs},
+            {name: ttft_values(recs) for name, recs in pooled.items()},
             os.path.join(out_dir, "ttft_cdf.png"),
             content.slo_ms.get("ttft"),
         )
         series: dict[str, list[tuple[float, float, float]]] = {}
         for r, m in metrics:
-            series.setdefault(r.series or r.name, []).append((m.output_throughput, m.ttft.p99_ms, m.tpot.p99_ms))
+            series.setdefault(r.series or r.group or r.name, []).append(
+                (m.output_throughput, m.ttft.p99_ms, m.tpot.p99_ms)
+            )
         plots["throughput_latency"] = plot_throughput_latency(series, os.path.join(out_dir, "throughput_latency.png"))
     for run in runs:
         plots.update(_timeline_plots(out_dir, run, itl_target_ms))
@@ -261,14 +283,14 @@ def write_plots(out_dir: str, content: ReportContent) -> dict[str, str]:
 
 def _timeline_plots(out_dir: str, run: RunData, itl_target_ms: float | None) -> dict[str, str]:
     """A per-step timeline of a run's instance, or of its first two when it has several."""
-    steps = as_timeline_steps(run.steps)
-    instances = list(dict.fromkeys(s.instance for s in steps))
+    steps = sorted(run.steps, key=lambda s: s.started)
+    instances = list(dict.fromkeys(s.worker for s in steps))
     plots = {}
     for inst in instances[:2]:
         label = f"{run.name} {inst}".strip()
         key = f"timeline_{_slug(label)}"
         plots[key] = plot_step_timeline(
-            [s for s in steps if s.instance == inst],
+            [s for s in steps if s.worker == inst],
             os.path.join(out_dir, f"{key}.png"),
             itl_target_ms,
             f"Per-step timeline: {label}",
@@ -288,12 +310,13 @@ def results_document(content: ReportContent) -> dict[str, Any]:
             {
                 "name": run.name,
                 "series": run.series,
+                "group": run.group,
                 "meta": _jsonable(dict(run.meta)),
                 "kv_bytes_moved": run.kv_bytes_moved,
                 "duration_s": run.duration_s,
                 "metrics": m.to_dict(),
                 "requests": [rec.to_dict() for rec in run.records],
-                "steps": [s._asdict() for s in as_timeline_steps(run.steps)],
+                "steps": [s._asdict() for s in run.steps],
             }
             for run, m in content.metrics
         ],
@@ -302,6 +325,8 @@ def results_document(content: ReportContent) -> dict[str, Any]:
             None if not sweep or itl_target_ms is None else _jsonable(find_knee(sweep, itl_target_ms))
         ),
         "pd_search": _jsonable(list(pd_rows)) if pd_rows else None,
+        "repeats": {g: {k: v._asdict() for k, v in figs.items()} for g, figs in content.spread().items()} or None,
+        "differences": [str(d) for d in differences(content.spread())] if content.repeats else None,
         "extra": _jsonable(dict(content.extra)),
         "plots": {k: os.path.basename(v) for k, v in content.plots.items()},
     }
@@ -326,6 +351,8 @@ def report_markdown(content: ReportContent) -> str:
             markdown_table([(r.name, m, r.kv_bytes_moved) for r, m in metrics]),
             "",
         ]
+    if content.repeats:
+        md += repeats_markdown(content.spread())
     if sweep:
         md += ["## Chunk size sweep", "", sweep_table(sweep), ""]
         if itl_target_ms is not None:
@@ -342,6 +369,15 @@ def report_markdown(content: ReportContent) -> str:
     if plots:
         md += ["## Plots", ""] + [f"![{k}]({os.path.basename(v)})" for k, v in plots.items()] + [""]
     return "\n".join(md)
+
+
+def repeats_markdown(summary: dict[str, dict[str, Spread]]) -> list[str]:
+    """The median-and-spread table of repeated runs, and the differences beyond the spread."""
+    found = differences(summary)
+    md = ["## Median and spread over repeats", "", "Each figure: median (min–max) over the repeats.", ""]
+    md += [spread_table(summary), "", "Differences between runs that exceed the spread (every repeat better):", ""]
+    md += [f"- {d}" for d in found] or ["- none: every difference is within the spread of the repeats"]
+    return [*md, ""]
 
 
 def sweep_table(sweep: Sequence[SweepPoint]) -> str:
@@ -408,11 +444,12 @@ def load_results(path: str) -> tuple[dict[str, Any], list[RunData]]:
         RunData(
             r["name"],
             [RequestRecord.from_dict(d) for d in r["requests"]],
-            [TimelineStep(**s) for s in r.get("steps", [])],
+            [StepStats(**s) for s in r.get("steps", [])],
             r.get("kv_bytes_moved"),
             duration_s=r.get("duration_s"),
             meta=r.get("meta") or {},
             series=r.get("series"),
+            group=r.get("group"),
         )
         for r in doc.get("runs", [])
     ]

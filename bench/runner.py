@@ -11,6 +11,7 @@ Writes results.json, report.md and PNG plots.
 
     pdserve bench --architectures colocated,disaggregated,auto --workers 2 --workload random \
         --num-requests 64 --rate 4 --slo ttft=2000,tpot=200 --out results/ab
+    pdserve bench --architectures colocated,disaggregated --repeats 3 ...   # median and spread of each figure
     pdserve bench --sweep chunk=128,256,512,1024 --workload interference --out results/sweep
 """
 
@@ -18,19 +19,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from pdserve.bench.metrics import RequestRecord, SweepPoint, TimelineStep, find_knee, parse_slo, sweep_point
+from pdserve.bench.metrics import RequestRecord, SweepPoint, find_knee, parse_slo, sweep_point
 from pdserve.bench.report import RunData, markdown_table, write_report
 from pdserve.bench.sim.cli import parse_sweep
+from pdserve.bench.spread import differences, spread_table, summarize
 from pdserve.bench.workloads import (
     WorkloadRequest,
     add_workload_arguments,
@@ -42,16 +45,20 @@ from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.engine.options import add_engine_arguments, engine_config_from_args
 from tqdm import tqdm
 
+from pdserve.messages import StepStats
+
 ARCHITECTURES = ("colocated", "disaggregated", "auto")
 
 
 @dataclass(frozen=True)
 class MeasuredRun:
+    """One measured run: the client's records and every worker's steps (``worker`` set), on one clock
+    (unix time), ordered by start."""
+
     records: list[RequestRecord]
-    steps: list[TimelineStep]
+    steps: list[StepStats]
     kv_bytes_moved: int
     duration_s: float
-    raw_steps: list[tuple]  # (started, duration_s, prefill, decode, seqs, context tokens, worker id)
 
 
 # ---- sending a workload --------------------------------------------------------------------------------
@@ -262,27 +269,9 @@ def measure(
         records = asyncio.run(send_workload(address, requests, mode, max_concurrency, progress, desc))
         duration = time.time() - t0
         stats = client.stats(steps_since=t0)
-    steps = [
-        TimelineStep(s.started - t0, s.duration_s, s.num_prefill_tokens, s.num_decode_tokens, w.worker_id)
-        for w in stats
-        for s in w.steps
-    ]
-    steps.sort(key=lambda s: s.start)
+    steps = sorted((s._replace(worker=w.worker_id) for w in stats for s in w.steps), key=lambda s: s.started)
     moved = sum(w.kv_bytes_moved - before.get(w.worker_id, 0) for w in stats if w.role == "prefill")
-    raw = [
-        (
-            s.started,
-            s.duration_s,
-            s.num_prefill_tokens,
-            s.num_decode_tokens,
-            s.num_seqs,
-            s.num_context_tokens,
-            w.worker_id,
-        )
-        for w in stats
-        for s in w.steps
-    ]
-    return MeasuredRun(records, steps, moved, duration, raw)
+    return MeasuredRun(records, steps, moved, duration)
 
 
 def warmup_requests(n: int, seed: int) -> list[WorkloadRequest]:
@@ -330,29 +319,15 @@ def engine_config(args: argparse.Namespace, chunk: int | None = None) -> EngineC
     )
 
 
-def run_architecture(
-    architecture: str, args: argparse.Namespace, requests: Sequence[WorkloadRequest], engine: EngineConfig
-) -> tuple[MeasuredRun, dict[str, Any]]:
+@contextlib.contextmanager
+def deployed(architecture: str, args: argparse.Namespace, engine: EngineConfig) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A fresh deployment of ``architecture`` (or ``--target``): yields its address and a description."""
     from pdserve.deployment import Deployment
 
-    warm = warmup_requests(args.warmup, args.seed)
-
-    def run_against(address: str, mode: str | None) -> MeasuredRun:
-        return measure(
-            address,
-            requests,
-            mode,
-            warmup=warm,
-            max_concurrency=args.max_concurrency,
-            progress=not args.no_progress,
-            desc=architecture,
-        )
-
     if args.target:
-        return run_against(args.target, architecture), {"target": args.target}
+        yield args.target, {"target": args.target}
+        return
     config = deployment_config(architecture, args, engine)
-    with Deployment(config) as deployment:
-        run = run_against(deployment.address, None)
     meta = {
         "architecture": architecture,
         "prefill_workers": config.num_prefill_workers,
@@ -362,6 +337,24 @@ def run_architecture(
         "max_num_batched_tokens": engine.max_num_batched_tokens,
         "max_chunk_tokens": engine.max_chunk_tokens,
     }
+    with Deployment(config) as deployment:
+        yield deployment.address, meta
+
+
+def run_architecture(
+    architecture: str, args: argparse.Namespace, requests: Sequence[WorkloadRequest], engine: EngineConfig
+) -> tuple[MeasuredRun, dict[str, Any]]:
+    """Warm up and run ``requests`` once on a fresh deployment of ``architecture``."""
+    with deployed(architecture, args, engine) as (address, meta):
+        run = measure(
+            address,
+            requests,
+            architecture if args.target else None,
+            warmup=warmup_requests(args.warmup, args.seed),
+            max_concurrency=args.max_concurrency,
+            progress=not args.no_progress,
+            desc=architecture,
+        )
     return run, meta
 
 
@@ -392,6 +385,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--auto-min-remote-tokens", type=int, default=512)
     g.add_argument("--warmup", type=int, default=4, help="warm-up requests per architecture (not measured)")
+    g.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per architecture, each on a fresh deployment; the report gives every figure's median and "
+        "spread (min–max) and calls out only differences beyond the spread",
+    )
     add_engine_arguments(p, exclude=("seed",))  # --seed seeds the workload
     add_workload_arguments(p)
     p.add_argument("--max-output", type=int, default=None, help="shortcut: cap every output length")
@@ -434,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--architectures: unknown {bad} (choose from {', '.join(ARCHITECTURES)})")
         if args.workers < 1:
             raise ValueError("--workers must be >= 1")
+        if args.repeats < 1:
+            raise ValueError("--repeats must be >= 1")
         kind = args.workload or ("interference" if args.sweep else "random")
         requests = _workload(args, kind)
         chunks = parse_sweep(args.sweep) if args.sweep else None
@@ -448,13 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if chunks:
             return _sweep(args, chunks, requests, slo)
-        runs = []
-        for arch in archs:
-            print(f"[{arch}] {len(requests)} requests ({kind}) ...", flush=True)
-            run, meta = run_architecture(arch, args, requests, engine_config(args))
-            runs.append(RunData(arch, run.records, run.steps, run.kv_bytes_moved, run.duration_s, meta))
-            failed = sum(1 for r in run.records if not r.succeeded)
-            print(f"[{arch}] done in {run.duration_s:.1f} s, {failed} failed", flush=True)
+        runs = _run_repeats(args, archs, requests, kind)
         files = write_report(
             args.out,
             runs,
@@ -465,11 +461,34 @@ def main(argv: list[str] | None = None) -> int:
         )
         print()
         print(markdown_table([(r.name, r.metrics(slo), r.kv_bytes_moved) for r in runs]))
+        if args.repeats > 1:
+            summary = summarize({a: [r.metrics(slo) for r in runs if r.group == a] for a in archs})
+            print("\nmedian (min–max) over the repeats:\n" + spread_table(summary))
+            found = differences(summary)
+            print("\ndifferences beyond the spread:\n" + ("\n".join(f"- {d}" for d in found) or "- none"))
         print(f"\nwrote {', '.join(files.all_paths())}")
         return 0
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def _run_repeats(
+    args: argparse.Namespace, archs: list[str], requests: list[WorkloadRequest], kind: str
+) -> list[RunData]:
+    """Every architecture ``--repeats`` times, each on a fresh deployment, interleaved (colocated #1,
+    disaggregated #1, colocated #2, ...) so that a change in the machine's load hits them alike."""
+    runs = []
+    for i in range(args.repeats):
+        for arch in archs:
+            name = arch if args.repeats == 1 else f"{arch} #{i + 1}"
+            print(f"[{name}] {len(requests)} requests ({kind}) ...", flush=True)
+            run, meta = run_architecture(arch, args, requests, engine_config(args))
+            meta = {**meta, "repeat": i + 1}
+            runs.append(RunData(name, run.records, run.steps, run.kv_bytes_moved, run.duration_s, meta, group=arch))
+            failed = sum(1 for r in run.records if not r.succeeded)
+            print(f"[{name}] done in {run.duration_s:.1f} s, {failed} failed", flush=True)
+    return runs
 
 
 def _sweep(args: argparse.Namespace, chunks: list[int], requests: list[WorkloadRequest], slo: dict) -> int:

@@ -9,6 +9,7 @@ from collections import deque
 from typing import NamedTuple
 
 import torch
+from pdserve.engine import remote_kv
 from pdserve.engine.block_manager import BlockManager, BlockUsage
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_block_bytes
@@ -165,17 +166,11 @@ class LLMEngine:
         changing nothing, when there are not enough free blocks now.
         """
         request = self._make_request(prompt, params, request_id, None, detokenize=False)
-        hit = self.block_manager.find_prefix_hit(request)
-        if not self.block_manager.can_allocate(request, request.num_prompt_tokens - hit.num_tokens, hit):
+        num_cached = remote_kv.reserve_remote_blocks(self.scheduler, request, time.time())
+        if num_cached is None:
             self._forget(request_id)
             return None
-        self.block_manager.take_prefix_hit(request, hit)
-        ok = self.block_manager.allocate_slots(request, request.num_prompt_tokens - hit.num_tokens)
-        assert ok
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        request.times.first_scheduled = time.time()
-        self.scheduler.add(request)
-        return Reservation(list(request.block_ids), hit.num_tokens)
+        return Reservation(list(request.block_ids), num_cached)
 
     def admit_remote(self, request_id: str, first_token: int) -> RequestOutput | None:
         """All of the prompt's KV has arrived: decode from here. The first token is not re-emitted.
@@ -185,14 +180,10 @@ class LLMEngine:
         request = self.scheduler.requests.get(request_id)
         if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
             raise ValueError(f"request {request_id!r} is not waiting for remote KV")
-        request.num_computed_tokens = request.num_prompt_tokens
-        self.block_manager.cache_full_blocks(request)
-        reason = self._append_token(request, first_token)
+        reason = remote_kv.admit_remote(self.scheduler, request, first_token, time.time(), self._max_model_len)
         if reason is not None:
-            self.scheduler.finish(request, reason)
             self._forget(request_id)
             return RequestOutput(request_id, [], "", True, reason)
-        self.scheduler.admit_front(request)
         return None
 
     # ---- the step ------------------------------------------------------------------------------
@@ -240,6 +231,8 @@ class LLMEngine:
                 len(output.chunks),
                 len(output.preempted),
                 output.num_context_tokens,
+                output.num_decode_context_tokens,
+                output.num_kv_read_tokens,
             )
         )
         return outputs
@@ -346,18 +339,11 @@ class LLMEngine:
         return request
 
     def _append_token(self, request: Request, token: int, now: float | None = None) -> FinishReason | None:
-        now = time.time() if now is None else now
-        request.all_token_ids.append(token)
-        request.times.tokens.append(now)
-        if request.times.first_token is None:
-            request.times.first_token = now
-        p = request.params
-        if (token in request.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            return FinishReason.STOP
-        max_model_len: int = self.config.max_model_len  # type: ignore[assignment]
-        if request.num_output_tokens >= p.max_tokens or request.num_tokens >= max_model_len:
-            return FinishReason.LENGTH
-        return None
+        return remote_kv.append_token(request, token, time.time() if now is None else now, self._max_model_len)
+
+    @property
+    def _max_model_len(self) -> int:
+        return self.config.max_model_len  # type: ignore[return-value]  # set by with_model_defaults
 
     def _forget(self, request_id: str) -> None:
         self._seeds.pop(request_id, None)

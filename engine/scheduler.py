@@ -56,6 +56,16 @@ class SchedulerOutput(NamedTuple):
         """Keys attended, summed over every scheduled token (token i of a chunk sees start + i + 1)."""
         return sum(chunk_context_tokens(c.start, len(c.token_ids)) for c in self.chunks)
 
+    @property
+    def num_decode_context_tokens(self) -> int:
+        """Of ``num_context_tokens``, the keys attended by decode tokens (``start + 1`` each)."""
+        return sum(c.start + 1 for c in self.chunks if len(c.token_ids) == 1 and c.samples)
+
+    @property
+    def num_kv_read_tokens(self) -> int:
+        """Already cached tokens whose KV the step reads: the sum of the chunks' starts."""
+        return sum(c.start for c in self.chunks)
+
 
 class SchedulerConfig(NamedTuple):
     max_num_batched_tokens: int
@@ -233,9 +243,3 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.waiting.appendleft(request)
-
-
-def admits_prefill(waiting_prompt_tokens: int, token_budget: int) -> bool:
-    """A prefill worker admits the next queued prefill (and reserves its decode blocks) only while its
-    engine has less than one step's token budget waiting: reserved blocks are then about to be written."""
-    return waiting_prompt_tokens < token_budget

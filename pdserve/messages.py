@@ -14,7 +14,11 @@ from typing import NamedTuple
 
 
 class StepStats(NamedTuple):
-    """One engine step, as the worker that ran it measured it. The only shape a step record has."""
+    """One engine step, as the worker that ran it measured it (or the simulator priced it): the only shape
+    a step record has, for the engine, the simulator, the benchmarks, reports and plots.
+
+    ``started`` is unix time from a worker, virtual seconds from the simulator: the clock of the run's
+    request records either way."""
 
     started: float  # unix time
     duration_s: float
@@ -24,6 +28,13 @@ class StepStats(NamedTuple):
     num_seqs: int = 0
     num_preempted: int = 0
     num_context_tokens: int = 0  # keys attended, summed over the step's tokens (the attention cost driver)
+    num_decode_context_tokens: int = 0  # of num_context_tokens, those attended by decode tokens
+    num_kv_read_tokens: int = 0  # cached tokens whose KV the step reads (the sum of its chunks' starts)
+    worker: str = ""  # the worker (or simulated instance) that ran it; filled in by whoever collects steps
+
+    @property
+    def ended(self) -> float:
+        return self.started + self.duration_s
 
 
 class WorkerRequestStats(NamedTuple):

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine, exit_process_soon, worker_request_stats
 from pdserve.engine.llm_engine import RequestOutput
-from pdserve.engine.scheduler import admits_prefill
+from pdserve.engine.remote_kv import prefill_admission_open
 from pdserve.kv_transfer import ChunkNotification, PushHandle, TransferTarget, make_transport
 
 from pdserve.messages import WorkerStats
@@ -101,10 +101,9 @@ class PrefillWorker:
         self.push_timeout_s = push_timeout_s
         engine = LLMEngine(engine_config)
         self.block_size = engine.config.block_size
-        self.token_budget = engine.config.max_num_batched_tokens
         self._admission = asyncio.Lock()  # FIFO: prefills are admitted in the order they were accepted
         self._accepted: dict[str, _Job] = {}  # event loop: accepted, not yet admitted into the engine
-        self._engine_waiting_tokens = 0  # the engine's unscheduled prompt tokens, as of its last turn
+        self._admission_open = True  # the engine's admission rule, as of the loop's last turn
         self._fault: str | None = None
         self.transport = make_transport(transport, transport_config)
         self.transport.register_pool(engine.kv_cache)
@@ -161,7 +160,7 @@ class PrefillWorker:
         self, job: _Job, prompt: list[int], params: SamplingParams, decode: Any, reserve_timeout_s: float
     ) -> None:
         async with self._admission:
-            while not job.cancelled and not admits_prefill(self._engine_waiting_tokens, self.token_budget):
+            while not job.cancelled and not self._admission_open:
                 await asyncio.sleep(0.002)
             reservation, reserved_at = await self._reserve(job, prompt, params, decode, reserve_timeout_s)
             if reservation is None:
@@ -183,7 +182,7 @@ class PrefillWorker:
             except Exception:
                 await decode.abort.remote(job.request_id)
                 raise
-            self._engine_waiting_tokens += len(prompt)  # until the loop's next turn counts it
+            self._admission_open = False  # until the loop's next turn has counted it
 
     async def _reserve(
         self, job: _Job, prompt: list[int], params: SamplingParams, decode: Any, timeout_s: float
@@ -247,7 +246,7 @@ class PrefillWorker:
                 job.resolve(job.first_token, first)
 
     def _on_tick(self, engine: LLMEngine) -> None:
-        self._engine_waiting_tokens = sum(r.num_uncomputed_tokens for r in engine.scheduler.waiting)
+        self._admission_open = prefill_admission_open(engine.scheduler)
         now = time.monotonic()
         for job in list(self._jobs.values()):
             try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,7 +11,6 @@ from pdserve.bench.metrics import (
     LatencyStats,
     RequestRecord,
     SweepPoint,
-    as_timeline_steps,
     benchmark_duration,
     compute_metrics,
     find_knee,
@@ -24,6 +22,13 @@ from pdserve.bench.metrics import (
     sweep_point,
 )
 from pdserve.bench.report import RunData, load_results, markdown_table, write_report
+from pdserve.bench.spread import Spread, differences, summarize
+
+from pdserve.messages import StepStats
+
+
+def step(started: float, duration: float, prefill: int, decode: int, worker: str = "") -> StepStats:
+    return StepStats(started, duration, num_prefill_tokens=prefill, num_decode_tokens=decode, worker=worker)
 
 
 def hand_records() -> list[RequestRecord]:
@@ -147,10 +152,8 @@ def test_parse_slo():
 def test_steps_prefill_throughput_and_knee():
     # steps with prefill: 1000 tokens in 0.1 s and 500 in 0.05 s -> 1500 / 0.15 = 10000 tok/s;
     # the decode-only step does not count
-    tuples = [(0.0, 0.1, 1000, 4), (0.1, 0.02, 0, 4), (0.12, 0.05, 500, 4)]
-    assert prefill_throughput(tuples) == pytest.approx(10000.0)
-    stats = [SimpleNamespace(started=0.0, duration_s=0.1, num_prefill_tokens=1000, num_decode_tokens=4)]
-    assert as_timeline_steps(stats)[0].prefill_tokens == 1000  # the engine's StepStats shape works too
+    steps = [step(0.0, 0.1, 1000, 4), step(0.1, 0.02, 0, 4), step(0.12, 0.05, 500, 4)]
+    assert prefill_throughput(steps) == pytest.approx(10000.0)
     pts = [
         SweepPoint(256, 20, 25, 20, 5000, 0, 0),
         SweepPoint(1024, 45, 50, 40, 9000, 0, 0),
@@ -168,7 +171,7 @@ def test_interference_itls_window():
         RequestRecord("l", 1.0, (1.5,), 100, label="long"),
     ]
     assert interference_itls(recs) == pytest.approx([0.3, 0.3])
-    pt = sweep_point(512, recs, [(1.0, 0.5, 100, 1)])
+    pt = sweep_point(512, recs, [step(1.0, 0.5, 100, 1)])
     assert pt.p99_itl_ms == pytest.approx(300.0)
     assert interference_itls([recs[0]]) is None
 
@@ -184,7 +187,7 @@ def test_itls_during_prefill_counts_gaps_whose_later_token_lands_in_a_window():
 
 def test_write_report_and_load_back(tmp_path):
     recs = hand_records()
-    steps = [(0.0, 0.1, 1000, 2, "w0"), (0.1, 0.02, 0, 2, "w0")]
+    steps = [step(0.0, 0.1, 1000, 2, "w0"), step(0.1, 0.02, 0, 2, "w0")]
     out = str(tmp_path / "r")
     files = write_report(
         out,
@@ -208,4 +211,62 @@ def test_write_report_and_load_back(tmp_path):
     assert [r.request_id for r in runs[0].records] == ["A", "B", "C", "D"]
     assert runs[0].records[0].token_times == recs[0].token_times
     assert runs[1].series == "disaggregated" and runs[1].kv_bytes_moved == 123
+    assert runs[0].steps == steps  # the one step shape, back from JSON
     assert markdown_table([("x", compute_metrics(recs), None)]).count("\n") == 2
+
+
+def _stream(rid: str, send: float, gaps: list[float]) -> RequestRecord:
+    times, t = [], send + 0.1
+    for g in [0.0, *gaps]:
+        t += g
+        times.append(t)
+    return RequestRecord(rid, send, tuple(times), 10)
+
+
+def test_repeats_median_spread_and_differences_beyond_it(tmp_path):
+    # A's ITLs are 20, 22, 24 ms in its three repeats; B's 30, 50, 40 ms; their TTFTs (100 ms) are equal
+    a = [RunData(f"A #{i}", [_stream("x", 0.0, [g] * 4)], group="A") for i, g in enumerate((0.020, 0.022, 0.024))]
+    b = [RunData(f"B #{i}", [_stream("x", 0.0, [g] * 4)], group="B") for i, g in enumerate((0.030, 0.050, 0.040))]
+    summary = summarize({"A": [r.metrics() for r in a], "B": [r.metrics() for r in b]})
+    assert summary["A"]["ITL p50"] == pytest.approx(Spread(22.0, 20.0, 24.0, 3))
+    assert summary["B"]["ITL p50"] == pytest.approx(Spread(40.0, 30.0, 50.0, 3))
+    found = differences(summary)
+    itl = [d for d in found if d.figure == "ITL p50"]
+    assert len(itl) == 1 and (itl[0].better, itl[0].worse) == ("A", "B")
+    assert not [d for d in found if d.figure.startswith("TTFT")]  # equal: nothing called out
+    # overlapping spreads are not a difference, whichever median is lower
+    c = [compute_metrics([_stream("x", 0.0, [g] * 4)]) for g in (0.019, 0.023, 0.030)]
+    close = summarize({"A": [r.metrics() for r in a], "C": c})
+    assert not [d for d in differences(close) if d.figure == "ITL p50"]
+    files = write_report(str(tmp_path / "rep"), a + b)
+    md = open(files.report_md).read()
+    assert "## Median and spread over repeats" in md and "| A | 3 |" in md and "22.0 (20.0–24.0)" in md
+    assert "ITL p50: A 22.0 (20.0–24.0) beats B 40.0 (30.0–50.0) ms" in md
+    doc = json.load(open(files.results_json))
+    assert doc["repeats"]["B"]["ITL p50"]["median"] == pytest.approx(40.0)
+    assert any(d.startswith("ITL p50: A") for d in doc["differences"])
+    single = write_report(str(tmp_path / "one"), [a[0], b[0]])
+    assert "Median and spread" not in open(single.report_md).read()
+
+
+def test_bench_repeats_run_each_architecture_on_fresh_deployments(monkeypatch, tmp_path, capsys):
+    import pdserve.bench.runner as runner
+    from pdserve.bench.runner import MeasuredRun
+
+    calls = []
+
+    def fake_run(arch, args, requests, engine):  # one call = one fresh deployment
+        calls.append(arch)
+        gap = {"colocated": 0.05, "disaggregated": 0.02}[arch] * (1 + 0.01 * len(calls))
+        return MeasuredRun([_stream(r.request_id, 0.0, [gap] * 3) for r in requests], [], 0, 1.0), {}
+
+    monkeypatch.setattr(runner, "run_architecture", fake_run)
+    argv = ["--architectures", "colocated,disaggregated", "--repeats", "3", "--num-requests", "2"]
+    assert runner.main([*argv, "--target", "x:1", "--no-progress", "--out", str(tmp_path)]) == 0
+    assert calls == ["colocated", "disaggregated"] * 3  # interleaved, one deployment per run
+    doc = json.load(open(tmp_path / "results.json"))
+    assert [r["name"] for r in doc["runs"]][:2] == ["colocated #1", "disaggregated #1"]
+    assert {r["group"] for r in doc["runs"]} == {"colocated", "disaggregated"}
+    out = capsys.readouterr().out
+    assert "median (min–max) over the repeats" in out and "ITL p50: disaggregated" in out
+    assert runner.main(["--repeats", "0"]) == 2

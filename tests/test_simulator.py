@@ -1,20 +1,22 @@
-"""bench.sim: the simulator drives the real engine scheduler; cost model, calibration, demo, CLI."""
+"""bench.sim: the simulator drives the real scheduler, protocol and routing policy; cost model, demo, CLI."""
 
 from __future__ import annotations
 
 import json
 import os
 
-import numpy as np
 import pdserve.engine.scheduler as engine_scheduler
 import pytest
 from pdserve.bench.metrics import compute_metrics
-from pdserve.bench.sim.calibrate import CalibrationGrid, MeasuredStep, fit_linear_profile, measure_step_records
 from pdserve.bench.sim.cli import main
-from pdserve.bench.sim.cost_model import LinearCostModel, RooflineCostModel, StepShape, chunk_context_tokens
+from pdserve.bench.sim.cost_model import RooflineCostModel, StepShape, chunk_context_tokens
 from pdserve.bench.sim.demo import compare_chunking, run_chunked_prefill_demo
 from pdserve.bench.sim.experiments import chunk_sweep, find_knee, max_rate_meeting_slo, pd_search
-from pdserve.bench.sim.profiles import MODELS, LinearProfile, get_hardware, get_model
+from pdserve.bench.sim.profiles import (
+    MODELS,
+    get_hardware,
+    get_model,
+)
 from pdserve.bench.sim.simulator import SimConfig, simulate
 from pdserve.bench.workloads import (
     WorkloadRequest,
@@ -28,7 +30,9 @@ H100_8B = RooflineCostModel(get_hardware("H100"), get_model("Llama-3-8B"))
 
 
 def _steps(result):
-    return [(s.instance, s.start, s.duration, s.prefill_tokens, s.decode_tokens, s.num_seqs) for s in result.steps]
+    return [
+        (s.worker, s.started, s.duration_s, s.num_prefill_tokens, s.num_decode_tokens, s.num_seqs) for s in result.steps
+    ]
 
 
 def _worst_stream_itl(result) -> float:
@@ -54,7 +58,7 @@ def test_chunk_equal_to_prompt_reproduces_unchunked_timeline():
     unchunked = simulate(reqs, H100_8B, SimConfig(enable_chunked_prefill=False, max_num_batched_tokens=budget))
     assert _steps(chunked) == _steps(unchunked)
     assert [r.token_times for r in chunked.records] == [r.token_times for r in unchunked.records]
-    assert max(s.prefill_tokens for s in chunked.steps) >= 3000  # the long prompt went through in one step
+    assert max(s.num_prefill_tokens for s in chunked.steps) >= 3000  # the long prompt went through in one step
     smaller = simulate(reqs, H100_8B, SimConfig(chunk_size=1000, max_num_batched_tokens=budget))
     assert _steps(smaller) != _steps(unchunked)  # ...while a real chunk changes the timeline
 
@@ -122,7 +126,7 @@ def test_concurrency_cap_and_stop_time():
     assert sorted(s for s, _ in spans)[2] > 0  # the third request waited for a slot
     stopped = simulate(reqs, H100_8B, SimConfig(stop_time_s=0.03))
     assert all(not r.ok and r.error == "unfinished at stop time" for r in stopped.records)
-    assert all(s.start <= 0.03 for s in stopped.steps)
+    assert all(s.started <= 0.03 for s in stopped.steps)
 
 
 # ---- disaggregation ---------------------------------------------------------------------------------------
@@ -135,17 +139,17 @@ def test_disaggregated_kv_stream_overlaps_next_chunk():
     res = simulate(req, H100_8B, cfg, mode="disaggregated")
     rec = res.records[0]
     prefill = res.steps_of("prefill-0")
-    assert [s.prefill_tokens for s in prefill] == [1024] * 4
+    assert [s.num_prefill_tokens for s in prefill] == [1024] * 4
     assert res.kv_bytes_moved == 4096 * kvb == rec.meta["kv_bytes"]
-    assert rec.token_times[0] == pytest.approx(prefill[-1].end)  # TTFT = the last chunk's step end
+    assert rec.token_times[0] == pytest.approx(prefill[-1].ended)  # TTFT = the last chunk's step end
     # a chunk's transfer (2.7 ms) is shorter than a chunk's compute, so only the last one is exposed
-    assert rec.meta["kv_done"] == pytest.approx(prefill[-1].end + 1024 * kvb / 50e9 + 1e-4)
+    assert rec.meta["kv_done"] == pytest.approx(prefill[-1].ended + 1024 * kvb / 50e9 + 1e-4)
     assert rec.token_times[1] > rec.meta["kv_done"] and len(rec.token_times) == 5
     decode = res.steps_of("decode-0")
-    assert all(s.prefill_tokens == 0 for s in decode) and decode[0].start == pytest.approx(rec.meta["kv_done"])
+    assert all(s.num_prefill_tokens == 0 for s in decode) and decode[0].started == pytest.approx(rec.meta["kv_done"])
     # a slow link (1 GB/s: 134 ms per chunk) is busy back to back from the first chunk's end
     slow = simulate(req, H100_8B, SimConfig(**{**cfg.to_dict(), "kv_link_bw": 1e9}), mode="disaggregated")
-    first_end = slow.steps_of("prefill-0")[0].end
+    first_end = slow.steps_of("prefill-0")[0].ended
     assert slow.records[0].meta["kv_done"] == pytest.approx(first_end + 4 * 1024 * kvb / 1e9 + 1e-4)
 
 
@@ -171,6 +175,74 @@ def test_disaggregated_waits_for_decode_blocks():
     assert all(r.ok and len(r.token_times) == 50 for r in res.records)
     ttfts = sorted(r.ttft for r in res.records)
     assert ttfts[-1] > 3 * ttfts[0]  # later requests could only start once blocks were free
+
+
+# ---- the router's policy and the protocol are the real ones ---------------------------------------------
+
+
+def test_requests_are_routed_by_the_routers_policy(monkeypatch):
+    from pdserve.router import policy as policy_mod
+
+    reqs = random_workload(12, prompt_len_mean=300, output_len_mean=10, rate=50.0, seed=4)
+    spread = simulate(reqs, H100_8B, SimConfig(), num_instances=2)
+    assert {r.meta["decode_worker"] for r in spread.records} == {"decode-0", "decode-1"}
+    real_route = policy_mod.RoutingPolicy.route
+    calls = []
+
+    def always_decode_1(self, prompt, max_tokens, mode):
+        calls.append(mode)
+        return real_route(self, prompt, max_tokens, mode)._replace(decode_worker="decode-1")
+
+    monkeypatch.setattr(policy_mod.RoutingPolicy, "route", always_decode_1)
+    pinned = simulate(reqs, H100_8B, SimConfig(), num_instances=2)
+    assert len(calls) == len(reqs)  # one routing decision per request, by the policy
+    assert {r.meta["decode_worker"] for r in pinned.records} == {"decode-1"}
+    assert not pinned.steps_of("decode-0") and all(r.ok for r in pinned.records)
+
+
+def test_auto_follows_the_routers_threshold():
+    reqs = [WorkloadRequest(f"short-{i}", [i] * 100, 8, 0.01 * i) for i in range(4)]
+    reqs += [WorkloadRequest(f"long-{i}", [50 + i] * 2000, 8, 0.005 + 0.01 * i) for i in range(3)]
+    res = simulate(reqs, H100_8B, SimConfig(auto_min_remote_tokens=512), mode="auto")
+    modes = {r.request_id: r.meta["mode"] for r in res.records}
+    assert all(modes[f"short-{i}"] == "colocated" for i in range(4))
+    assert all(modes[f"long-{i}"] == "disaggregated" for i in range(3))
+    assert sum(s.num_prefill_tokens for s in res.steps_of("prefill-0")) == 3 * 2000  # only the long prompts
+    assert res.kv_bytes_moved == 3 * 2000 * H100_8B.kv_bytes_per_token
+    everything_local = simulate(reqs, H100_8B, SimConfig(auto_min_remote_tokens=5000), mode="auto")
+    assert {r.meta["mode"] for r in everything_local.records} == {"colocated"}
+    assert not everything_local.steps_of("prefill-0")
+
+
+def test_prefill_instance_reserves_when_a_prefill_is_about_to_start():
+    # six 1000-token prompts at once; budget 512: the prefill instance admits (and reserves) one at a time
+    reqs = [WorkloadRequest(f"r{i}", [i] * 1000, 4, 0.0) for i in range(6)]
+    res = simulate(reqs, H100_8B, SimConfig(max_num_batched_tokens=512), mode="disaggregated")
+    records = sorted(res.records, key=lambda r: r.request_id)
+    reserved = [r.meta["reserved_at"] for r in records]
+    starts = [s.started for s in res.steps_of("prefill-0")]
+    assert reserved[0] == 0.0
+    for k in range(1, 6):
+        # r{k} waits in the FIFO until r{k-1} has left the engine's waiting queue (its first step
+        # started), and is reserved before r{k-1}'s prefill is done
+        began = min(t for t in starts if t >= reserved[k - 1])
+        assert began <= reserved[k] < records[k - 1].token_times[0]
+    assert all(r.ok and len(r.token_times) == 4 for r in res.records)
+
+
+def test_deployment_latencies_shift_tokens_and_delay_the_handoff():
+    req = [WorkloadRequest("r", [1] * 600, 4, 0.0)]
+    base = SimConfig(chunk_size=512, enable_prefix_caching=False)
+    plain = simulate(req, H100_8B, base, mode="disaggregated").records[0]
+    late = SimConfig(**{**base.to_dict(), "token_latency_s": 0.003, "control_latency_s": 0.010})
+    res = simulate(req, H100_8B, late, mode="disaggregated")
+    rec = res.records[0]
+    # one call to the prefill worker, the reservation's round trip, then the same prefill
+    assert rec.ttft == pytest.approx(plain.ttft + 3 * 0.010 + 0.003)
+    # the decode call leaves the router once the first token is there: its step starts after that
+    first_decode = res.steps_of("decode-0")[0]
+    assert first_decode.started == pytest.approx(rec.token_times[0] + 0.010)
+    assert rec.token_times[1] == pytest.approx(first_decode.ended + 0.003)
 
 
 # ---- cost model and profiles ------------------------------------------------------------------------------
@@ -226,62 +298,15 @@ def test_presets_match_engine_configs():
         )
 
 
-# ---- calibration ------------------------------------------------------------------------------------------
-
-
-def test_calibration_recovers_known_constants():
-    truth = dict(fixed_overhead_s=0.004, per_prefill_token_s=5e-4, per_decode_token_s=2e-3, per_context_token_s=1e-7)
-
-    def true_time(p: int, d: int, ctx: int) -> float:
-        return (
-            truth["fixed_overhead_s"]
-            + truth["per_prefill_token_s"] * p
-            + truth["per_decode_token_s"] * d
-            + truth["per_context_token_s"] * ctx
-        )
-
-    rng = np.random.default_rng(0)
-    records = []
-    for p in (0, 32, 128, 512):
-        for d in (0, 4, 16):
-            for ctx_scale in (1, 8):
-                if p == d == 0:
-                    continue
-                ctx = chunk_context_tokens(0, p) * ctx_scale + d * 300 * ctx_scale
-                records.append(MeasuredStep(p, d, ctx, true_time(p, d, ctx) * (1 + rng.normal(0, 0.005))))
-    # steps slowed 4x by other load on the machine
-    records += [MeasuredStep(p, d, c, 4 * true_time(p, d, c)) for p, d, c in ((0, 4, 1200), (32, 0, 528))]
-    prof = fit_linear_profile(records, model="tiny")
-    for key, value in truth.items():
-        assert getattr(prof, key) == pytest.approx(value, rel=0.05), key
-    assert prof.num_records == len(records) - 2 and prof.r2 > 0.99 and prof.mean_abs_rel_error < 0.01
-    untrimmed = fit_linear_profile(records, trim_slow=None)
-    assert untrimmed.num_records == len(records)
-    assert abs(untrimmed.fixed_overhead_s / 0.004 - 1) > 0.2  # the slow steps would have skewed the fit
-    with pytest.raises(ValueError):
-        fit_linear_profile(records[:3])
-
-
-def test_measure_step_records_on_the_real_engine():
-    records = measure_step_records("tiny", CalibrationGrid.quick())
-    assert len(records) >= 6
-    assert any(r.num_prefill_tokens and r.num_decode_tokens for r in records)  # mixed steps
-    assert any(r.num_prefill_tokens == 0 and r.num_decode_tokens == 4 for r in records)  # decode-only steps
-    assert all(r.duration_s > 0 and r.context_tokens >= r.num_prefill_tokens for r in records)
-    prof = fit_linear_profile(records, model="tiny")
-    model = LinearCostModel(prof, get_model("tiny"))
-    assert model.step_time(StepShape.from_chunks([(0, 64, True)])) > 0
-
-
 # ---- demo, experiments, CLI -------------------------------------------------------------------------------
 
 
 def test_demo_scenario():
     on = run_chunked_prefill_demo(H100_8B)  # 8k prompt, chunk 1024, 24 decodes, 50 ms target
     assert on.steps_in_window == 8 and on.steps_over_target == 0
-    assert all(s.prefill_tokens == 1024 and s.decode_tokens == 24 for s in on.window_steps)
+    assert all(s.num_prefill_tokens == 1024 and s.num_decode_tokens == 24 for s in on.window_steps)
     assert on.worst_decode_stall_ms < 50 < on.long_prompt_ttft_ms
-    assert on.long_prompt_ttft_ms == pytest.approx(sum(s.duration for s in on.window_steps) * 1000)
+    assert on.long_prompt_ttft_ms == pytest.approx(sum(s.duration_s for s in on.window_steps) * 1000)
     assert on.decode_throughput_tok_s == pytest.approx(24 * 8 / (on.long_prompt_ttft_ms / 1000))
     cmp = compare_chunking(H100_8B, prompt_len=32768)
     assert cmp.off.steps_in_window == 1 and cmp.on.steps_in_window == 32
@@ -312,9 +337,11 @@ def test_chunk_sweep_knee_and_rate_search():
 def test_pd_search_small():
     spec = WorkloadSpec(num_requests=30, rate=8.0, prompt_len_mean=1500, output_len_mean=60, seed=2)
     rows = pd_search(spec, H100_8B, 3, {"ttft": 300, "tpot": 25}, SimConfig(chunk_size=1024), iterations=2)
-    assert [r.name for r in rows] == ["colocated x3", "1P:2D", "2P:1D"]
+    assert [r.name for r in rows] == ["colocated x3", "1P:2D", "2P:1D", "auto 1P:2D", "auto 2P:1D"]
     assert all(r.num_gpus == 3 and r.max_rate is not None and r.max_rate > 0 for r in rows)
     assert rows[0].kv_bytes_moved == 0 < rows[1].kv_bytes_moved
+    # prompts average 1500 tokens, above the auto threshold (512): auto sends most, not all, remote
+    assert 0 < rows[3].kv_bytes_moved < rows[1].kv_bytes_moved
     with pytest.raises(ValueError):
         pd_search(spec, H100_8B, 3, {})
 
@@ -344,7 +371,7 @@ def test_cli_run_writes_every_file(tmp_path):
     names = set(os.listdir(out))
     assert {"results.json", "report.md", "itl_cdf.png", "ttft_cdf.png", "throughput_latency.png"} <= names
     assert {
-        "timeline_colocated-x2-colo-0.png",
+        "timeline_colocated-x2-decode-0.png",
         "timeline_disaggregated-1P-1D-prefill-0.png",
         "timeline_disaggregated-1P-1D-decode-0.png",
     } <= names
@@ -401,34 +428,3 @@ def test_cli_demo_sweep_and_errors(tmp_path, capsys):
         )
         == 2
     )
-
-
-def test_cli_calibrate_then_simulate_on_cpu_profile(tmp_path, monkeypatch):
-    import pdserve.bench.sim.calibrate as calibrate_mod
-
-    # the real engine measurement is covered above; here the CLI path gets known records
-    synthetic = [
-        MeasuredStep(p, d, chunk_context_tokens(0, p) + 64 * d, 0.002 + 1e-4 * p + 5e-4 * d)
-        for p in (0, 16, 64)
-        for d in (1, 4)
-    ]
-    seen = {}
-
-    def fake_measure(model, grid, seed, threads, progress):
-        seen.update(model=model, grid=grid)
-        return synthetic
-
-    monkeypatch.setattr(calibrate_mod, "measure_step_records", fake_measure)
-    path = str(tmp_path / "cpu.json")
-    assert main(["--calibrate", path, "--calibrate-model", "tiny", "--calibrate-quick", "--quiet"]) == 0
-    assert seen["model"] == "tiny" and seen["grid"].prefill_sizes == CalibrationGrid.quick().prefill_sizes
-    prof = LinearProfile.from_dict(json.load(open(path)))
-    assert prof.model == "tiny" and prof.num_records == 6
-    assert prof.per_prefill_token_s == pytest.approx(1e-4, rel=1e-6)
-    out = str(tmp_path / "cpu")
-    on_cpu_profile = ["--hardware", "cpu-measured", "--calibration", path, "--out", out, "--quiet"]
-    workload = ["--num-requests", "5", "--rate", "5", "--prompt-len-mean", "64", "--output-len-mean", "8"]
-    assert main([*on_cpu_profile, *workload]) == 0
-    doc = json.load(open(os.path.join(out, "results.json")))
-    assert doc["config"]["cost_model"] == "cpu-measured/tiny"
-    assert main([*on_cpu_profile, "--model-profile", "bench"]) == 2  # measured on another model

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pdserve.bench.sim.config import SimConfig
 from pdserve.bench.sim.cost_model import LinearCostModel, RooflineCostModel, StepShape
 from pdserve.bench.sim.profiles import HARDWARE, MODELS, get_hardware, get_model
-from pdserve.bench.sim.simulator import SimResult, StepRecord, simulate
+from pdserve.bench.sim.simulator import SimResult, simulate
 
 __all__ = [
     "HARDWARE",
@@ -19,7 +19,6 @@ __all__ = [
     "RooflineCostModel",
     "SimConfig",
     "SimResult",
-    "StepRecord",
     "StepShape",
     "get_hardware",
     "get_model",

@@ -1,53 +1,66 @@
-"""Fit the linear step-time model to measured steps of our own engine (the ``cpu-measured`` profile).
+"""Fit the per-role linear step-time model to measured steps of our own engine (the ``cpu-measured``
+profile), and measure what a deployment adds around the steps.
 
-Model (seconds)::
+Model per role (seconds; the regressors are ``cost_model.linear_features``)::
 
-    duration = fixed_overhead + per_prefill_token * prefill_tokens + per_decode_token * decode_tokens
-               + per_context_token * context_tokens
+    duration = fixed + a * prefill_tokens + b * decode_tokens + cp * prefill_context
+               + cd * decode_context + r * prefill_kv_read
 
-where ``context_tokens`` sums, over every token of the step, the keys it attends to
-(``bench.sim.cost_model.chunk_context_tokens``). ``fit_linear_profile`` solves it by least
-squares (numpy, on relative errors) with every constant kept >= 0 (a coefficient that comes out
-negative is fixed at 0 and the rest refitted), trimming steps slowed down by other load on the
-machine. ``measure_step_records`` produces the records by driving a real
-``engine.LLMEngine`` through a grid of batch shapes with ``engine.step()``, reading
-``engine.step_history`` (duration) and ``engine.last_output.chunks`` (the shape) after every step.
+Roles (``cost_model.ROLES``) are where a step ran: ``colocated`` (a decode worker of a deployment
+without prefill workers: mixed steps), ``prefill`` (a prefill worker: prompts only) and ``decode`` (a
+decode worker next to prefill workers: decode-only steps, plus local prefills under ``auto``). The
+same engine does the same arithmetic everywhere; the roles differ in what else the 2 shared cores run
+at the time, which is what a per-role fit captures. ``all`` fits every record; a role that never
+exercises a term (a prefill worker never decodes) takes that coefficient from ``all``.
+
+``fit_role`` is a median regression of the relative error with every coefficient >= 0, so the fit is
+a shape's typical step, and it keeps what other load on the machine adds (noise only ever makes a step
+slower): ``RoleFit.ratio_percentiles`` is the distribution of measured/predicted over every record,
+which the simulator resamples per step. ``deployment_latencies`` measures the token delivery latency (a worker's
+step end to the client) and the control-call latency (client to worker) from the same runs.
+
+``measure_step_records`` instead drives a real ``engine.LLMEngine`` alone through a grid of batch
+shapes (``pdserve sim --calibrate``): no deployment, so only the ``all`` role.
 """
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
+import itertools
 import random
+import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-from pdserve.bench.sim.cost_model import StepShape
-from pdserve.bench.sim.profiles import LinearProfile
+from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.sim.cost_model import ROLES, StepShape, linear_features
+from pdserve.bench.sim.profiles import LINEAR_TERMS, RATIO_PERCENTILES, LinearProfile, RoleFit
+
+from pdserve.messages import StepStats
 
 if TYPE_CHECKING:
     from pdserve.engine import LLMEngine
 
-
-class MeasuredStep(NamedTuple):
-    """One step's shape and its measured duration."""
-
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    context_tokens: int
-    duration_s: float
+MIN_RECORDS = len(LINEAR_TERMS) + 2  # a role with fewer records is not fitted on its own
 
 
-COEFFICIENTS = ("fixed_overhead_s", "per_prefill_token_s", "per_decode_token_s", "per_context_token_s")
+def step_role(worker: str, architecture: str) -> str:
+    """The role of a step run by ``worker`` in a deployment of ``architecture``."""
+    if worker.startswith("prefill"):
+        return "prefill"
+    return "colocated" if architecture == "colocated" else "decode"
 
 
-def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares of the *relative* error (rows weighted by 1/y: timing noise is proportional to
-    the step time), every coefficient >= 0: drop the most negative one and refit until none is."""
-    w = 1.0 / np.maximum(y, 1e-12)
-    xw, yw = x * w[:, None], y * w
-    active = list(range(x.shape[1]))
+def _nonneg_lstsq(x: np.ndarray, y: np.ndarray, free: list[int], scale: np.ndarray) -> np.ndarray:
+    """Least squares over the columns ``free`` with rows scaled by ``scale``, every coefficient >= 0:
+    drop the most negative one and refit until none is. Columns not in ``free`` stay 0."""
+    xw, yw = x * scale[:, None], y * scale
+    active = list(free)
     coef = np.zeros(x.shape[1])
     while active:
         sol, *_ = np.linalg.lstsq(xw[:, active], yw, rcond=None)
@@ -60,48 +73,234 @@ def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.maximum(coef, 0.0)
 
 
-def fit_linear_profile(
-    records: Sequence[MeasuredStep | tuple[int, int, int, float]],
-    model: str = "bench",
-    trim_slow: float | None = 0.5,
-    **extra: object,
-) -> LinearProfile:
-    """Fit the four non-negative constants by least squares on relative errors. Needs >= 4 records.
-
-    ``trim_slow``: noise on a shared CPU only ever makes a step slower, so records more than this
-    fraction slower than the current fit are dropped and the fit repeated (a few rounds, keeping at
-    least half of the records). ``None`` fits all records once. The quality figures (``r2``,
-    ``rms_residual_s``, ``mean_abs_rel_error``) are over the kept records; ``num_records`` counts them.
-    Raises ValueError when there are too few records. ``extra`` goes into the profile (e.g. ``notes``).
-    """
-    if len(records) < 4:
-        raise ValueError(f"calibration: need at least 4 step records, got {len(records)}")
-    data = np.asarray([tuple(r) for r in records], dtype=float)
-    x_all = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]])
-    y_all = data[:, 3]
-    keep = np.ones(len(data), dtype=bool)
-    coef = _nonneg_lstsq(x_all, y_all)
-    for _ in range(5 if trim_slow is not None else 0):
-        pred = x_all @ coef
-        new_keep = (y_all - pred) <= trim_slow * np.maximum(pred, 1e-12)  # type: ignore[operator]
-        if new_keep.sum() < max(4, len(data) // 2) or np.array_equal(new_keep, keep):
+def _median_fit(x: np.ndarray, y: np.ndarray, free: list[int], offset: np.ndarray, rounds: int = 50) -> np.ndarray:
+    """Non-negative coefficients minimising the sum of absolute errors relative to the *prediction*
+    (``|y - p| / p``: timing noise is proportional to the step time, and so the typical measured step is
+    the prediction: median(measured / predicted) = 1 as far as the terms allow), by iteratively
+    reweighted least squares. The fit is a shape's typical step, whatever slow outliers the machine adds."""
+    target = y - offset
+    coef = _nonneg_lstsq(x, target, free, 1.0 / np.maximum(y, 1e-12))
+    for _ in range(rounds):
+        pred = np.maximum(x @ coef + offset, 1e-9)
+        rel = np.abs(y - pred) / pred
+        new = _nonneg_lstsq(x, target, free, 1.0 / (pred * np.sqrt(np.maximum(rel, 1e-3))))
+        if np.allclose(new, coef, rtol=1e-6, atol=1e-12):
             break
-        keep = new_keep
-        coef = _nonneg_lstsq(x_all[keep], y_all[keep])
-    x, y = x_all[keep], y_all[keep]
-    resid = y - x @ coef
+        coef = new
+    return coef
+
+
+def fit_role(steps: Sequence[StepStats], robust: bool = True, fallback: RoleFit | None = None) -> RoleFit:
+    """Fit ``LINEAR_TERMS`` to ``steps`` (at least ``MIN_RECORDS``; raises ValueError otherwise).
+
+    ``robust``: a median regression of the relative error, so the fit is the typical step and the slow
+    ones (other load on the machine only ever makes a step slower) land in ``ratio_percentiles``, the
+    tail; else plain least squares of the relative error, which the slow steps pull up. Terms whose
+    regressor is zero in every record take ``fallback``'s coefficient (0 without one).
+    """
+    if len(steps) < MIN_RECORDS:
+        raise ValueError(f"calibration: need at least {MIN_RECORDS} step records, got {len(steps)}")
+    x = np.asarray([linear_features(StepShape.from_stats(s)) for s in steps], dtype=float)
+    y = np.asarray([s.duration_s for s in steps], dtype=float)
+    absent = [j for j in range(x.shape[1]) if not np.any(x[:, j])]
+    fixed = np.zeros(x.shape[1])
+    if fallback is not None:
+        fixed[absent] = [fallback.coefficients[j] for j in absent]
+    free = [j for j in range(x.shape[1]) if j not in absent]
+    offset = x @ fixed
+    if robust:
+        coef = _median_fit(x, y, free, offset) + fixed
+    else:
+        coef = _nonneg_lstsq(x, y - offset, free, 1.0 / np.maximum(y, 1e-12)) + fixed
+    pred = np.maximum(x @ coef, 1e-12)
+    resid = y - pred
     ss_tot = float(np.sum((y - y.mean()) ** 2))
-    r2 = 1.0 - float(np.sum(resid**2)) / ss_tot if ss_tot > 0 else 1.0
-    rel = float(np.mean(np.abs(resid) / np.maximum(y, 1e-12)))
-    return LinearProfile(
-        model=model,
-        **dict(zip(COEFFICIENTS, (float(c) for c in coef), strict=True)),
-        num_records=int(keep.sum()),
+    rel = np.abs(resid) / np.maximum(y, 1e-12)
+    return RoleFit(
+        tuple(float(c) for c in coef),
+        num_records=len(steps),
+        r2=1.0 - float(np.sum(resid**2)) / ss_tot if ss_tot > 0 else 1.0,
         rms_residual_s=float(np.sqrt(np.mean(resid**2))),
-        r2=r2,
-        mean_abs_rel_error=rel,
+        mean_abs_rel_error=float(np.mean(rel)),
+        median_abs_rel_error=float(np.median(rel)),
+        ratio_percentiles=tuple(float(v) for v in np.percentile(y / pred, RATIO_PERCENTILES)),
+    )
+
+
+def fit_linear_profile(
+    steps_by_role: Mapping[str, Sequence[StepStats]], model: str = "bench", robust: bool = True, **extra: Any
+) -> LinearProfile:
+    """``all`` over every record, then each role of ``ROLES`` with at least ``MIN_RECORDS`` records.
+    ``extra`` goes into the profile (latencies, ``notes``, ...)."""
+    everything = [s for steps in steps_by_role.values() for s in steps]
+    roles = {"all": fit_role(everything, robust)}
+    for role in ROLES:
+        steps = steps_by_role.get(role, ())
+        if len(steps) >= MIN_RECORDS:
+            roles[role] = fit_role(steps, robust, fallback=roles["all"])
+    return LinearProfile(model=model, roles=roles, **extra)
+
+
+def _latest_end_before(ends: list[float], t: float) -> float | None:
+    i = bisect.bisect_right(ends, t)
+    return ends[i - 1] if i else None
+
+
+def _busy_between(steps: Sequence[StepStats], lo: float, hi: float) -> bool:
+    return any(s.started < hi and s.ended > lo for s in steps)
+
+
+class Latencies(NamedTuple):
+    """What a deployment adds around the steps (seconds; 0.0 and () without data)."""
+
+    token_s: float  # median
+    control_s: float  # median
+    control_percentiles: tuple[float, ...]  # at RATIO_PERCENTILES
+
+
+def deployment_latencies(runs: Iterable[tuple[Sequence[StepStats], Sequence[RequestRecord]]]) -> Latencies:
+    """The token delivery latency (median) and the control-call latency (median and distribution),
+    measured on deployments.
+
+    Token latency: for every token a client received, the time since the last step end on the worker
+    that produced it (the first token of a remotely prefilled request comes from its prefill worker).
+    Control latency: for a locally prefilled request that found its worker idle, from the client's send
+    to the worker taking it in: the end of the step that sampled its first token, less the worker's
+    own ``prefill_s`` and ``queue_s`` (from its metadata). A worker busy with a step takes a call in
+    only after it, which the simulator models by itself, so those requests are left out.
+    """
+    delays: list[float] = []
+    calls: list[float] = []
+    for steps, records in runs:
+        by_worker: dict[str, list[StepStats]] = defaultdict(list)
+        for s in steps:
+            by_worker[s.worker].append(s)
+        ends = {w: sorted(s.ended for s in v) for w, v in by_worker.items()}
+        for r in records:
+            if not r.succeeded or "decode_worker" not in r.meta:
+                continue
+            prefill_worker = r.meta.get("prefill_worker") or ""
+            for k, t in enumerate(r.token_times):
+                worker = prefill_worker if k == 0 and prefill_worker else r.meta["decode_worker"]
+                end = _latest_end_before(ends.get(worker, []), t)
+                if end is not None:
+                    delays.append(t - end)
+            if prefill_worker:
+                continue
+            worker = r.meta["decode_worker"]
+            first = _latest_end_before(ends.get(worker, []), r.token_times[0])
+            if first is None:
+                continue
+            taken_in = first - r.meta.get("prefill_s", 0.0) - r.meta.get("queue_s", 0.0)
+            if r.send_time <= taken_in and not _busy_between(by_worker[worker], r.send_time, taken_in):
+                calls.append(taken_in - r.send_time)
+    token = statistics.median(delays) if delays else 0.0
+    if not calls:
+        return Latencies(token, 0.0, ())
+    table = tuple(float(v) for v in np.percentile(calls, RATIO_PERCENTILES))
+    return Latencies(token, statistics.median(calls), table)
+
+
+def step_gap(steps: Iterable[StepStats], busy_within_s: float = 0.05) -> float:
+    """Median time between a worker's consecutive steps when the next began within ``busy_within_s``
+    (the engine loop's own work between steps; longer gaps are idle time)."""
+    by_worker: dict[str, list[StepStats]] = defaultdict(list)
+    for s in steps:
+        by_worker[s.worker].append(s)
+    gaps = []
+    for worker_steps in by_worker.values():
+        pairs = itertools.pairwise(sorted(worker_steps, key=lambda s: s.started))
+        gaps += [b.started - a.ended for a, b in pairs if b.started - a.ended < busy_within_s]
+    return max(0.0, statistics.median(gaps)) if gaps else 0.0
+
+
+def machine_slowdown(
+    profile: LinearProfile, runs: Iterable[tuple[str, Sequence[StepStats]]], window_s: float
+) -> tuple[float, ...]:
+    """The machine's slowdown at percentiles 0 ... 100: per ``window_s`` of each worker's time, the
+    measured duration of the steps that began in it over what ``profile`` (each step's role) predicts.
+    Short windows see short stalls, long ones the average: ``window_s`` sets how bursty the simulated
+    machine is (and long steps span several windows, so they see less of a burst than short ones)."""
+    factors = []
+    for arch, steps in runs:
+        sums: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
+        for s in steps:
+            fit = profile.fit_for(step_role(s.worker, arch))
+            window = sums[s.worker, int(s.started // window_s)]
+            window[0] += s.duration_s
+            window[1] += fit.predict(linear_features(StepShape.from_stats(s)))
+        factors += [measured / predicted for measured, predicted in sums.values() if predicted > 0]
+    return tuple(float(v) for v in np.percentile(factors, RATIO_PERCENTILES)) if factors else ()
+
+
+def calibrate_from_runs(
+    runs: Iterable[tuple[str, Sequence[StepStats], Sequence[RequestRecord]]],
+    model: str = "bench",
+    window_s: float = 0.1,
+    **extra: Any,
+) -> LinearProfile:
+    """The cpu-measured profile from deployment runs ``(architecture, steps, records)``: per-role fits
+    of the steps (``step.worker`` names the worker), the deployment's latencies and the machine's
+    slowdown per ``window_s``."""
+    runs = list(runs)
+    by_role: dict[str, list[StepStats]] = defaultdict(list)
+    for arch, steps, _ in runs:
+        for s in steps:
+            by_role[step_role(s.worker, arch)].append(s)
+    latency = deployment_latencies((steps, records) for _, steps, records in runs)
+    profile = fit_linear_profile(
+        by_role,
+        model,
+        token_latency_s=latency.token_s,
+        control_latency_s=latency.control_s,
+        control_latency_percentiles=latency.control_percentiles,
+        step_gap_s=statistics.median([step_gap(steps) for _, steps, _ in runs]),
+        slowdown_window_s=window_s,
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
         **extra,
-    )  # type: ignore[arg-type]
+    )
+    slowdown = machine_slowdown(profile, ((arch, steps) for arch, steps, _ in runs), window_s)
+    return dataclasses.replace(profile, slowdown_percentiles=slowdown)
+
+
+def describe_profile(profile: LinearProfile) -> str:
+    """A few lines: each role's coefficients, fit quality and measured/predicted tail; the latencies."""
+    units = ((1e3, "ms"), (1e6, "us/prefill tok"), (1e6, "us/decode tok"))
+    units += ((1e9, "ns/prefill ctx"), (1e9, "ns/decode ctx"), (1e9, "ns/prefill KV read"))
+    lines = [f"cpu-measured profile for {profile.model!r} ({profile.notes or 'no notes'}):"]
+    for role, fit in profile.roles.items():
+        terms = " + ".join(f"{c * k:.3g} {u}" for c, (k, u) in zip(fit.coefficients, units, strict=True))
+        r = fit.ratio_percentiles
+        tail = f"measured/predicted p50 {r[50]:.2f} p90 {r[90]:.2f} p99 {r[99]:.2f} max {r[100]:.2f}" if r else ""
+        lines.append(f"  {role:>9}: {terms}")
+        lines.append(
+            f"  {'':>9}  {fit.num_records} steps, R^2 {fit.r2:.3f}, |rel err| median "
+            f"{fit.median_abs_rel_error:.1%} mean {fit.mean_abs_rel_error:.1%}; {tail}"
+        )
+    c = profile.control_latency_percentiles
+    spread = f" (p90 {c[90] * 1e3:.1f}, p99 {c[99] * 1e3:.1f})" if c else ""
+    lines.append(
+        f"  token latency {profile.token_latency_s * 1e3:.2f} ms, control latency "
+        f"{profile.control_latency_s * 1e3:.2f} ms{spread}, gap between steps {profile.step_gap_s * 1e3:.2f} ms, "
+        f"KV link {profile.kv_link_bw / 1e9:.1f} GB/s"
+    )
+    w = profile.slowdown_percentiles
+    if w:
+        mean = float(np.mean(np.interp(np.linspace(0, 100, 1001), RATIO_PERCENTILES, w)))
+        lines.append(
+            f"  machine slowdown per {profile.slowdown_window_s:g} s window: p50 {w[50]:.2f} p90 {w[90]:.2f} "
+            f"p99 {w[99]:.2f} max {w[100]:.2f} (mean {mean:.2f})"
+        )
+    return "\n".join(lines)
+
+
+def residuals(profile: LinearProfile, steps_by_role: Mapping[str, Sequence[StepStats]]) -> dict[str, list[tuple]]:
+    """Per role, ``(predicted, measured)`` seconds of every step: the fit's residuals, for a plot."""
+    out = {}
+    for role, steps in steps_by_role.items():
+        fit = profile.fit_for(role)
+        out[role] = [(fit.predict(linear_features(StepShape.from_stats(s))), s.duration_s) for s in steps]
+    return out
 
 
 @dataclass(frozen=True)
@@ -128,7 +327,7 @@ class CalibrationGrid:
         return CalibrationGrid(
             prefill_sizes=(16, 64),
             decode_batches=(0, 4),
-            decode_contexts=(32,),
+            decode_contexts=(32, 256),
             long_prompts=(),
             repeats=1,
             warmup_steps=1,
@@ -169,14 +368,14 @@ def measure_step_records(
     seed: int = 0,
     torch_threads: int | None = None,
     progress: Callable[[str], None] | None = None,
-) -> list[MeasuredStep]:
-    """Run a real ``engine.LLMEngine(EngineConfig(model=...))`` through ``grid``; one record per step."""
+) -> list[StepStats]:
+    """Run a real ``engine.LLMEngine(EngineConfig(model=...))`` through ``grid``; its step records."""
     from pdserve.engine import SamplingParams
 
     grid = grid or CalibrationGrid()
     rng = random.Random(seed)
     engine = _calibration_engine(model, grid, seed, torch_threads)
-    records: list[MeasuredStep] = []
+    records: list[StepStats] = []
     deadline = time.monotonic() + grid.time_budget_s
 
     def prompt(n: int) -> list[int]:
@@ -184,12 +383,8 @@ def measure_step_records(
 
     def step(keep: bool = True) -> None:
         engine.step()
-        out = engine.last_output
-        if not keep or out is None or not out.chunks:
-            return
-        stats = engine.step_history[-1]
-        shape = StepShape.from_output(out)
-        records.append(MeasuredStep(shape.prefill_tokens, shape.decode_tokens, shape.context_tokens, stats.duration_s))
+        if keep and engine.last_output is not None and engine.last_output.chunks:
+            records.append(engine.step_history[-1])
 
     for _ in range(grid.warmup_steps):  # first steps pay for allocator and kernel warm-up
         engine.add_request(prompt(max(16, min(grid.prefill_sizes, default=16))), SamplingParams(max_tokens=1))
@@ -236,16 +431,16 @@ def calibrate(
     torch_threads: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> LinearProfile:
-    """Measure, fit, and (when ``out_path`` is given) write the cpu-measured profile JSON."""
+    """Measure the engine alone, fit (role ``all`` only), and write the profile JSON when ``out_path``."""
     from pdserve.bench.sim.profiles import save_linear_profile
 
     t0 = time.monotonic()
     records = measure_step_records(model, grid, seed, torch_threads, progress)
     profile = fit_linear_profile(
-        records,
+        {"all": records},
         model=model,
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
-        notes=f"{len(records)} steps of engine preset {model!r} measured in {time.monotonic() - t0:.1f} s",
+        notes=f"{len(records)} steps of engine preset {model!r} measured alone in {time.monotonic() - t0:.1f} s",
     )
     if out_path:
         save_linear_profile(profile, out_path)

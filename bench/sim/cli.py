@@ -3,11 +3,13 @@
 Actions (combinable; without ``--demo``/``--sweep``/``--pd-search``/``--calibrate`` it runs the
 workload on the chosen architecture(s) and writes a report):
 
-- default: colocated and/or disaggregated runs of one workload → ``--out`` (results.json, report.md, PNGs)
+- default: colocated, disaggregated and/or auto runs of one workload → ``--out`` (results.json, report.md,
+  PNGs); ``--mode both`` (the default) runs colocated and disaggregated, ``--mode all`` adds auto
 - ``--demo``: the chunked-prefill demo (8k prompt, chunk 1024, 24 decodes, 50 ms ITL target by
   default) plus the 32k chunking off-vs-on worst-ITL ratio
 - ``--sweep chunk=128,256,...``: chunk-size sweep, P99 ITL vs prefill throughput and the knee
-- ``--pd-search N``: colocated vs every P:D split of N GPUs, goodput per GPU under ``--slo``
+- ``--pd-search N``: colocated vs every P:D split of N GPUs, disaggregated and auto, goodput per GPU
+  under ``--slo``
 - ``--calibrate [PATH]``: measure our engine on this CPU and write the cpu-measured profile JSON
 
 Exit status: 0 on success, 2 on bad arguments or configuration (message on stderr).
@@ -57,7 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("architecture")
-    g.add_argument("--mode", choices=("colocated", "disaggregated", "both"), default="both")
+    g.add_argument(
+        "--mode",
+        choices=("colocated", "disaggregated", "auto", "both", "all"),
+        default="both",
+        help="both: colocated and disaggregated; all: and auto",
+    )
     g.add_argument(
         "--instances",
         type=int,
@@ -68,6 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decode", type=int, default=1, help="disaggregated: decode instances")
     g.add_argument("--kv-bandwidth", type=float, default=None, help="KV link GB/s (default: the hardware's)")
     g.add_argument("--kv-latency-us", type=float, default=None, help="KV link latency in microseconds")
+    g.add_argument(
+        "--auto-min-remote-tokens",
+        type=int,
+        default=SimConfig().auto_min_remote_tokens,
+        help="auto: prefill remotely above this many uncached prompt tokens (the router's threshold)",
+    )
+    g.add_argument(
+        "--no-tail",
+        action="store_true",
+        help="cpu-measured: leave out the machine's measured slowdown and latency tails",
+    )
 
     add_engine_arguments(p, only=ENGINE_OPTIONS)
 
@@ -78,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--itl-target-ms", type=float, default=50.0)
     g.add_argument("--out", default=DEFAULT_OUT, help="results directory")
 
+    _add_action_arguments(p)
+    return p
+
+
+def _add_action_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("actions")
     g.add_argument("--demo", action="store_true", help="the chunked-prefill demo and the 32k off/on ratio")
     g.add_argument("--demo-prompt-len", type=int, default=8192)
@@ -107,7 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--torch-threads", type=int, default=None, help="calibration: torch threads of the engine")
     g.add_argument("--sweep", default=None, metavar="chunk=128,256,...", help="chunk-size sweep")
     g.add_argument("--quiet", action="store_true")
-    return p
 
 
 def parse_sweep(text: str) -> list[int]:
@@ -130,8 +152,9 @@ def make_cost_model(
     tp: int = 1,
     calibration: str = DEFAULT_CALIBRATION,
     combine: str = "max",
-) -> tuple[Any, float, float]:
-    """``(cost model, default KV link bytes/s, default KV link latency s)`` for the named profiles."""
+) -> tuple[Any, dict[str, Any]]:
+    """``(cost model, SimConfig fields it implies)`` for the named profiles: the KV link of the hardware,
+    and for cpu-measured the deployment latencies and the machine's slowdown it measured too."""
     from pdserve.bench.sim.cost_model import LinearCostModel, RooflineCostModel
     from pdserve.bench.sim.profiles import CPU_MEASURED, get_hardware, get_model, load_linear_profile
 
@@ -142,13 +165,10 @@ def make_cost_model(
             raise ValueError(f"hardware cpu-measured: {calibration} was measured on model {prof.model!r}, not {name!r}")
         if tp != 1:
             raise ValueError("hardware cpu-measured: --tp is not modelled (measured on one process)")
-        return LinearCostModel(prof, get_model(name)), prof.kv_link_bw, prof.kv_link_latency_s
+        return LinearCostModel(prof, get_model(name)), prof.sim_settings()
     hw = get_hardware(hardware)
-    return (
-        RooflineCostModel(hw, get_model(model_profile or "Llama-3-8B"), tp, combine),
-        hw.kv_link_bw,
-        hw.kv_link_latency_s,
-    )
+    link = {"kv_link_bw": hw.kv_link_bw, "kv_link_latency_s": hw.kv_link_latency_s}
+    return RooflineCostModel(hw, get_model(model_profile or "Llama-3-8B"), tp, combine), link
 
 
 @dataclass(frozen=True)
@@ -228,7 +248,7 @@ def _merged(*dicts: dict[str, Any]) -> dict[str, Any]:
 
 def calibrate_profile(args: argparse.Namespace, say: Callable[..., None]) -> None:
     """``--calibrate``: measure the engine on this CPU and write the cpu-measured profile."""
-    from pdserve.bench.sim.calibrate import CalibrationGrid, calibrate
+    from pdserve.bench.sim.calibrate import CalibrationGrid, calibrate, describe_profile
 
     grid = CalibrationGrid.quick() if args.calibrate_quick else CalibrationGrid()
     grid = replace(grid, time_budget_s=args.calibrate_budget_s)
@@ -240,17 +260,8 @@ def calibrate_profile(args: argparse.Namespace, say: Callable[..., None]) -> Non
         torch_threads=args.torch_threads,
         progress=None if args.quiet else say,
     )
-    say(
-        f"cpu-measured profile for {prof.model!r} -> {args.calibrate}\n"
-        f"  step = {prof.fixed_overhead_s * 1e3:.3f} ms"
-        f" + {prof.per_prefill_token_s * 1e6:.2f} us/prefill token"
-        f" + {prof.per_decode_token_s * 1e6:.2f} us/decode token"
-        f" + {prof.per_context_token_s * 1e9:.3f} ns/context token\n"
-        f"  fit over {prof.num_records} steps: R^2 {prof.r2:.3f}, "
-        f"RMS residual {prof.rms_residual_s * 1e3:.2f} ms, "
-        f"mean |relative error| {100 * prof.mean_abs_rel_error:.1f}%"
-    )
-    if prof.mean_abs_rel_error > 0.2:
+    say(f"wrote {args.calibrate}\n{describe_profile(prof)}")
+    if prof.fit_for("all").mean_abs_rel_error > 0.2:
         print(
             "pdserve sim: warning: the fit is poor (steps vary a lot at the same shape); other load on "
             "this machine? Measure again when it is idle, or with --torch-threads 1.",
@@ -266,15 +277,17 @@ def make_setup(args: argparse.Namespace, say: Callable[..., None]) -> SimSetup:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     slo = parse_slo(args.slo)
-    cost_model, link_bw, link_latency = make_cost_model(
-        args.hardware, args.model_profile, args.tp, args.calibration, args.combine
-    )
+    cost_model, settings = make_cost_model(args.hardware, args.model_profile, args.tp, args.calibration, args.combine)
     if args.kv_bandwidth is not None:
-        link_bw = args.kv_bandwidth * 1e9
+        settings["kv_link_bw"] = args.kv_bandwidth * 1e9
     if args.kv_latency_us is not None:
-        link_latency = args.kv_latency_us * 1e-6
+        settings["kv_link_latency_s"] = args.kv_latency_us * 1e-6
     config = SimConfig.from_engine_config(
-        engine_config_from_args(args), kv_link_bw=link_bw, kv_link_latency_s=link_latency
+        engine_config_from_args(args),
+        **settings,
+        step_tail=not args.no_tail,
+        seed=args.seed,
+        auto_min_remote_tokens=args.auto_min_remote_tokens,
     )
     return SimSetup(cost_model, config, slo, say)
 
@@ -386,16 +399,17 @@ def run_pd_search(args: argparse.Namespace, setup: SimSetup) -> Findings:
 
 
 def run_architectures(args: argparse.Namespace, setup: SimSetup) -> Findings:
-    """The default action: the workload on colocated and/or disaggregated instances."""
+    """The default action: the workload on colocated, disaggregated and/or auto instances."""
     from pdserve.bench.report import RunData, markdown_table
-    from pdserve.bench.sim.simulator import simulate
+    from pdserve.bench.sim.simulator import MODES, simulate
     from pdserve.bench.workloads import build_workload
 
     spec = _spec(args, args.workload or "random")
     wl = build_workload(spec)
+    modes = {"both": ["colocated", "disaggregated"], "all": list(MODES)}.get(args.mode, [args.mode])
     runs = []
-    for mode in ["colocated", "disaggregated"] if args.mode == "both" else [args.mode]:
-        n = args.instances or (args.prefill + args.decode if args.mode == "both" else 1)
+    for mode in modes:
+        n = args.instances or (args.prefill + args.decode if len(modes) > 1 else 1)
         res = simulate(
             wl.requests,
             setup.cost_model,
@@ -407,8 +421,8 @@ def run_architectures(args: argparse.Namespace, setup: SimSetup) -> Findings:
             tp=args.tp,
             max_concurrency=args.max_concurrency,
         )
-        name = f"colocated x{n}" if mode == "colocated" else f"disaggregated {args.prefill}P:{args.decode}D"
-        kv_moved = res.kv_bytes_moved if mode == "disaggregated" else None
+        name = f"colocated x{n}" if mode == "colocated" else f"{mode} {args.prefill}P:{args.decode}D"
+        kv_moved = res.kv_bytes_moved if mode != "colocated" else None
         runs.append(RunData(name, res.records, res.steps, kv_moved, meta={**res.config, "num_gpus": res.num_gpus}))
     setup.say(markdown_table([(r.name, r.metrics(setup.slo_ms), r.kv_bytes_moved) for r in runs]))
     return Findings(runs=runs, config={"workload": spec.to_dict()})

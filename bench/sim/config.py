@@ -6,8 +6,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.config import DEFAULT_TOKEN_BUDGET, EngineConfig
+from pdserve.router.policy import RouterConfig
 
 _ENGINE_DEFAULTS = EngineConfig()
+_ROUTER_DEFAULTS = RouterConfig()
 # The engine options the simulator models (`pdserve sim` offers these, with the engine's names and defaults).
 ENGINE_OPTIONS = (
     "block_size",
@@ -30,6 +32,16 @@ class SimConfig:
     next to a full decode batch (the engine raises it to ``max_model_len``).
     ``num_kv_blocks=None`` sizes the pool from the cost model's memory left after the weights.
     ``stop_time_s`` ends the run at that virtual time (requests still open are recorded as failed).
+
+    Around the steps: ``token_latency_s`` (a step's end to the client receiving its tokens),
+    ``control_latency_s`` (one router-to-worker call) and ``step_gap_s`` (an engine loop's time between
+    two steps), all 0 by default (a GPU profile's steps dwarf them) and measured for the cpu-measured
+    profile (``LinearProfile.sim_settings``). The machine's slowdown: with ``step_tail`` and
+    ``slowdown_percentiles``, every ``slowdown_window_s`` of virtual time draws one factor from that
+    distribution (``random.Random(seed)``), shared by all instances (a burst of other load slows them
+    all), and a step's priced work is stretched by the factors of the windows it spans; each control
+    call's latency is drawn from ``control_latency_percentiles``. ``step_tail=False`` leaves both out.
+    ``auto_*`` are the router's auto thresholds (``router.policy.RouterConfig``, same defaults).
     """
 
     block_size: int = _ENGINE_DEFAULTS.block_size
@@ -42,6 +54,16 @@ class SimConfig:
     kv_link_bw: float | None = None  # bytes/s; None = the hardware profile's default
     kv_link_latency_s: float | None = None
     stop_time_s: float | None = None
+    token_latency_s: float = 0.0
+    control_latency_s: float = 0.0
+    control_latency_percentiles: tuple[float, ...] = ()
+    step_gap_s: float = 0.0
+    slowdown_window_s: float = 0.1
+    slowdown_percentiles: tuple[float, ...] = ()
+    step_tail: bool = True
+    seed: int = 0
+    auto_min_remote_tokens: int = _ROUTER_DEFAULTS.auto_min_remote_tokens
+    auto_max_prefill_queue_tokens: int = _ROUTER_DEFAULTS.auto_max_prefill_queue_tokens
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs"):
@@ -53,12 +75,17 @@ class SimConfig:
                 raise ValueError(f"sim: {name} must be None or >= 1, got {v}")
         if self.kv_link_bw is not None and not self.kv_link_bw > 0:
             raise ValueError(f"sim: kv_link_bw must be > 0, got {self.kv_link_bw}")
+        for name in ("token_latency_s", "control_latency_s", "step_gap_s", "auto_min_remote_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"sim: {name} must be >= 0, got {getattr(self, name)}")
+        if not self.slowdown_window_s > 0:
+            raise ValueError(f"sim: slowdown_window_s must be > 0, got {self.slowdown_window_s}")
 
     @staticmethod
-    def from_engine_config(engine: EngineConfig, **link: float | None) -> SimConfig:
+    def from_engine_config(engine: EngineConfig, **extra: Any) -> SimConfig:
         """The ``ENGINE_OPTIONS`` of ``engine`` with its token budget (the engine's default when none is
-        given; with chunked prefill off, raised to fit the longest prompt), plus ``kv_link_bw`` /
-        ``kv_link_latency_s``."""
+        given; with chunked prefill off, raised to fit the longest prompt), plus ``extra`` fields (the KV
+        link, latencies, ...)."""
         budget = engine.max_num_batched_tokens
         if budget is None and engine.enable_chunked_prefill:
             budget = DEFAULT_TOKEN_BUDGET
@@ -70,7 +97,7 @@ class SimConfig:
             enable_chunked_prefill=engine.enable_chunked_prefill,
             enable_prefix_caching=engine.enable_prefix_caching,
             num_kv_blocks=engine.num_kv_blocks,
-            **link,
+            **extra,
         )
 
     def token_budget(self, longest_prompt: int) -> int:

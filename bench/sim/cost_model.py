@@ -20,20 +20,42 @@ decodes into a prefill step is nearly free (Sarathi's piggybacking). The all-red
 overlapped. The fixed overhead (scheduling, input prep, kernel launch, sampling) is paid every step,
 which is what makes very small chunks expensive.
 
-``LinearCostModel`` (the cpu-measured profile) is the least-squares fit from ``calibrate``::
+``LinearCostModel`` (the cpu-measured profile) is the per-role least-squares fit from ``calibrate``::
 
-    step = c0 + a * prefill_tokens + b * decode_tokens + c * context_tokens
+    step = c0 + a * prefill_tokens + b * decode_tokens + cp * prefill_context + cd * decode_context
+           + r * prefill_kv_read
+
+(a shape's typical step); the simulator stretches it by the machine's measured slowdown (``SimConfig``).
+Prefill attention (many queries over a chunk's keys) and decode attention (one query reading a whole
+cached context) get separate terms: their costs per attended key differ, on a GPU by an order of
+magnitude (decode is bandwidth-bound), and on a CPU too (different kernels).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from pdserve.bench.sim.profiles import HardwareProfile, LinearProfile, ModelProfile
 from pdserve.engine.scheduler import chunk_context_tokens  # the engine's own count: simulator and StepStats agree
 
-__all__ = ["CostModel", "LinearCostModel", "RooflineCostModel", "StepCost", "StepShape", "chunk_context_tokens"]
+from pdserve.messages import StepStats
+
+if TYPE_CHECKING:
+    from pdserve.engine.scheduler import SchedulerOutput
+
+ROLES = ("colocated", "prefill", "decode")
+
+__all__ = [
+    "ROLES",
+    "CostModel",
+    "LinearCostModel",
+    "RooflineCostModel",
+    "StepCost",
+    "StepShape",
+    "chunk_context_tokens",
+    "linear_features",
+]
 
 
 class StepShape(NamedTuple):
@@ -45,39 +67,100 @@ class StepShape(NamedTuple):
     kv_read_tokens: int  # Σ over chunks of cached tokens whose KV is read (chunk start)
     num_seqs: int
     sampled_tokens: int  # chunks that produce a token (LM head work)
+    decode_context_tokens: int = 0  # of context_tokens, those attended by decode tokens
 
     @property
     def num_tokens(self) -> int:
         return self.prefill_tokens + self.decode_tokens
 
+    @property
+    def prefill_context_tokens(self) -> int:
+        return self.context_tokens - self.decode_context_tokens
+
+    @property
+    def prefill_kv_read_tokens(self) -> int:
+        """Of ``kv_read_tokens``, the cached prefix read by prefill chunks (a decode reads ``start``
+        keys, ``decode_context - 1``)."""
+        return self.kv_read_tokens - (self.decode_context_tokens - self.decode_tokens)
+
     @staticmethod
     def from_chunks(chunks: Iterable[tuple[int, int, bool]]) -> StepShape:
         """From ``(start, num_tokens, samples)`` per chunk. A 1-token sampling chunk is a decode."""
-        prefill = decode = context = kv_read = seqs = sampled = 0
+        prefill = decode = context = kv_read = seqs = sampled = decode_context = 0
         for start, n, samples in chunks:
             if n == 1 and samples:
                 decode += 1
+                decode_context += start + 1
             else:
                 prefill += n
             context += chunk_context_tokens(start, n)
             kv_read += start
             seqs += 1
             sampled += int(samples)
-        return StepShape(prefill, decode, context, kv_read, seqs, sampled)
+        return StepShape(prefill, decode, context, kv_read, seqs, sampled, decode_context)
 
     @staticmethod
-    def from_output(output: object) -> StepShape:
-        """From an ``engine.scheduler.SchedulerOutput`` (anything with ``.chunks`` of ScheduledChunk)."""
-        return StepShape.from_chunks((c.start, len(c.token_ids), c.samples) for c in output.chunks)  # type: ignore[attr-defined]
+    def from_output(output: SchedulerOutput) -> StepShape:
+        """From the engine scheduler's ``SchedulerOutput``."""
+        return StepShape.from_chunks((c.start, len(c.token_ids), c.samples) for c in output.chunks)
+
+    @staticmethod
+    def from_stats(step: StepStats) -> StepShape:
+        """From a measured (or simulated) step record. Sampled tokens are not recorded: one per
+        decode, plus one when the step carries prefill tokens (an estimate; only the roofline uses it)."""
+        sampled = step.num_decode_tokens + int(step.num_prefill_tokens > 0)
+        return StepShape(
+            step.num_prefill_tokens,
+            step.num_decode_tokens,
+            step.num_context_tokens,
+            step.num_kv_read_tokens,
+            step.num_seqs,
+            sampled,
+            step.num_decode_context_tokens,
+        )
+
+    def to_stats(self, worker: str, started: float, duration_s: float, num_preempted: int = 0) -> StepStats:
+        """The step record of a simulated step of this shape."""
+        return StepStats(
+            started,
+            duration_s,
+            0.0,
+            self.prefill_tokens,
+            self.decode_tokens,
+            self.num_seqs,
+            num_preempted,
+            self.context_tokens,
+            self.decode_context_tokens,
+            self.kv_read_tokens,
+            worker,
+        )
+
+
+def linear_features(shape: StepShape) -> tuple[float, ...]:
+    """The linear model's regressors, in ``LINEAR_TERMS`` order: 1, prefill tokens, decode tokens,
+    prefill context (keys attended by prefill tokens), decode context, prefill KV read."""
+    return (
+        1.0,
+        float(shape.prefill_tokens),
+        float(shape.decode_tokens),
+        float(shape.prefill_context_tokens),
+        float(shape.decode_context_tokens),
+        float(shape.prefill_kv_read_tokens),
+    )
 
 
 class CostModel(Protocol):
-    """Anything that prices a step. ``kv_bytes_per_token`` sizes KV transfers (whole model, all ranks)."""
+    """Anything that prices a step. ``kv_bytes_per_token`` sizes KV transfers (whole model, all ranks).
+
+    ``role`` names the instance's place in the deployment (``ROLES``: a colocated instance, a prefill
+    instance, or a decode instance next to prefill instances); a model may price them differently.
+    The price is deterministic: what a loaded machine adds on top is ``SimConfig``'s (the slowdown trace)."""
 
     name: str
     kv_bytes_per_token: int
+    model: ModelProfile
 
-    def step_time(self, shape: StepShape) -> float: ...
+    def step_time(self, shape: StepShape, role: str = "colocated") -> float: ...
 
     def kv_capacity_tokens(self) -> int: ...
 
@@ -130,7 +213,8 @@ class RooflineCostModel:
         total = hw.step_overhead_s + body + all_reduce if tokens else 0.0
         return StepCost(hw.step_overhead_s, compute, memory, all_reduce, total)
 
-    def step_time(self, shape: StepShape) -> float:
+    def step_time(self, shape: StepShape, role: str = "colocated") -> float:
+        """The roofline prices every role alike (a prefill instance just never runs decodes)."""
         return self.breakdown(shape).total
 
     def kv_capacity_tokens(self) -> int:
@@ -146,7 +230,7 @@ class RooflineCostModel:
 
 
 class LinearCostModel:
-    """The calibrated linear step time (cpu-measured). ``model`` sizes KV; TP is not modelled."""
+    """The calibrated per-role linear step time (cpu-measured). ``model`` sizes KV; TP is not modelled."""
 
     def __init__(self, profile: LinearProfile, model: ModelProfile) -> None:
         self.profile = profile
@@ -154,16 +238,10 @@ class LinearCostModel:
         self.name = f"{profile.name}/{model.name}"
         self.kv_bytes_per_token = model.kv_bytes_per_token
 
-    def step_time(self, shape: StepShape) -> float:
+    def step_time(self, shape: StepShape, role: str = "colocated") -> float:
         if shape.num_tokens == 0:
             return 0.0
-        p = self.profile
-        return (
-            p.fixed_overhead_s
-            + p.per_prefill_token_s * shape.prefill_tokens
-            + p.per_decode_token_s * shape.decode_tokens
-            + p.per_context_token_s * shape.context_tokens
-        )
+        return self.profile.fit_for(role).predict(linear_features(shape))
 
     def kv_capacity_tokens(self) -> int:
         return int(self.profile.kv_memory_bytes // self.model.kv_bytes_per_token)

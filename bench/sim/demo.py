@@ -23,8 +23,10 @@ from typing import Any
 from pdserve.bench.metrics import itls_during_prefill
 from pdserve.bench.sim.config import SimConfig
 from pdserve.bench.sim.cost_model import CostModel
-from pdserve.bench.sim.simulator import SimResult, StepRecord, simulate
+from pdserve.bench.sim.simulator import SimResult, simulate
 from pdserve.bench.workloads import WorkloadRequest, random_tokens
+
+from pdserve.messages import StepStats
 
 STREAM_MAX_TOKENS = 1_000_000  # streams never finish inside the window
 
@@ -44,11 +46,11 @@ class DemoResult:
     steps_over_target: int
     steps_in_window: int
     decode_throughput_tok_s: float
-    window_steps: tuple[StepRecord, ...] = field(default=(), repr=False)
+    window_steps: tuple[StepStats, ...] = field(default=(), repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "window_steps"}
-        d["window_steps"] = [s.to_dict() for s in self.window_steps]
+        d["window_steps"] = [s._asdict() for s in self.window_steps]
         return d
 
     def summary(self) -> str:
@@ -118,8 +120,8 @@ def run_chunked_prefill_demo(
     first = result.record("long").token_times[0]
     stalls = itls_during_prefill((r.token_times for r in result.records if r.label == "stream"), [(arrival, first)])
     tokens = sum(1 for r in result.records if r.label == "stream" for t in r.token_times if arrival < t <= first)
-    window = [s for s in result.steps if s.start >= arrival and s.end <= first + 1e-12]
-    over = sum(1 for s in window if s.duration * 1000.0 > itl_target_ms)
+    window = [s for s in result.steps if s.started >= arrival and s.ended <= first + 1e-12]
+    over = sum(1 for s in window if s.duration_s * 1000.0 > itl_target_ms)
     return DemoResult(
         cost_model=cost_model.name,
         prompt_len=prompt_len,

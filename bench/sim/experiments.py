@@ -8,7 +8,8 @@ and the decode share are amortised). The *knee* for an ITL target is the chunk w
 prefill throughput whose P99 ITL still meets the target.
 
 **P:D search**: for ``num_gpus`` GPUs (``tp`` per instance), compare colocated (all instances
-chunked prefill + decode) with every disaggregated split P prefill + D decode instances. Per config:
+chunked prefill + decode) with every split into P prefill + D decode instances, disaggregated (every
+prompt prefilled remotely) and auto (the router's ``RoutingPolicy`` decides per request). Per config:
 goodput (requests/s meeting every SLO, vLLM's definition) at the workload's own rate, and —
 DistServe's figure of merit — the highest request rate at which at least ``attainment`` of the
 requests meet the SLOs, found by doubling then bisecting the rate (same seed, so the same requests
@@ -64,7 +65,7 @@ def chunk_sweep(
 class PDRow:
     """One architecture in the P:D search."""
 
-    name: str  # "colocated x4" or "1P:3D"
+    name: str  # "colocated x4", "1P:3D" or "auto 1P:3D"
     mode: str
     num_prefill: int
     num_decode: int
@@ -83,10 +84,14 @@ class PDRow:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def pd_configs(num_instances: int) -> list[tuple[str, str, int, int]]:
-    """``(name, mode, P, D)`` for colocated and every split of ``num_instances`` (P, D >= 1)."""
+def pd_configs(num_instances: int, auto: bool = True) -> list[tuple[str, str, int, int]]:
+    """``(name, mode, P, D)`` for colocated and every split of ``num_instances`` (P, D >= 1), each split
+    disaggregated (``"1P:3D"``) and, with ``auto``, under the router's auto rule (``"auto 1P:3D"``)."""
     rows = [(f"colocated x{num_instances}", "colocated", 0, 0)]
-    rows += [(f"{p}P:{num_instances - p}D", "disaggregated", p, num_instances - p) for p in range(1, num_instances)]
+    modes = ("disaggregated", "auto") if auto else ("disaggregated",)
+    for mode in modes:
+        prefix = "" if mode == "disaggregated" else "auto "
+        rows += [(f"{prefix}{p}P:{num_instances - p}D", mode, p, num_instances - p) for p in range(1, num_instances)]
     return rows
 
 
@@ -163,6 +168,7 @@ def pd_search(
     iterations: int = 6,
     requests: Sequence[WorkloadRequest] | None = None,
     min_duration_s: float = 0.0,
+    auto: bool = True,
 ) -> list[PDRow]:
     """Colocated vs every P:D split of ``num_gpus // tp`` instances, on ``spec``'s workload and SLOs.
 
@@ -170,7 +176,8 @@ def pd_search(
     config's highest SLO-meeting rate. A short trace at a high rate is a burst the system can absorb
     and then drain, which overstates the sustainable rate: each search run therefore uses
     ``max(spec.num_requests, rate * min_duration_s)`` requests. ``requests`` overrides the generated
-    workload at the base rate. Raises ValueError without SLOs or with fewer than 2 instances.
+    workload at the base rate. ``auto`` adds each split under the auto rule. Raises ValueError without
+    SLOs or with fewer than 2 instances.
     """
     if not slo_ms:
         raise ValueError("pd search: give SLOs, e.g. --slo ttft=200,tpot=50")
@@ -181,7 +188,7 @@ def pd_search(
     base = list(requests) if requests is not None else build_workload(spec).requests
     rate_search = search_rate and spec.kind != "interference"
     rows = []
-    for name, mode, p, d in pd_configs(n):
+    for name, mode, p, d in pd_configs(n, auto):
         result = _run(mode, p, d, n, base, cost_model, cfg, tp, spec.max_concurrency)
         m = result.metrics(dict(slo_ms))
         max_rate = None

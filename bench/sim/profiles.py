@@ -3,8 +3,8 @@
 Hardware figures are datasheet peaks (dense bf16 tensor FLOP/s without sparsity, HBM bandwidth,
 per-GPU NVLink bandwidth in one direction) times achievable fractions (``mfu`` for matmuls,
 ``bw_efficiency`` for streaming reads) that are typical of tuned serving kernels, not measurements.
-``cpu-measured`` is not a roofline: it is a linear step-time fit (``bench.sim.calibrate``) of our
-own engine on this machine, loaded from a calibration JSON.
+``cpu-measured`` is not a roofline: it is a per-role linear step-time fit (``bench.sim.calibrate``) of
+our own engine on this machine, loaded from a calibration JSON.
 
 Model profiles count parameters from the architecture (Llama family: GQA attention, SwiGLU MLP).
 The ``tiny`` and ``bench`` entries are the engine presets (``engine.config.ModelConfig.preset``).
@@ -135,38 +135,134 @@ def get_model(name: str) -> ModelProfile:
     raise ValueError(f"model profile: unknown {name!r} (known: {', '.join(MODELS)})")
 
 
+LINEAR_TERMS = (
+    "fixed_s",  # per step
+    "per_prefill_token_s",
+    "per_decode_token_s",
+    "per_prefill_context_token_s",  # per key attended by a prefill token
+    "per_decode_context_token_s",  # per key attended by a decode token (its KV read included)
+    "per_prefill_kv_read_token_s",  # per cached token a prefill chunk reads (gathers) before its own keys
+)
+RATIO_PERCENTILES = tuple(range(101))  # where RoleFit.ratio_percentiles samples measured/predicted
+
+
+def quantile_at(percentiles: tuple[float, ...], u: float, default: float = 0.0) -> float:
+    """Interpolate a table of evenly spaced percentiles (0 ... 100) at quantile ``u`` in [0, 1]."""
+    if not percentiles:
+        return default
+    if len(percentiles) == 1:
+        return percentiles[0]
+    x = min(max(u, 0.0), 1.0) * (len(percentiles) - 1)
+    i = min(int(x), len(percentiles) - 2)
+    return percentiles[i] + (percentiles[i + 1] - percentiles[i]) * (x - i)
+
+
+@dataclass(frozen=True)
+class RoleFit:
+    """One role's linear step time (``LINEAR_TERMS`` coefficients, seconds) and how well it fits.
+
+    ``ratio_percentiles``: measured / predicted step time over *all* the role's records (slow ones
+    included) at percentiles 0, 1, ..., 100: the body and the tail of what the machine adds on top of
+    the fit. ``ratio_at(u)`` interpolates it.
+    The quality figures (``r2``, ``rms_residual_s``, the relative errors) are over every record.
+    """
+
+    coefficients: tuple[float, ...]
+    num_records: int = 0
+    r2: float = 0.0
+    rms_residual_s: float = 0.0
+    mean_abs_rel_error: float = 0.0
+    median_abs_rel_error: float = 0.0
+    ratio_percentiles: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.coefficients) != len(LINEAR_TERMS):
+            raise ValueError(f"RoleFit: need {len(LINEAR_TERMS)} coefficients ({', '.join(LINEAR_TERMS)})")
+
+    def predict(self, features: tuple[float, ...]) -> float:
+        return sum(c * x for c, x in zip(self.coefficients, features, strict=True))
+
+    def ratio_at(self, u: float) -> float:
+        """The measured/predicted ratio at quantile ``u`` in [0, 1] (1.0 when none was recorded)."""
+        return quantile_at(self.ratio_percentiles, u, 1.0)
+
+    def terms(self) -> dict[str, float]:
+        return dict(zip(LINEAR_TERMS, self.coefficients, strict=True))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["coefficients"] = self.terms()
+        d["ratio_percentiles"] = [round(x, 4) for x in self.ratio_percentiles]
+        return d
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> RoleFit:
+        coef = d["coefficients"]
+        coef = tuple(float(coef[t]) for t in LINEAR_TERMS) if isinstance(coef, dict) else tuple(coef)
+        known = {f.name for f in fields(RoleFit)} - {"coefficients", "ratio_percentiles"}
+        rest = {k: v for k, v in d.items() if k in known}
+        return RoleFit(coef, ratio_percentiles=tuple(d.get("ratio_percentiles", ())), **rest)
+
+
 @dataclass(frozen=True)
 class LinearProfile:
-    """A measured linear step-time model (``bench.sim.calibrate`` writes it as the cpu-measured JSON).
-
-    ``step_time = fixed_overhead_s + per_prefill_token_s * prefill_tokens + per_decode_token_s *
-    decode_tokens + per_context_token_s * context_tokens`` where ``context_tokens`` sums, over every
-    scheduled token, the number of keys it attends to. Valid for the model it was measured on.
+    """A measured step-time model of our engine on this machine (``bench.sim.calibrate`` writes it as
+    the cpu-measured JSON): one ``RoleFit`` per role (``colocated``, ``prefill``, ``decode``; ``all``
+    fits every record and stands in for a role that has none), plus what the deployment and the machine
+    add around the steps, as measured: the KV link; ``token_latency_s`` (a worker's step end to the
+    client's receipt of its tokens, median); ``control_latency_s`` (one call from the client or router to
+    a worker, median; ``control_latency_percentiles`` its distribution); ``step_gap_s`` (a busy engine
+    loop's time between two steps, median); and the machine's slowdown: per ``slowdown_window_s`` of a
+    worker's time, measured step time over the fit's, at percentiles 0 ... 100 (``slowdown_percentiles``).
+    Valid for the model it was measured on.
     """
 
     model: str
-    fixed_overhead_s: float
-    per_prefill_token_s: float
-    per_decode_token_s: float
-    per_context_token_s: float
-    num_records: int = 0
-    rms_residual_s: float = 0.0
-    r2: float = 0.0
-    mean_abs_rel_error: float = 0.0
+    roles: dict[str, RoleFit]
     kv_link_bw: float = 2 * GB  # NIXL between two processes on one machine: 2–8 GB/s (FACTS.md)
     kv_link_latency_s: float = 200e-6
+    token_latency_s: float = 0.0
+    control_latency_s: float = 0.0
+    control_latency_percentiles: tuple[float, ...] = ()
+    step_gap_s: float = 0.0
+    slowdown_window_s: float = 0.1
+    slowdown_percentiles: tuple[float, ...] = ()
     kv_memory_bytes: float = 0.5 * 2**30  # the engine's default kv_cache_memory_gb
     name: str = CPU_MEASURED
     measured_at: str = ""
     notes: str = ""
 
+    def __post_init__(self) -> None:
+        if "all" not in self.roles:
+            raise ValueError("LinearProfile: roles must include 'all' (the fit over every record)")
+
+    def fit_for(self, role: str) -> RoleFit:
+        return self.roles.get(role) or self.roles["all"]
+
+    def sim_settings(self) -> dict[str, Any]:
+        """``SimConfig`` fields this profile sets: the KV link, the deployment's latencies, the machine's slowdown."""
+        names = ("kv_link_bw", "kv_link_latency_s", "token_latency_s", "control_latency_s")
+        names += ("control_latency_percentiles", "step_gap_s", "slowdown_window_s", "slowdown_percentiles")
+        return {name: getattr(self, name) for name in names}
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["roles"] = {k: v.to_dict() for k, v in self.roles.items()}
+        d["control_latency_percentiles"] = [round(x, 6) for x in self.control_latency_percentiles]
+        d["slowdown_percentiles"] = [round(x, 4) for x in self.slowdown_percentiles]
+        return d
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> LinearProfile:
-        known = {f.name for f in fields(LinearProfile)}
-        return LinearProfile(**{k: v for k, v in d.items() if k in known})
+        """Raises ValueError for a file of another shape (e.g. the single-fit profiles of before)."""
+        if not isinstance(d.get("roles"), dict):
+            raise ValueError("not a per-role calibration (no 'roles'); calibrate again")
+        known = {f.name for f in fields(LinearProfile)} - {"roles"}
+        roles = {k: RoleFit.from_dict(v) for k, v in d["roles"].items()}
+        rest = {k: v for k, v in d.items() if k in known}
+        for name in ("control_latency_percentiles", "slowdown_percentiles"):
+            rest[name] = tuple(rest.get(name, ()))
+        return LinearProfile(roles=roles, **rest)
 
 
 def save_linear_profile(profile: LinearProfile, path: str) -> None:
@@ -187,5 +283,5 @@ def load_linear_profile(path: str) -> LinearProfile:
         raise ValueError(
             f"hardware cpu-measured: no calibration file at {path} (run `pdserve sim --calibrate` first)"
         ) from None
-    except (json.JSONDecodeError, TypeError) as e:
+    except (json.JSONDecodeError, TypeError, KeyError, ValueError) as e:
         raise ValueError(f"hardware cpu-measured: {path} is not a calibration JSON: {e}") from None

@@ -1,80 +1,71 @@
-"""Discrete-event replay of a workload through the engine's real Scheduler and BlockManager.
+"""Discrete-event replay of a workload through the engine's real scheduler, protocol and routing policy.
 
-Nothing of the scheduling policy lives here: every instance owns an ``engine.scheduler.Scheduler``
-over an ``engine.block_manager.BlockManager`` (imported, never copied), whose ``clock`` is the
-simulator's virtual clock. A step is what ``Scheduler.schedule()`` returns; its duration comes from a
-cost model (``bench.sim.cost_model``) instead of a forward pass; then ``update_after_step`` runs, every
-chunk that ``samples`` appends a dummy token, and requests stop at ``max_tokens`` through
-``Scheduler.finish(request, FinishReason.LENGTH)``. Token timestamps are virtual times of step ends,
-written into the same ``RequestRecord`` the real benchmark produces, so ``bench.metrics`` applies as is.
+Nothing of the serving logic is re-typed here. Every instance owns an ``engine.scheduler.Scheduler``
+over an ``engine.block_manager.BlockManager`` whose ``clock`` is the virtual clock; a step is what
+``Scheduler.schedule()`` returns, priced by a cost model (``bench.sim.cost_model``) instead of run.
+Requests are routed by the router's own ``router.policy.RoutingPolicy`` (``route``, then the
+bookkeeping calls ``start``, ``prefill_done`` and ``finish`` at the moments the router makes them),
+so ``auto`` is the router's rule. Disaggregation follows ``engine.remote_kv``: a prefill instance keeps
+a FIFO of accepted prompts and admits the head while ``prefill_admission_open`` holds, reserving its
+blocks on the decode instance at that moment (``reserve_remote_blocks``; a head that finds no room
+waits); every sampled token goes through the stop rule (``append_token``); the decode instance admits
+a request (``admit_remote``) once its whole prompt's KV has arrived *and* the router's decode call,
+sent when the first token reached it, has.
 
-Modes:
+Modes (the deployment's default mode; ``auto`` decides per request):
 
-- **colocated**: ``num_instances`` instances, each chunked prefill + decode in one batch; a request
-  goes to the least-loaded instance (fewest unfinished requests, then fewest uncomputed tokens).
-- **disaggregated**: ``num_prefill`` prefill instances and ``num_decode`` decode instances. On arrival
-  the least-loaded decode instance reserves blocks for the prompt (leading blocks in its prefix cache
-  need no transfer; if blocks are short the request waits, FIFO), then the least-loaded prefill
-  instance runs chunked prefill. After each chunk, that chunk's KV (tokens x ``kv_bytes_per_token``)
-  is queued on the prefill instance's KV link (FIFO, ``bandwidth``, plus ``latency``), overlapping the
-  next chunk's compute. The last chunk samples the first token (that is the client's TTFT); the
-  prefill side keeps its blocks until its last transfer is done. When the whole prompt's KV has
-  arrived the decode instance admits the request ahead of new arrivals and decodes the rest.
+- **colocated**: ``num_instances`` decode instances, chunked prefill + decode in one batch;
+- **disaggregated** / **auto**: ``num_prefill`` prefill + ``num_decode`` decode instances. After each
+  prefill chunk its KV (tokens x ``kv_bytes_per_token``) is queued on the prefill instance's link (FIFO,
+  ``kv_link_bw`` plus ``kv_link_latency_s``), overlapping the next chunk; the last chunk samples the
+  first token; the prefill side holds its blocks until its last transfer has landed.
+
+Around the steps, ``SimConfig`` adds a deployment's latencies (a token's delivery; each control call:
+starting a request, the reservation, applied between the decode instance's steps, and its answer, the
+decode call; the engine loop's gap between steps) and, with ``step_tail``, the machine's measured
+slowdown: one factor per window of virtual time, shared by all instances, stretching the steps there.
 
 Events at the same virtual time are all applied before any idle instance starts its next step, so
-requests sent together are batched together. The simulator is deterministic.
+requests sent together are batched together. The simulator is deterministic for a given seed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
+import random
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from pdserve.bench.metrics import BenchmarkMetrics, RequestRecord, compute_metrics
 from pdserve.bench.sim.config import SimConfig
 from pdserve.bench.sim.cost_model import CostModel, StepShape
+from pdserve.bench.sim.profiles import quantile_at
 from pdserve.bench.workloads import WorkloadRequest
+from pdserve.engine import remote_kv
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.request import FinishReason, Request, RequestStatus
+from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.router.policy import Route, RouterConfig, RoutingPolicy
 
-MODES = ("colocated", "disaggregated")
+from pdserve.messages import StepStats
+
+MODES = ("colocated", "disaggregated", "auto")
 DUMMY_TOKEN = 0  # what a simulated step "samples"; never EOS (requests run to max_tokens)
-
-
-class StepRecord(NamedTuple):
-    """One simulated (or measured) step of one instance; times in seconds."""
-
-    instance: str
-    start: float
-    duration: float
-    prefill_tokens: int
-    decode_tokens: int
-    context_tokens: int
-    num_seqs: int
-    num_preempted: int
-
-    @property
-    def end(self) -> float:
-        return self.start + self.duration
-
-    def to_dict(self) -> dict[str, Any]:
-        return self._asdict()
 
 
 @dataclass(frozen=True)
 class SimResult:
-    """Everything one simulated run produced."""
+    """Everything one simulated run produced; ``steps`` carry their instance in ``worker``."""
 
     mode: str
     records: tuple[RequestRecord, ...]
-    steps: tuple[StepRecord, ...]
+    steps: tuple[StepStats, ...]
     instances: tuple[str, ...]
     kv_bytes_moved: int = 0
     num_gpus: int = 1
@@ -83,8 +74,8 @@ class SimResult:
     def metrics(self, slo_ms: dict[str, float] | str | None = None) -> BenchmarkMetrics:
         return compute_metrics(self.records, slo_ms)
 
-    def steps_of(self, instance: str) -> list[StepRecord]:
-        return [s for s in self.steps if s.instance == instance]
+    def steps_of(self, instance: str) -> list[StepStats]:
+        return [s for s in self.steps if s.worker == instance]
 
     def record(self, request_id: str) -> RequestRecord:
         for r in self.records:
@@ -94,19 +85,17 @@ class SimResult:
 
 
 class _Instance:
-    def __init__(self, name: str, role: str, scheduler: Scheduler, link_bw: float, link_latency: float) -> None:
+    def __init__(self, name: str, cost_role: str, scheduler: Scheduler) -> None:
         self.name = name
-        self.role = role
+        self.cost_role = cost_role  # how the cost model prices its steps (cost_model.ROLES)
         self.scheduler = scheduler
         self.busy = False
         self.output: SchedulerOutput | None = None
         self.link_free_at = 0.0
-        self.link_bw = link_bw
-        self.link_latency = link_latency
-
-    def load(self) -> tuple[int, int]:
-        reqs = self.scheduler.requests.values()
-        return len(reqs), sum(r.num_uncomputed_tokens for r in reqs)
+        self.fifo: deque[_Client] = deque()  # a prefill instance's accepted prompts, not yet admitted
+        self.reserving = False  # a prefill instance waits for the reservation of its FIFO's head
+        self.waiting_for_room: set[_Instance] = set()  # a decode instance: prefill instances whose head found no room
+        self.commands: list[tuple[Callable[..., None], tuple]] = []  # calls that arrived during a step
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -114,27 +103,23 @@ class _Instance:
 
 @dataclass
 class _Client:
-    """The client's view of one request, plus the disaggregation bookkeeping."""
+    """The client's view of one request, plus where the router sent it and the handoff state."""
 
     wreq: WorkloadRequest
     send_time: float = math.nan
     token_times: list[float] = field(default_factory=list)
     done: bool = False
-    ok: bool = True
     error: str | None = None
     end_time: float | None = None
     meta: dict[str, Any] = field(default_factory=dict)
-    # disaggregated
+    route: Route | None = None
     decode: _Instance | None = None
     prefill: _Instance | None = None
     decode_req: Request | None = None
     prefill_req: Request | None = None
-    sent_upto: int = 0
-    arrived_upto: int = 0
-    first_token: bool = False
-
-
-_ARRIVAL, _STEP_DONE, _KV_ARRIVED = 0, 1, 2
+    sent_upto: int = 0  # prompt tokens whose KV is on the decode side or on its way
+    kv_complete: bool = False
+    decode_called: bool = False
 
 
 class Simulator:
@@ -149,49 +134,62 @@ class Simulator:
         num_prefill: int = 1,
         num_decode: int = 1,
         tp: int = 1,
-        kv_link_bw: float = 25e9,
-        kv_link_latency_s: float = 20e-6,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"sim: mode must be one of {', '.join(MODES)}, got {mode!r}")
         if min(num_instances, num_prefill, num_decode) < 1:
             raise ValueError("sim: instance counts must be >= 1")
+        if config.kv_link_bw is None or config.kv_link_latency_s is None:
+            raise ValueError("sim: the config must set kv_link_bw and kv_link_latency_s (see simulate)")
         self.cost_model = cost_model
         self.config = config
         self.mode = mode
         self.tp = tp
         self.now = 0.0
         self.num_blocks = config.num_kv_blocks or max(1, cost_model.kv_capacity_tokens() // config.block_size)
-        self.link_bw = config.kv_link_bw or kv_link_bw
-        self.link_latency = config.kv_link_latency_s if config.kv_link_latency_s is not None else kv_link_latency_s
         self._counts = (num_instances, num_prefill, num_decode)
-        self.instances: list[_Instance] = []
-        self.steps: list[StepRecord] = []
+        self.instances: dict[str, _Instance] = {}
+        self.steps: list[StepStats] = []
         self.kv_bytes_moved = 0
-        self._events: list[tuple[float, int, int, Any]] = []
+        self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._seq = itertools.count()
+        self._rng = random.Random(config.seed)
+        self._slowdown: dict[int, float] = {}  # window index -> the machine's slowdown factor there
 
     # ---- setup ---------------------------------------------------------------------------------
-    def _make_instance(self, name: str, role: str, budget: int, max_model_len: int) -> _Instance:
+    def _build(self, budget: int, max_model_len: int) -> None:
+        n, p, d = self._counts
+        decodes = [f"decode-{i}" for i in range(n if self.mode == "colocated" else d)]
+        prefills = [] if self.mode == "colocated" else [f"prefill-{i}" for i in range(p)]
         c = self.config
-        sched = Scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=budget,
-                max_num_seqs=c.max_num_seqs,
-                max_model_len=max_model_len,
-                enable_chunked_prefill=c.enable_chunked_prefill,
-                max_chunk_tokens=c.chunk_size,
-            ),
-            BlockManager(self.num_blocks, c.block_size, c.enable_prefix_caching),
+        for name in [*prefills, *decodes]:
+            sched = Scheduler(
+                SchedulerConfig(budget, c.max_num_seqs, max_model_len, c.enable_chunked_prefill, c.chunk_size),
+                BlockManager(self.num_blocks, c.block_size, c.enable_prefix_caching),
+            )
+            sched.clock = self._clock
+            role = "prefill" if name in prefills else ("decode" if prefills else "colocated")
+            self.instances[name] = _Instance(name, role, sched)
+        router = RouterConfig(
+            default_mode=self.mode,
+            block_size=c.block_size,
+            auto_min_remote_tokens=c.auto_min_remote_tokens,
+            auto_max_prefill_queue_tokens=c.auto_max_prefill_queue_tokens,
         )
-        sched.clock = self._clock
-        return _Instance(name, role, sched, self.link_bw, self.link_latency)
+        self.policy = RoutingPolicy(router, decodes, prefills)
 
     def _clock(self) -> float:
         return self.now
 
-    def _push(self, t: float, kind: int, payload: Any) -> None:
-        heapq.heappush(self._events, (t, next(self._seq), kind, payload))
+    def _control_latency(self) -> float:
+        """One router-to-worker call: the median, or a draw from the measured distribution with the tail."""
+        c = self.config
+        if c.step_tail and c.control_latency_percentiles:
+            return quantile_at(c.control_latency_percentiles, self._rng.random())
+        return c.control_latency_s
+
+    def _at(self, t: float, handler: Callable[..., None], *args: Any) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), handler, args))
 
     # ---- the run -------------------------------------------------------------------------------
     def run(self, requests: Sequence[WorkloadRequest], max_concurrency: int | None = None) -> SimResult:
@@ -201,25 +199,15 @@ class Simulator:
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):
             raise ValueError("sim: request ids must be unique")
-        longest = max(r.num_prompt_tokens for r in requests)
-        max_model_len = max(r.num_prompt_tokens + r.max_tokens for r in requests)
-        budget = self.config.token_budget(longest)
-        n, p, d = self._counts
-        if self.mode == "colocated":
-            self.instances = [self._make_instance(f"colo-{i}", "colocated", budget, max_model_len) for i in range(n)]
-        else:
-            self.instances = [
-                self._make_instance(f"prefill-{i}", "prefill", budget, max_model_len) for i in range(p)
-            ] + [self._make_instance(f"decode-{i}", "decode", budget, max_model_len) for i in range(d)]
-        self._budget = budget
+        self._max_model_len = max(r.num_prompt_tokens + r.max_tokens for r in requests)
+        self._budget = self.config.token_budget(max(r.num_prompt_tokens for r in requests))
+        self._build(self._budget, self._max_model_len)
         self._clients = {r.request_id: _Client(r) for r in requests}
         self._max_concurrency = max_concurrency
         self._in_flight = 0
         self._backlog: deque[_Client] = deque()  # sent-able, held back by the concurrency cap
-        self._reserve_queue: deque[_Client] = deque()  # disaggregated: waiting for decode blocks
         for r in sorted(requests, key=lambda r: r.arrival_offset_s):
-            self._push(r.arrival_offset_s, _ARRIVAL, r.request_id)
-
+            self._at(r.arrival_offset_s, self._on_arrival, self._clients[r.request_id])
         stop = self.config.stop_time_s
         while self._events:
             t = self._events[0][0]
@@ -227,29 +215,23 @@ class Simulator:
                 break
             self.now = t
             while self._events and self._events[0][0] == t:
-                _, _, kind, payload = heapq.heappop(self._events)
-                if kind == _ARRIVAL:
-                    self._on_arrival(self._clients[payload])
-                elif kind == _STEP_DONE:
-                    self._on_step_done(payload)
-                else:
-                    self._on_kv_arrived(*payload)
-            self._try_reservations()
-            for inst in self.instances:
+                _, _, handler, args = heapq.heappop(self._events)
+                handler(*args)
+                if not self._events or self._events[0][0] != t:  # admissions may add events at t
+                    for inst in self.instances.values():
+                        self._admit_prefills(inst)
+            for inst in self.instances.values():
                 if not inst.busy and inst.has_work():
                     self._start_step(inst)
         if stop is not None:
             self.now = max(self.now, stop)
         return self._result()
 
-    # ---- client side ---------------------------------------------------------------------------
+    # ---- the client and the router -------------------------------------------------------------
     def _on_arrival(self, client: _Client) -> None:
         if self._max_concurrency is not None and self._in_flight >= self._max_concurrency:
             self._backlog.append(client)
             return
-        self._send(client)
-
-    def _send(self, client: _Client) -> None:
         self._in_flight += 1
         client.send_time = self.now
         w = client.wreq
@@ -260,23 +242,41 @@ class Simulator:
                 f"instance has ({self.num_blocks} x {self.config.block_size})",
             )
             return
-        if self.mode == "colocated":
-            inst = min((i for i in self.instances), key=lambda i: i.load())
-            client.meta["instance"] = inst.name
-            inst.scheduler.add(self._new_request(w, w.max_tokens))
+        route = self.policy.route(w.prompt_token_ids, w.max_tokens, None)
+        self.policy.start(route, w.prompt_token_ids, w.max_tokens)
+        client.route, client.decode = route, self.instances[route.decode_worker]
+        client.meta.update(
+            mode=route.mode, decode_worker=route.decode_worker, prefill_worker=route.prefill_worker or ""
+        )
+        self._at(self.now + self._control_latency(), self._on_dispatch, client)
+
+    def _on_dispatch(self, client: _Client) -> None:
+        route = client.route
+        assert route is not None and client.decode is not None
+        if route.prefill_worker is None:
+            client.decode.scheduler.add(self._new_request(client.wreq, client.wreq.max_tokens))
         else:
-            self._reserve_queue.append(client)
+            client.prefill = self.instances[route.prefill_worker]
+            client.prefill.fifo.append(client)
+
+    def _deliver(self, client: _Client, finished: bool) -> None:
+        """A token (or the end of the stream) reaches the client ``token_latency_s`` after now."""
+        t = self.now + self.config.token_latency_s
+        client.token_times.append(t)
+        if finished:
+            self._at(t, self._complete, client)
 
     def _complete(self, client: _Client, error: str | None = None) -> None:
         if client.done:
             return
-        client.done = True
-        client.end_time = self.now
+        client.done, client.end_time = True, self.now
         if error is not None:
-            client.ok, client.error = False, error
+            client.error = error
+        if client.route is not None:
+            self.policy.finish(client.route, client.wreq.prompt_token_ids, client.wreq.max_tokens)
         self._in_flight -= 1
         while self._backlog and (self._max_concurrency is None or self._in_flight < self._max_concurrency):
-            self._send(self._backlog.popleft())
+            self._on_arrival(self._backlog.popleft())
 
     def _new_request(self, w: WorkloadRequest, max_tokens: int) -> Request:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -288,21 +288,25 @@ class Simulator:
         if not output.chunks:
             return  # waiting for blocks; retried after the next event
         shape = StepShape.from_output(output)
-        duration = max(self.cost_model.step_time(shape), 1e-9)
+        duration = self._stretch(self.now, max(self.cost_model.step_time(shape, inst.cost_role), 1e-9))
         inst.busy, inst.output = True, output
-        self.steps.append(
-            StepRecord(
-                inst.name,
-                self.now,
-                duration,
-                shape.prefill_tokens,
-                shape.decode_tokens,
-                shape.context_tokens,
-                shape.num_seqs,
-                len(output.preempted),
-            )
-        )
-        self._push(self.now + duration, _STEP_DONE, inst)
+        self.steps.append(shape.to_stats(inst.name, self.now, duration, len(output.preempted)))
+        self._at(self.now + duration, self._on_step_done, inst)
+
+    def _stretch(self, start: float, work: float) -> float:
+        """Wall time of ``work`` seconds of priced step time begun at ``start`` on the slowed-down machine."""
+        c = self.config
+        if not (c.step_tail and c.slowdown_percentiles):
+            return work
+        t, k = start, int(start // c.slowdown_window_s)
+        while True:
+            if k not in self._slowdown:
+                self._slowdown[k] = quantile_at(c.slowdown_percentiles, self._rng.random(), 1.0)
+            factor, end = max(self._slowdown[k], 1e-6), (k + 1) * c.slowdown_window_s
+            room = max(end - t, 0.0) / factor  # priced work that fits in the rest of this window
+            if work <= room:
+                return t + work * factor - start
+            work, t, k = work - room, end, k + 1
 
     def _on_step_done(self, inst: _Instance) -> None:
         output = inst.output
@@ -310,137 +314,124 @@ class Simulator:
         inst.busy, inst.output = False, None
         sched = inst.scheduler
         sched.update_after_step(output)
+        self._after_step_chunks(inst, output)
+        commands, inst.commands = inst.commands, []
+        for handler, args in commands:  # calls that arrived during the step, applied before the next one
+            handler(*args)
+        waiting, inst.waiting_for_room = inst.waiting_for_room, set()
+        for prefill in waiting:  # requests finished in this step may have freed blocks: try again
+            prefill.reserving = False
+        if self.config.step_gap_s > 0:  # the engine loop's own time before its next step
+            inst.busy = True
+            self._at(self.now + self.config.step_gap_s, self._on_gap_done, inst)
+
+    def _on_gap_done(self, inst: _Instance) -> None:
+        inst.busy = False
+
+    def _after_step_chunks(self, inst: _Instance, output: SchedulerOutput) -> None:
+        sched = inst.scheduler
         for chunk in output.chunks:
             request = sched.requests.get(chunk.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             client = self._clients[chunk.request_id]
-            if inst.role == "prefill":
-                self._after_prefill_chunk(inst, client, request, chunk.start + len(chunk.token_ids), chunk.samples)
-                continue
+            if inst.cost_role == "prefill":
+                self._after_prefill_chunk(inst, client, chunk.start + len(chunk.token_ids))
             if not chunk.samples:
                 continue
-            request.all_token_ids.append(DUMMY_TOKEN)
-            request.times.tokens.append(self.now)
-            client.token_times.append(self.now)
-            if request.num_output_tokens >= request.params.max_tokens:
-                sched.finish(request, FinishReason.LENGTH)
+            reason = remote_kv.append_token(request, DUMMY_TOKEN, self.now, self._max_model_len)
+            if reason is not None:
+                sched.finish(request, reason, free_blocks=inst.cost_role != "prefill")  # held until the KV is out
                 client.meta["num_preemptions"] = request.num_preemptions
-                self._complete(client)
+            if inst.cost_role == "prefill":
+                self._first_token_remote(client)
+            else:
+                self._deliver(client, finished=reason is not None)
 
     # ---- disaggregation ------------------------------------------------------------------------
-    def _try_reservations(self) -> None:
-        while self._reserve_queue:
-            client = self._reserve_queue[0]
-            if not self._reserve(client):
-                return  # FIFO: later requests wait behind the head
-            self._reserve_queue.popleft()
+    def _admit_prefills(self, inst: _Instance) -> None:
+        """The prefill worker's FIFO: while ``prefill_admission_open``, reserve blocks for the head on its
+        decode instance (a call applied there between steps, and its reply), then add it to the engine.
+        One reservation at a time, in order; a head that found no room waits for that decode instance's
+        next step (which may free blocks)."""
+        if inst.reserving or not inst.fifo or not remote_kv.prefill_admission_open(inst.scheduler):
+            return
+        client = inst.fifo[0]
+        assert client.decode is not None
+        inst.reserving = True
+        self._at(self.now + self._control_latency(), self._call, client.decode, self._reserve, inst, client)
 
-    def _reserve(self, client: _Client) -> bool:
-        """Decode side first (as ``LLMEngine.reserve_remote``), then hand the prompt to a prefill instance."""
-        w = client.wreq
-        decoders = sorted((i for i in self.instances if i.role == "decode"), key=lambda i: i.load())
-        for inst in decoders:
-            bm = inst.scheduler.block_manager
-            req = self._new_request(w, w.max_tokens)
-            hit = bm.find_prefix_hit(req)
-            if not bm.can_allocate(req, req.num_prompt_tokens - hit.num_tokens, hit):
-                continue
-            bm.take_prefix_hit(req, hit)
-            ok = bm.allocate_slots(req, req.num_prompt_tokens - hit.num_tokens)
-            assert ok
-            req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-            req.times.first_scheduled = self.now
-            inst.scheduler.add(req)
-            client.decode, client.decode_req = inst, req
-            client.sent_upto = client.arrived_upto = hit.num_tokens
-            break
+    def _call(self, target: _Instance, handler: Callable[..., None], *args: Any) -> None:
+        """A call reaching ``target``'s engine loop: applied now unless a step runs, else after that step."""
+        if target.output is not None:
+            target.commands.append((handler, args))
         else:
-            return False
-        prefill = min((i for i in self.instances if i.role == "prefill"), key=lambda i: i.load())
-        client.prefill = prefill
-        client.prefill_req = self._new_request(w, 1)
-        prefill.scheduler.add(client.prefill_req)
-        client.meta.update(
-            prefill_instance=prefill.name,
-            decode_instance=client.decode.name,  # type: ignore[union-attr]
-            decode_cached_tokens=client.sent_upto,
-            kv_bytes=0,
-        )
-        return True
+            handler(*args)
 
-    def _after_prefill_chunk(
-        self, inst: _Instance, client: _Client, request: Request, computed: int, samples: bool
-    ) -> None:
+    def _reserve(self, prefill: _Instance, client: _Client) -> None:
+        """On the decode instance: ``reserve_remote_blocks``; the answer travels back to the prefill instance."""
+        assert client.decode is not None
+        reservation = self._new_request(client.wreq, client.wreq.max_tokens)
+        cached = remote_kv.reserve_remote_blocks(client.decode.scheduler, reservation, self.now)
+        if cached is None:
+            client.decode.waiting_for_room.add(prefill)
+            return
+        self._at(self.now + self._control_latency(), self._on_reserved, prefill, client, reservation, cached)
+
+    def _on_reserved(self, inst: _Instance, client: _Client, reservation: Request, cached: int) -> None:
+        inst.reserving = False
+        inst.fifo.popleft()
+        client.decode_req, client.sent_upto = reservation, cached
+        client.meta.update(decode_cached_tokens=cached, kv_bytes=0, reserved_at=self.now)
+        client.prefill_req = self._new_request(client.wreq, 1)
+        inst.scheduler.add(client.prefill_req)
+
+    def _after_prefill_chunk(self, inst: _Instance, client: _Client, computed: int) -> None:
+        """Queue the chunk's new KV on the prefill instance's link; the last push marks the prompt done."""
         nbytes = max(0, computed - client.sent_upto) * self.cost_model.kv_bytes_per_token
-        if nbytes:
-            start = max(self.now, inst.link_free_at)
-            inst.link_free_at = start + nbytes / inst.link_bw
-            self.kv_bytes_moved += nbytes
-            client.meta["kv_bytes"] += nbytes
-            client.sent_upto = computed
-            self._push(inst.link_free_at + inst.link_latency, _KV_ARRIVED, (client, computed))
-        if not samples:
+        is_last = computed == client.wreq.num_prompt_tokens
+        if not nbytes and not is_last:
             return
-        # Last chunk: the first token is sampled here and streamed to the client at once.
-        request.all_token_ids.append(DUMMY_TOKEN)
-        client.token_times.append(self.now)
-        client.first_token = True
-        client.meta["prefill_done"] = self.now
-        inst.scheduler.finish(request, FinishReason.LENGTH, free_blocks=False)  # held until the KV is out
-        if not nbytes:  # everything was already cached on the decode side: just the notification
-            self._push(self.now + inst.link_latency, _KV_ARRIVED, (client, computed))
+        start = max(self.now, inst.link_free_at)
+        inst.link_free_at = start + nbytes / self.config.kv_link_bw  # type: ignore[operator]
+        self.kv_bytes_moved += nbytes
+        client.meta["kv_bytes"] += nbytes
+        client.sent_upto = max(client.sent_upto, computed)
+        if is_last:
+            self._at(inst.link_free_at + self.config.kv_link_latency_s, self._on_kv_complete, client)
 
-    def _on_kv_arrived(self, client: _Client, upto: int) -> None:
-        client.arrived_upto = max(client.arrived_upto, upto)
-        req = client.decode_req
-        assert req is not None and client.prefill is not None
-        if not client.first_token or client.arrived_upto < req.num_prompt_tokens:
-            return
-        client.prefill.scheduler.block_manager.free(client.prefill_req)  # type: ignore[arg-type]
+    def _first_token_remote(self, client: _Client) -> None:
+        """The prefill instance sampled the first token: to the client, and the router calls the decode side."""
+        self._deliver(client, finished=False)
+        client.meta["prefill_done"] = self.now
+        assert client.route is not None
+        self.policy.prefill_done(client.route, client.wreq.prompt_token_ids)
+        self._at(client.token_times[0] + self._control_latency(), self._on_decode_call, client)
+
+    def _on_kv_complete(self, client: _Client) -> None:
+        assert client.prefill is not None and client.prefill_req is not None
+        client.prefill.scheduler.block_manager.free(client.prefill_req)  # every push is out: release
+        client.kv_complete = True
         client.meta["kv_done"] = self.now
-        sched = client.decode.scheduler  # type: ignore[union-attr]
-        # As LLMEngine.admit_remote: the prompt is computed, the first token is known, decode from here.
-        req.num_computed_tokens = req.num_prompt_tokens
-        sched.block_manager.cache_full_blocks(req)
-        req.all_token_ids.append(DUMMY_TOKEN)
-        req.times.tokens.append(client.token_times[0])
-        if req.num_output_tokens >= req.params.max_tokens:
-            sched.finish(req, FinishReason.LENGTH)
-            self._complete(client)
+        self._admit_remote(client)
+
+    def _on_decode_call(self, client: _Client) -> None:
+        client.decode_called = True
+        self._admit_remote(client)
+
+    def _admit_remote(self, client: _Client) -> None:
+        if not (client.kv_complete and client.decode_called) or client.done:
             return
-        sched.admit_front(req)
+        assert client.decode is not None and client.decode_req is not None
+        sched = client.decode.scheduler
+        reason = remote_kv.admit_remote(sched, client.decode_req, DUMMY_TOKEN, self.now, self._max_model_len)
+        if reason is not None:  # the first token already ended it: only the end of the stream is left
+            self._at(self.now + self.config.token_latency_s, self._complete, client)
 
     # ---- results -------------------------------------------------------------------------------
     def _result(self) -> SimResult:
-        records = []
-        for client in self._clients.values():
-            w = client.wreq
-            ok, error = client.ok, client.error
-            if not client.done:
-                ok = False
-                error = error or (
-                    "unfinished at stop time"
-                    if self.config.stop_time_s is not None
-                    else "stalled: no instance could make progress"
-                )
-            send = client.send_time if not math.isnan(client.send_time) else self.now
-            records.append(
-                RequestRecord(
-                    request_id=w.request_id,
-                    send_time=send,
-                    token_times=tuple(client.token_times),
-                    num_prompt_tokens=w.num_prompt_tokens,
-                    num_output_tokens=len(client.token_times),
-                    ok=ok,
-                    error=error,
-                    end_time=client.end_time,
-                    label=w.label,
-                    meta=dict(client.meta),
-                )
-            )
+        records = [self._record(client) for client in self._clients.values()]
         n, p, d = self._counts
-        instances = n if self.mode == "colocated" else p + d
         config = {
             "mode": self.mode,
             "cost_model": self.cost_model.name,
@@ -452,15 +443,33 @@ class Simulator:
         if self.mode == "colocated":
             config["num_instances"] = n
         else:
-            config.update(num_prefill=p, num_decode=d, kv_link_bw=self.link_bw, kv_link_latency_s=self.link_latency)
+            config.update(num_prefill=p, num_decode=d)
         return SimResult(
             self.mode,
             tuple(records),
-            tuple(self.steps),
-            tuple(i.name for i in self.instances),
+            tuple(sorted(self.steps, key=lambda s: s.started)),
+            tuple(self.instances),
             self.kv_bytes_moved,
-            instances * self.tp,
+            len(self.instances) * self.tp,
             config,
+        )
+
+    def _record(self, client: _Client) -> RequestRecord:
+        w = client.wreq
+        error = client.error
+        if not client.done:
+            stopped = self.config.stop_time_s is not None
+            error = error or ("unfinished at stop time" if stopped else "stalled: no instance could make progress")
+        return RequestRecord(
+            request_id=w.request_id,
+            send_time=client.send_time if not math.isnan(client.send_time) else self.now,
+            token_times=tuple(t for t in client.token_times if client.done or t <= self.now),
+            num_prompt_tokens=w.num_prompt_tokens,
+            ok=error is None,
+            error=error,
+            end_time=client.end_time,
+            label=w.label,
+            meta=dict(client.meta),
         )
 
 
@@ -483,19 +492,12 @@ def simulate(
     ``tp`` only labels the result (GPUs per instance, for per-GPU figures); the cost model already
     prices tensor parallelism. ``kv_link_bw``/``kv_link_latency_s`` apply unless ``config`` sets them.
     """
-    sim = Simulator(
-        cost_model,
-        config or SimConfig(),
-        mode,
-        num_instances,
-        num_prefill,
-        num_decode,
-        tp,
-        kv_link_bw,
-        kv_link_latency_s,
-    )
+    config = config or SimConfig()
+    if config.kv_link_bw is None or config.kv_link_latency_s is None:
+        config = dataclasses.replace(
+            config,
+            kv_link_bw=config.kv_link_bw or kv_link_bw,
+            kv_link_latency_s=kv_link_latency_s if config.kv_link_latency_s is None else config.kv_link_latency_s,
+        )
+    sim = Simulator(cost_model, config, mode, num_instances, num_prefill, num_decode, tp)
     return sim.run(requests, max_concurrency)
-
-
-def records_by_label(records: Iterable[RequestRecord], label: str) -> list[RequestRecord]:
-    return [r for r in records if r.label == label]

@@ -1,0 +1,82 @@
+"""Disaggregation's engine-side protocol, torch-free: one copy for the engine and the simulator.
+
+- ``reserve_remote_blocks``: set aside blocks for a prompt whose KV another worker computes (leading
+  full blocks found in the prefix cache are shared and need no transfer);
+- ``admit_remote``: all of the prompt's KV has arrived and the first token is known: decode from here;
+- ``append_token``: the stop rule applied to every sampled token (EOS, stop tokens, ``max_tokens``,
+  ``max_model_len``);
+- ``prefill_admission_open``: a prefill worker keeps its own FIFO of accepted prompts and admits the
+  next one into its engine (reserving on the decode worker at that moment) only while the engine's
+  waiting queue holds fewer prompt tokens than one step's token budget.
+
+``engine.llm_engine.LLMEngine`` (``reserve_remote``, ``admit_remote``, ``step``) and
+``bench.sim.simulator`` call these functions; neither re-types them.
+"""
+
+from __future__ import annotations
+
+from pdserve.engine.request import FinishReason, Request, RequestStatus
+from pdserve.engine.scheduler import Scheduler
+
+
+def reserve_remote_blocks(scheduler: Scheduler, request: Request, now: float) -> int | None:
+    """Allocate blocks for ``request``'s prompt and register it as waiting for remote KV.
+
+    Returns the number of leading prompt tokens already in the prefix cache (their blocks need no
+    transfer), or None, changing nothing, when there are not enough free blocks now.
+    """
+    blocks = scheduler.block_manager
+    hit = blocks.find_prefix_hit(request)
+    uncached = request.num_prompt_tokens - hit.num_tokens
+    if not blocks.can_allocate(request, uncached, hit):
+        return None
+    blocks.take_prefix_hit(request, hit)
+    ok = blocks.allocate_slots(request, uncached)
+    assert ok, "can_allocate promised blocks"
+    request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+    request.times.first_scheduled = now
+    scheduler.add(request)
+    return hit.num_tokens
+
+
+def admit_remote(
+    scheduler: Scheduler, request: Request, first_token: int, now: float, max_model_len: int
+) -> FinishReason | None:
+    """The prompt's KV is all in the reserved blocks: mark it computed, append the first token, and
+    queue the request ahead of new arrivals. When the first token already ends it, finish it (freeing
+    its blocks) and return the reason; else None. Raises ValueError unless it waits for remote KV."""
+    if request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+        raise ValueError(f"request {request.request_id!r} is not waiting for remote KV")
+    request.num_computed_tokens = request.num_prompt_tokens
+    scheduler.block_manager.cache_full_blocks(request)
+    reason = append_token(request, first_token, now, max_model_len)
+    if reason is not None:
+        scheduler.finish(request, reason)
+        return reason
+    scheduler.admit_front(request)
+    return None
+
+
+def append_token(request: Request, token: int, now: float, max_model_len: int) -> FinishReason | None:
+    """Append a sampled token with its time; returns why the request ends now, or None (the stop rule)."""
+    request.all_token_ids.append(token)
+    request.times.tokens.append(now)
+    if request.times.first_token is None:
+        request.times.first_token = now
+    params = request.params
+    if (token in request.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        return FinishReason.STOP
+    if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
+def waiting_prompt_tokens(scheduler: Scheduler) -> int:
+    """Tokens still to compute of the requests in the scheduler's waiting queue."""
+    return sum(r.num_uncomputed_tokens for r in scheduler.waiting)
+
+
+def prefill_admission_open(scheduler: Scheduler) -> bool:
+    """The prefill worker's admission rule: admit the next prompt of its FIFO into this engine while
+    the waiting queue holds fewer prompt tokens than one step's budget (``max_num_batched_tokens``)."""
+    return waiting_prompt_tokens(scheduler) < scheduler.config.max_num_batched_tokens
