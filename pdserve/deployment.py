@@ -94,6 +94,7 @@ class DeploymentConfig:
                 **base.__dict__,
                 "default_mode": self.mode,
                 "block_size": self.engine.block_size,
+                "prefix_caching": self.engine.enable_prefix_caching,
                 "abort_fence_s": self.reservation_ttl_s,
             }
         )

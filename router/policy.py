@@ -31,6 +31,7 @@ class RouterConfig:
     abort_fence_s: float = 60.0  # how long an abort waits for the prefill worker to confirm its pushes are over
     stream_idle_timeout_s: float = 600.0  # a stream with no token for this long fails with UNAVAILABLE
     prefix_index_blocks: int = 65536  # per decode worker
+    prefix_caching: bool = True  # the workers cache prefixes; if not, the view remembers nothing
 
     def __post_init__(self) -> None:
         if self.default_mode not in MODES:
@@ -145,7 +146,8 @@ class RoutingPolicy:
         decode.outstanding_tokens += len(prompt) - route.expected_cached_tokens + max_tokens
         decode.num_requests += 1
         hashes = compute_block_hashes(prompt, self.config.block_size)
-        decode.remember(hashes, self.config.prefix_index_blocks)
+        if self.config.prefix_caching:
+            decode.remember(hashes, self.config.prefix_index_blocks)
         if route.prefill_worker is not None:
             prefill = self.prefill[route.prefill_worker]
             prefill.outstanding_tokens += len(prompt) - route.expected_cached_tokens

@@ -145,3 +145,12 @@ def test_router_validation_limits_and_seeds():
     with pytest.raises(RequestError) as err:
         asyncio.run(colocated_only())
     assert err.value.code == "INVALID_ARGUMENT" and "needs a prefill worker" in str(err.value)
+
+
+def test_without_prefix_caching_the_view_expects_no_cached_tokens():
+    policy = RoutingPolicy(RouterConfig(block_size=4, prefix_caching=False, default_mode="auto"), ["d0"], ["p0"])
+    prompt = list(range(40))
+    first = policy.route(prompt, 4, "auto")
+    policy.start(first, prompt, 4)
+    policy.finish(first, prompt, 4)
+    assert policy.route(prompt, 4, "auto").expected_cached_tokens == 0
