@@ -15,10 +15,9 @@ import statistics
 import sys
 import time
 
+from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.router.client import Client
-
-from pdserve.deployment import Deployment, DeploymentConfig
 
 
 def run_once(client: Client, prompt: list[int], mode: str) -> dict:

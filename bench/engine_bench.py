@@ -44,8 +44,9 @@ from typing import Any
 if __name__ == "__main__" and "--omp-spin" not in sys.argv:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import pdserve.engine
 import torch
+
+import pdserve.engine
 from pdserve.bench.hf_reference import build_hf_model, hf_batches, hf_generate_batched, hf_warm
 from pdserve.bench.metrics import itls_during_prefill, percentile
 from pdserve.bench.step_split import Timed, instrument, print_split, step_split

@@ -18,11 +18,11 @@ from typing import NamedTuple
 
 import grpc
 import ray
+
 from pdserve.bench.soak import wait_drained
+from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.router.client import AsyncClient
-
-from pdserve.deployment import Deployment, DeploymentConfig
 
 ENGINE = EngineConfig(
     model="tiny", device="cpu", num_kv_blocks=400, max_num_batched_tokens=32, torch_threads=1, max_model_len=1024

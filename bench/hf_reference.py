@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
 from pdserve.bench.workloads import WorkloadRequest
 
 PAD_TOKEN = 258  # reserved in the byte tokenizer: decodes to nothing, never a prompt token here

@@ -28,6 +28,7 @@ from typing import Any
 
 import ray
 import torch
+
 from pdserve.kv_transfer.base import ChunkNotification
 from pdserve.kv_transfer.grpc_transport import GrpcConfig
 from pdserve.kv_transfer.nixl_transport import NixlConfig

@@ -18,8 +18,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
-from pdserve.bench.metrics import SweepPoint, find_knee
 
+from pdserve.bench.metrics import SweepPoint, find_knee
 from pdserve.messages import StepStats
 
 PREFILL_COLOR = "#7b3fa0"  # the lesson's purple for prefill compute

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+
 from pdserve.bench.metrics import (
     BenchmarkMetrics,
     RequestRecord,
@@ -41,7 +42,6 @@ from pdserve.bench.plots import (
     plot_ttft_cdf,
 )
 from pdserve.bench.spread import Spread, differences, spread_table, summarize
-
 from pdserve.messages import StepStats
 
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from tqdm import tqdm
+
 from pdserve.bench.metrics import RequestRecord, SweepPoint, find_knee, parse_slo, sweep_point
 from pdserve.bench.report import RunData, markdown_table, write_report
 from pdserve.bench.sim.cli import parse_sweep
@@ -43,8 +45,6 @@ from pdserve.bench.workloads import (
 )
 from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.engine.options import add_engine_arguments, engine_config_from_args
-from tqdm import tqdm
-
 from pdserve.messages import StepStats
 
 ARCHITECTURES = ("colocated", "disaggregated", "auto")
@@ -283,9 +283,8 @@ def warmup_requests(n: int, seed: int) -> list[WorkloadRequest]:
 
 
 def deployment_config(architecture: str, args: argparse.Namespace, engine: EngineConfig):
-    from pdserve.router.policy import RouterConfig
-
     from pdserve.deployment import DeploymentConfig
+    from pdserve.router.policy import RouterConfig
 
     n = args.workers
     if architecture == "colocated":

@@ -40,16 +40,16 @@ from itertools import pairwise
 from typing import Any, NamedTuple
 
 import grpc
+
 from pdserve.bench.metrics import percentile
+from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.messages import WorkerStats
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.client import AsyncClient, GenerateChunk
 from pdserve.router.policy import MODES, RouterConfig
 from pdserve.router.wire import GRPC_OPTIONS, worker_stats_from_proto
-
-from pdserve.deployment import Deployment, DeploymentConfig
-from pdserve.messages import WorkerStats
 
 MAX_MODEL_LEN = 1024
 AUTO_MIN_REMOTE_TOKENS = 128  # auto sends longer uncached prompts to the prefill pool, shorter ones stay local

@@ -23,10 +23,10 @@ from typing import NamedTuple
 
 import psutil
 import ray
-from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pdserve.router.client import AsyncClient
 
 from pdserve.deployment import Deployment, DeploymentConfig
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.router.client import AsyncClient
 
 PROMPT_TOKENS = 64
 IDLE_S = 3.0

@@ -36,7 +36,6 @@ from typing import Any, NamedTuple
 
 from pdserve.bench.metrics import RequestRecord, compute_metrics
 from pdserve.bench.workloads import TOKEN_ID_HIGH, WorkloadRequest, WorkloadSpec, build_workload
-
 from pdserve.messages import StepStats
 
 ARCHITECTURES = ("colocated", "disaggregated", "auto")

@@ -27,7 +27,6 @@ from pdserve.engine.async_engine import AsyncEngine, exit_process_soon, worker_r
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.request import Request
 from pdserve.kv_transfer import TransferTarget, make_transport
-
 from pdserve.messages import StepEvents, TokenUpdate, WorkerRequestStats, WorkerStats
 from pdserve.placement import current_node
 

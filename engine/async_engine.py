@@ -20,7 +20,6 @@ from typing import Any, TypeVar
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.request import Request
-
 from pdserve.messages import TokenUpdate, WorkerRequestStats, WorkerStats
 
 T = TypeVar("T")

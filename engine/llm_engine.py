@@ -9,6 +9,7 @@ from collections import deque
 from typing import NamedTuple
 
 import torch
+
 from pdserve.engine import remote_kv
 from pdserve.engine.block_manager import BlockManager, BlockUsage
 from pdserve.engine.config import EngineConfig, ModelConfig
@@ -18,7 +19,6 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from pdserve.engine.weights import build_model
-
 from pdserve.messages import StepStats
 
 

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from pdserve.engine.config import ModelConfig
 from torch import nn
+
+from pdserve.engine.config import ModelConfig
 
 
 @dataclass

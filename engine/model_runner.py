@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model import AttentionMetadata, DecodeGroup, LlamaForCausalLM, PrefillSpan, Workspace
 from pdserve.engine.sampler import sample

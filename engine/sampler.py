@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from pdserve.engine.sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15

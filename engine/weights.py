@@ -10,9 +10,10 @@ import os
 from collections.abc import Iterator
 
 import torch
+from safetensors.torch import load_file
+
 from pdserve.engine.config import PRESETS, ModelConfig, resolve_checkpoint
 from pdserve.engine.model import LlamaForCausalLM
-from safetensors.torch import load_file
 
 
 def build_model(

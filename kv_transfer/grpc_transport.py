@@ -33,6 +33,7 @@ from typing import Any
 
 import grpc
 import torch
+
 from pdserve.kv_transfer.base import (
     DEFAULT_WAIT_S,
     ChunkNotification,

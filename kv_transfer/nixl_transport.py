@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from pdserve.kv_transfer.base import (
     ChunkNotification,
     KVTransferError,

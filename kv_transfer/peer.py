@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+
 from pdserve.kv_transfer import make_transport
 from pdserve.kv_transfer.base import ChunkNotification, TransferTarget, pool_bytes_view
 from pdserve.kv_transfer.grpc_transport import GrpcConfig

@@ -29,7 +29,6 @@ from pdserve.engine.async_engine import AsyncEngine, exit_process_soon, worker_r
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.remote_kv import prefill_admission_open
 from pdserve.kv_transfer import ChunkNotification, PushHandle, TransferTarget, make_transport
-
 from pdserve.messages import WorkerStats
 from pdserve.placement import current_node
 

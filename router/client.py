@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any, NamedTuple
 
 import grpc
+
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.messages import RequestMetrics, WorkerStats
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.wire import GRPC_OPTIONS, MODE_ENUMS, metrics_from_proto, params_to_proto, worker_stats_from_proto
-
-from pdserve.messages import RequestMetrics, WorkerStats
 
 
 class GenerateChunk(NamedTuple):

@@ -34,6 +34,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
 from pdserve.router.metrics import CONTENT_TYPE_LATEST
 from pdserve.router.openai_protocol import (
     CHAT,

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Annotated, Any, Literal, NamedTuple
 
 from fastapi.responses import JSONResponse
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.router.router import RequestError, Router, RouterEvent
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import RequestMetrics
+from pdserve.router.router import RequestError, Router, RouterEvent
 
 MODES = ("colocated", "disaggregated", "auto")
 MAX_STOP_STRINGS = 4

@@ -21,14 +21,14 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any, NamedTuple
 
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.messages import RequestMetrics, WorkerRequestStats, WorkerStats
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import NoWorkerAvailable, Route, RouterConfig, RoutingPolicy
 from pdserve.router.worker_events import InFlight, WorkerEvents
-from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
-
-from pdserve.messages import RequestMetrics, WorkerRequestStats, WorkerStats
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,8 @@ The server and the client both convert here, so a field added to a message is ad
 from __future__ import annotations
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.proto import pdserve_pb2 as pb
-
 from pdserve.messages import RequestMetrics, StepStats, WorkerStats
+from pdserve.proto import pdserve_pb2 as pb
 
 MODE_NAMES = {pb.MODE_UNSPECIFIED: None, pb.COLOCATED: "colocated", pb.DISAGGREGATED: "disaggregated", pb.AUTO: "auto"}
 MODE_ENUMS = {name: enum for enum, name in MODE_NAMES.items() if name}

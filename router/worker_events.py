@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.tokenizer import IncrementalDetokenizer
-from pdserve.router.policy import Route, RouterConfig, RoutingPolicy
-
 from pdserve.messages import TokenUpdate
+from pdserve.router.policy import Route, RouterConfig, RoutingPolicy
 
 if TYPE_CHECKING:
     from pdserve.router.router import WorkerHandle

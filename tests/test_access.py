@@ -13,10 +13,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from pdserve.engine import EngineConfig, SamplingParams
-from pdserve.router.client import Client
 
 from pdserve.deployment import Deployment, DeploymentConfig
+from pdserve.engine import EngineConfig, SamplingParams
+from pdserve.router.client import Client
 
 pytestmark = pytest.mark.cluster
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 
 

@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 import pytest
+
 from pdserve.bench.metrics import RequestRecord
 from pdserve.bench.sim.calibrate import (
     CalibrationGrid,
@@ -24,7 +25,6 @@ from pdserve.bench.sim.cost_model import LinearCostModel, StepShape
 from pdserve.bench.sim.profiles import LinearProfile, RoleFit, get_model, load_linear_profile, quantile_at
 from pdserve.bench.sim.simulator import SimConfig, simulate
 from pdserve.bench.workloads import WorkloadRequest, random_workload
-
 from pdserve.messages import StepStats
 
 TRUTH = (0.004, 5e-4, 2e-3, 1e-7, 4e-6, 3e-6)  # LINEAR_TERMS: fixed, prefill, decode, prefill ctx, decode ctx, KV read

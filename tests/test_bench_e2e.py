@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from pdserve.bench.runner import main
 
 pytestmark = pytest.mark.cluster

@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import pytest
+
 from pdserve.bench.metrics import (
     LatencyStats,
     RequestRecord,
@@ -23,7 +24,6 @@ from pdserve.bench.metrics import (
 )
 from pdserve.bench.report import RunData, load_results, markdown_table, write_report
 from pdserve.bench.spread import Spread, differences, summarize
-
 from pdserve.messages import StepStats
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.model_runner import ModelRunner, gather_kv
 

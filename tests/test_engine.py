@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+
 from pdserve.engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
 from pdserve.engine.tokenizer import ByteTokenizer
 

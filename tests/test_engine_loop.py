@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.engine_loop import EngineLoop
 

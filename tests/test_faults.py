@@ -11,11 +11,11 @@ import time
 import grpc
 import pytest
 import ray
+
+from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.router.client import Client
 from pdserve.router.policy import RouterConfig
-
-from pdserve.deployment import Deployment, DeploymentConfig
 
 pytestmark = pytest.mark.cluster
 

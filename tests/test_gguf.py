@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 from gguf_writer import SPECIAL_TOKENS, byte_level_vocabulary, write_gguf
+
 from pdserve.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from pdserve.engine import gguf as engine_gguf
 from pdserve.engine.config import CHECKPOINT_PRESETS, checkpoint_preset_file, resolve_checkpoint

@@ -21,12 +21,12 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.engine.tokenizer import ByteTokenizer
 from pdserve.router.policy import RouterConfig
 from pdserve.router.router import GenerateInput, ModelLimits, RequestError, Router
-
-from pdserve.deployment import Deployment, DeploymentConfig
 
 pytestmark = pytest.mark.cluster
 

@@ -11,13 +11,13 @@ from typing import Any
 import openai
 import pytest
 import ray
+
+from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.engine.tokenizer import ByteTokenizer
 from pdserve.router.client import Client
 from pdserve.router.http_api import StopMatcher, render_chat
 from pdserve.router.policy import RouterConfig
-
-from pdserve.deployment import Deployment, DeploymentConfig
 
 pytestmark = pytest.mark.cluster
 

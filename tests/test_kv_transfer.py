@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+
 from pdserve.kv_transfer import (
     ChunkNotification,
     KVTransferError,

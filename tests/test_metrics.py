@@ -9,13 +9,13 @@ import urllib.request
 import grpc
 import pytest
 import ray
-from pdserve.engine import EngineConfig, SamplingParams
-from pdserve.router.client import Client
-from pdserve.router.metrics import RouterMetrics, is_kv_transfer_failure
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.deployment import Deployment, DeploymentConfig
+from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.messages import RequestMetrics
+from pdserve.router.client import Client
+from pdserve.router.metrics import RouterMetrics, is_kv_transfer_failure
 
 ENGINE = EngineConfig(
     model="tiny", device="cpu", num_kv_blocks=300, max_num_batched_tokens=48, torch_threads=1, max_model_len=1024

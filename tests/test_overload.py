@@ -21,12 +21,12 @@ import grpc
 import psutil
 import pytest
 import ray
+
 from pdserve.bench.soak import Probe, random_prompt, wait_drained
+from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.router.client import AsyncClient
 from pdserve.router.policy import MODES, RouterConfig
-
-from pdserve.deployment import Deployment, DeploymentConfig
 
 pytestmark = pytest.mark.cluster
 

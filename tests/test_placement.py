@@ -6,11 +6,10 @@ import time
 
 import pytest
 import ray
-from pdserve.engine import EngineConfig, SamplingParams
-from pdserve.router.client import Client
 
 from pdserve.cli.main import STATUS_COLUMNS, format_status
 from pdserve.deployment import Deployment, DeploymentConfig
+from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.placement import (
     DECODE,
     PREFILL,
@@ -21,6 +20,7 @@ from pdserve.placement import (
     node_label,
     plan_placement,
 )
+from pdserve.router.client import Client
 
 
 def _node(n: int, **resources: float) -> NodeInfo:

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from pdserve.engine import SamplingParams
 from pdserve.router.client import Client
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from pdserve.engine import remote_kv
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import FinishReason, Request, RequestStatus

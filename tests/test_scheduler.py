@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from pdserve.engine.block_manager import BlockManager, compute_block_hashes
 from pdserve.engine.request import FinishReason, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams

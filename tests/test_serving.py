@@ -11,12 +11,12 @@ import grpc
 import pytest
 import ray
 import torch
+
+from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.model_runner import gather_kv
 from pdserve.router.client import AsyncClient, Client
 from pdserve.router.policy import RouterConfig
-
-from pdserve.deployment import Deployment, DeploymentConfig
 
 pytestmark = pytest.mark.cluster
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import os
 
-import pdserve.engine.scheduler as engine_scheduler
 import pytest
+
+import pdserve.engine.scheduler as engine_scheduler
 from pdserve.bench.metrics import compute_metrics
 from pdserve.bench.sim.cli import main
 from pdserve.bench.sim.cost_model import RooflineCostModel, StepShape, chunk_context_tokens

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from pdserve.bench.soak import main
 
 pytestmark = pytest.mark.cluster

@@ -8,11 +8,12 @@ import shutil
 
 import pytest
 import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
 from pdserve.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from pdserve.engine.chat_template import ChatTemplate
 from pdserve.engine.request import FinishReason
 from pdserve.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 TEXT = ["naïve café — 東京 and Zürich, déjà vu", "chunked prefill splits prompts", "€ 5 über alles"] * 20
 SPECIAL_TOKENS = ["<eos>", "<s>", "<|eot|>"]

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+
 from pdserve.bench.workloads import (
     WorkloadRequest,
     WorkloadSpec,

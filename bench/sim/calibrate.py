@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
+
 from pdserve.bench.metrics import RequestRecord
 from pdserve.bench.sim.cost_model import ROLES, StepShape, linear_features
 from pdserve.bench.sim.profiles import LINEAR_TERMS, RATIO_PERCENTILES, LinearProfile, RoleFit
-
 from pdserve.messages import StepStats
 
 if TYPE_CHECKING:

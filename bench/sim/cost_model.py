@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from pdserve.bench.sim.profiles import HardwareProfile, LinearProfile, ModelProfile
 from pdserve.engine.scheduler import chunk_context_tokens  # the engine's own count: simulator and StepStats agree
-
 from pdserve.messages import StepStats
 
 if TYPE_CHECKING:

@@ -25,7 +25,6 @@ from pdserve.bench.sim.config import SimConfig
 from pdserve.bench.sim.cost_model import CostModel
 from pdserve.bench.sim.simulator import SimResult, simulate
 from pdserve.bench.workloads import WorkloadRequest, random_tokens
-
 from pdserve.messages import StepStats
 
 STREAM_MAX_TOKENS = 1_000_000  # streams never finish inside the window

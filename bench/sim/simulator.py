@@ -51,9 +51,8 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pdserve.router.policy import Route, RouterConfig, RoutingPolicy
-
 from pdserve.messages import StepStats
+from pdserve.router.policy import Route, RouterConfig, RoutingPolicy
 
 MODES = ("colocated", "disaggregated", "auto")
 DUMMY_TOKEN = 0  # what a simulated step "samples"; never EOS (requests run to max_tokens)
