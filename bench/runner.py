@@ -240,7 +240,7 @@ def _measure_http(
     records = asyncio.run(send_workload_http(base_url, requests, mode, max_concurrency, progress, desc))
     duration = time.time() - t0
     moved = sum(int(r.meta.get("kv_transfer_bytes", 0)) for r in records)
-    return MeasuredRun(records, [], moved, duration, [])
+    return MeasuredRun(records, [], moved, duration)
 
 
 def measure(
