@@ -1,3 +1,4 @@
+# Over 500 lines: the runner drives every target (in-process deployments, a gRPC router, an HTTP server) and sweep.
 """``pdserve bench``: the A/B benchmark of the real system, one architecture after another.
 
 Each architecture gets a fresh deployment with the same number of workers (colocated: N decode

@@ -1,3 +1,4 @@
+# Over 500 lines: one script; its phases, client kinds and checks share the soak's counters and report.
 """Soak: a few hundred concurrent client streams for minutes against a local deployment, checked for leaks.
 
 One deployment of the ``tiny`` preset (decode and prefill workers on this machine, loopback only) serves

@@ -1,3 +1,4 @@
+# Over 500 lines: one discrete-event loop whose handlers (arrival, step, KV link, admission) share its state.
 """Discrete-event replay of a workload through the engine's real scheduler, protocol and routing policy.
 
 Nothing of the serving logic is re-typed here. Every instance owns an ``engine.scheduler.Scheduler``
