@@ -26,7 +26,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +65,43 @@ class MeasuredRun:
 # ---- sending a workload --------------------------------------------------------------------------------
 
 
+async def _timed_request(
+    req: WorkloadRequest,
+    start: float,
+    limit: asyncio.Semaphore | None,
+    bar: Any,
+    fetch: Callable[[list[float]], Awaitable[tuple[str | None, int | None, dict[str, Any]]]],
+) -> RequestRecord:
+    """Send ``req`` at its arrival offset (within the concurrency ``limit``) and record it.
+
+    ``fetch(times)`` streams the request, appending a client timestamp per token to ``times``, and
+    returns ``(error, output tokens as the server counts them or None for len(times), meta)``.
+    """
+    await asyncio.sleep(max(0.0, start + req.arrival_offset_s - time.time()))
+    if limit is not None:
+        await limit.acquire()
+    send = time.time()
+    times: list[float] = []
+    try:
+        error, num_output, meta = await fetch(times)
+    finally:
+        if limit is not None:
+            limit.release()
+        bar.update()
+    return RequestRecord(
+        req.request_id,
+        send,
+        times,
+        req.num_prompt_tokens,
+        num_output,  # None: one token per timestamp
+        ok=error is None,
+        error=error,
+        end_time=time.time(),
+        label=req.label,
+        meta=meta,
+    )
+
+
 async def send_workload(
     address: str,
     requests: Sequence[WorkloadRequest],
@@ -80,38 +117,20 @@ async def send_workload(
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
     async def one(client: AsyncClient, req: WorkloadRequest, start: float) -> RequestRecord:
-        await asyncio.sleep(max(0.0, start + req.arrival_offset_s - time.time()))
-        if limit is not None:
-            await limit.acquire()
-        send = time.time()
-        times: list[float] = []
-        meta: dict[str, Any] = {}
-        error = None
-        try:
-            params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
-            async for chunk in client.generate(req.prompt_token_ids, params, mode=mode):
-                now = time.time()
-                times.extend([now] * len(chunk.token_ids))
-                if chunk.metadata is not None:
-                    meta = chunk.metadata._asdict()
-        except grpc.aio.AioRpcError as e:
-            error = f"{e.code().name}: {e.details()}"
-        finally:
-            if limit is not None:
-                limit.release()
-            bar.update()
-        return RequestRecord(
-            req.request_id,
-            send,
-            times,
-            req.num_prompt_tokens,
-            len(times),
-            ok=error is None,
-            error=error,
-            end_time=time.time(),
-            label=req.label,
-            meta=meta,
-        )
+        async def fetch(times: list[float]) -> tuple[str | None, int | None, dict[str, Any]]:
+            meta: dict[str, Any] = {}
+            try:
+                params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+                async for chunk in client.generate(req.prompt_token_ids, params, mode=mode):
+                    now = time.time()
+                    times.extend([now] * len(chunk.token_ids))
+                    if chunk.metadata is not None:
+                        meta = chunk.metadata._asdict()
+            except grpc.aio.AioRpcError as e:
+                return f"{e.code().name}: {e.details()}", None, meta
+            return None, None, meta
+
+        return await _timed_request(req, start, limit, bar, fetch)
 
     async with AsyncClient(address) as client:
         start = time.time()
@@ -146,9 +165,6 @@ async def send_workload_http(
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
     async def one(session: aiohttp.ClientSession, model: str, req: WorkloadRequest, start: float) -> RequestRecord:
-        await asyncio.sleep(max(0.0, start + req.arrival_offset_s - time.time()))
-        if limit is not None:
-            await limit.acquire()
         body: dict[str, Any] = {
             "model": model,
             "prompt": list(req.prompt_token_ids),
@@ -161,35 +177,17 @@ async def send_workload_http(
         }
         if mode is not None:
             body["pdserve_mode"] = mode
-        send = time.time()
-        times: list[float] = []
-        meta: dict[str, Any] = {}
-        num_output: int | None = None
-        error = None
-        try:
-            async with session.post(f"{base_url}/v1/completions", json=body) as resp:
-                if resp.status != 200:
-                    error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
-                else:
-                    error, num_output, meta = await _read_events(resp.content, times)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-            error = f"{type(e).__name__}: {e}"
-        finally:
-            if limit is not None:
-                limit.release()
-            bar.update()
-        return RequestRecord(
-            req.request_id,
-            send,
-            times,
-            req.num_prompt_tokens,
-            num_output if num_output is not None and num_output != len(times) else None,
-            ok=error is None,
-            error=error,
-            end_time=time.time(),
-            label=req.label,
-            meta=meta,
-        )
+
+        async def fetch(times: list[float]) -> tuple[str | None, int | None, dict[str, Any]]:
+            try:
+                async with session.post(f"{base_url}/v1/completions", json=body) as resp:
+                    if resp.status != 200:
+                        return f"HTTP {resp.status}: {(await resp.text())[:500]}", None, {}
+                    return await _read_events(resp.content, times)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                return f"{type(e).__name__}: {e}", None, {}
+
+        return await _timed_request(req, start, limit, bar, fetch)
 
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pdserve.engine.async_engine import AsyncEngine, exit_process_soon, worker_request_stats
+from pdserve.engine.async_engine import AsyncEngine, exit_process_soon, second_token_time, worker_request_stats
 from pdserve.engine.llm_engine import RequestOutput
 from pdserve.engine.request import Request
 from pdserve.kv_transfer import TransferTarget, make_transport
@@ -49,6 +49,7 @@ class _Pending:
 
     deadline: float  # time.monotonic() on this host
     reserved_at: float
+    block_ids: frozenset[int]  # the blocks a push may write
     first_token: int | None = None
     first_token_time: float | None = None
     pushes_seen: set[int] = field(default_factory=set)
@@ -80,11 +81,10 @@ class DecodeWorker:
         self.transport = make_transport(transport, transport_config)
         self.transport.register_pool(engine.kv_cache)
         self.target = self.transport.describe()
-        # request -> its reserved blocks, read by the transport's receiver threads: pushes into
-        # anything else are refused (gRPC; NIXL's one-sided writes cannot be checked on arrival)
-        self._reserved_blocks: dict[str, frozenset[int]] = {}
+        # written on the loop thread only; the transport's receiver threads read it: pushes outside a
+        # live reservation are refused (gRPC; NIXL's one-sided writes cannot be checked on arrival)
+        self._pending: dict[str, _Pending] = {}
         self.transport.set_push_filter(self._accepts_push)
-        self._pending: dict[str, _Pending] = {}  # touched on the loop thread only
         self._served: dict[str, _Served] = {}  # loop thread only
         self._kv_bytes = 0
         self._fault: str | None = None
@@ -129,8 +129,7 @@ class DecodeWorker:
             if reservation is None:
                 return None
             now = time.monotonic()
-            self._pending[request_id] = _Pending(deadline=now + self.reservation_ttl_s, reserved_at=now)
-            self._reserved_blocks[request_id] = frozenset(reservation.block_ids)
+            self._pending[request_id] = _Pending(now + self.reservation_ttl_s, now, frozenset(reservation.block_ids))
             return ReserveResult(
                 self.worker_id,
                 self.target,
@@ -162,8 +161,8 @@ class DecodeWorker:
             raise
 
     def _accepts_push(self, request_id: str, block_ids: list[int]) -> bool:
-        reserved = self._reserved_blocks.get(request_id)
-        return reserved is not None and reserved.issuperset(block_ids)
+        pending = self._pending.get(request_id)  # a receiver thread reads it: one dict lookup, atomic
+        return pending is not None and pending.block_ids.issuperset(block_ids)
 
     def _on_tick(self, engine: LLMEngine) -> None:
         for note in self.transport.poll_notifications():
@@ -180,7 +179,6 @@ class DecodeWorker:
                 if now > pending.deadline:
                     log.warning("%s: KV for %s did not arrive in time; freeing its blocks", self.worker_id, request_id)
                     self._pending.pop(request_id)
-                    self._reserved_blocks.pop(request_id, None)
                     engine.abort(request_id)
                     self._end(request_id, error="KV transfer deadline passed")
 
@@ -192,7 +190,6 @@ class DecodeWorker:
         if pending.first_token is None:
             return
         del self._pending[request_id]
-        self._reserved_blocks.pop(request_id, None)
         request = engine.get_request(request_id)
         assert request is not None
         pushed_blocks = len(request.block_ids) - request.num_cached_tokens // engine.config.block_size
@@ -229,8 +226,9 @@ class DecodeWorker:
         request, remote_kv = served
         if remote_kv is None:
             return worker_request_stats(request)
-        second = request.times.tokens[1] if len(request.times.tokens) > 1 else 0.0
-        return remote_kv._replace(num_cached_tokens=request.num_cached_tokens, second_token_time=second)
+        return remote_kv._replace(
+            num_cached_tokens=request.num_cached_tokens, second_token_time=second_token_time(request)
+        )
 
     def _end(self, request_id: str, error: str | None = None) -> None:
         self._served.pop(request_id, None)
@@ -246,7 +244,6 @@ class DecodeWorker:
 
     def _abort_on_loop(self, engine: LLMEngine, request_id: str) -> bool:
         self._pending.pop(request_id, None)
-        self._reserved_blocks.pop(request_id, None)
         found = engine.abort(request_id)
         if found:
             self._end(request_id)

@@ -26,6 +26,12 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+def second_token_time(request: Request) -> float:
+    """Unix time this worker sampled the request's output token #2 (0 if it has not)."""
+    tokens = request.times.tokens
+    return tokens[1] if len(tokens) > 1 else 0.0
+
+
 def worker_request_stats(request: Request, **extra: float) -> WorkerRequestStats:
     """Queue and prefill times of a request that this worker prefilled, plus ``extra`` fields."""
     t = request.times
@@ -35,7 +41,7 @@ def worker_request_stats(request: Request, **extra: float) -> WorkerRequestStats
         queue_s=max(0.0, scheduled - t.arrival),
         prefill_s=max(0.0, first - scheduled),
         num_cached_tokens=request.num_cached_tokens,
-        second_token_time=t.tokens[1] if len(t.tokens) > 1 else 0.0,
+        second_token_time=second_token_time(request),
         **extra,
     )
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import socket
 import time
@@ -53,6 +52,7 @@ from pdserve.router.openai_protocol import (
     stream_reply,
 )
 from pdserve.router.router import GenerateInput, RequestError, Router
+from pdserve.router.server import has_bearer_token
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def build_app(router: Router, model_name: str, auth_token: str | None = None) ->
     ``api_key``); ``/health`` and ``/metrics`` stay open for probes and scrapers.
     """
     app = FastAPI(title="pdserve", description=__doc__, docs_url="/docs", redoc_url=None)
-    app.middleware("http")(_bearer_token(f"Bearer {auth_token}".encode() if auth_token else None))
+    app.middleware("http")(_bearer_token(auth_token))
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _unexpected)
@@ -91,13 +91,12 @@ def _add_metrics(app: FastAPI, router: Router) -> None:
         return Response(await router.metrics.scrape(router), media_type=CONTENT_TYPE_LATEST)
 
 
-def _bearer_token(expected: bytes | None) -> Any:
-    """The middleware that refuses a ``/v1/`` call without the ``expected`` Authorization header (if any)."""
+def _bearer_token(token: str | None) -> Any:
+    """The middleware that refuses a ``/v1/`` call without ``Authorization: Bearer <token>`` (if a token is set)."""
 
     async def check(request: Request, call_next: Any) -> Any:
-        if expected is not None and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+        if token is not None and request.url.path.startswith("/v1/"):
+            if not has_bearer_token(request.headers.get("authorization", ""), token):
                 message = "missing or wrong bearer token (Authorization header / api_key)"
                 return ApiError(401, message, "invalid_request_error", None, "invalid_api_key").response()
         return await call_next(request)

@@ -134,23 +134,19 @@ class Router:
             else:
                 prompt = self.tokenizer.encode(req.prompt)
         else:
-            if len(req.prompt) >= max_len:
-                raise RequestError(
-                    "INVALID_ARGUMENT",
-                    f"prompt: {len(req.prompt)} tokens leaves no room to generate within max_model_len={max_len}",
-                )
-            prompt = list(req.prompt)
+            prompt = req.prompt  # token ids: listed once they are known to fit
         if not prompt:
             raise RequestError("INVALID_ARGUMENT", "prompt: must not be empty")
-        bad = [t for t in prompt if not 0 <= t < self.limits.vocab_size]
-        if bad:
-            raise RequestError(
-                "INVALID_ARGUMENT", f"prompt: token ids must be in [0, {self.limits.vocab_size}), got {bad[:5]}"
-            )
         if len(prompt) >= max_len:
             raise RequestError(
                 "INVALID_ARGUMENT",
                 f"prompt: {len(prompt)} tokens leaves no room to generate within max_model_len={max_len}",
+            )
+        prompt = list(prompt)
+        bad = [t for t in prompt if not 0 <= t < self.limits.vocab_size]
+        if bad:
+            raise RequestError(
+                "INVALID_ARGUMENT", f"prompt: token ids must be in [0, {self.limits.vocab_size}), got {bad[:5]}"
             )
         params = req.params
         if params.max_tokens > max_len:

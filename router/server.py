@@ -163,6 +163,12 @@ class ServerSecurity(NamedTuple):
     tls_private_key: bytes | None = None
 
 
+def has_bearer_token(authorization: str | bytes, token: str) -> bool:
+    """Whether an ``authorization`` header/metadata value is ``Bearer <token>``, compared in constant time."""
+    given = authorization.encode() if isinstance(authorization, str) else authorization
+    return hmac.compare_digest(given, f"Bearer {token}".encode())
+
+
 class BearerTokenAuth(grpc.aio.ServerInterceptor):
     """Refuses (UNAUTHENTICATED) every call without the expected bearer token, comparing in constant time.
 
@@ -170,7 +176,7 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):
     """
 
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+        self._token = token
         self.num_refused = 0
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
@@ -181,8 +187,7 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
         if details.method.startswith("/grpc.health.v1.Health/"):
             return await continuation(details)
-        given = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected):
+        if has_bearer_token(dict(details.invocation_metadata or ()).get("authorization", ""), self._token):
             return await continuation(details)
         self.num_refused += 1
         return self._deny
