@@ -6,7 +6,7 @@ router(s) in their own processes, an ``AsyncClient`` here), each with one torch 
 tokens/s both ways and their ratio, event-stream items per streamed token, and CPU ms per 1000 streamed
 tokens (= µs per token) in the router process(es) — with the share the same process spends when idle
 for as long (Ray's threads, health pollers), measured right after — the worker and this client process.
-Then 1 vs 2 routers.
+Then 1 vs 2 routers, and the floor: a bare ``grpc.aio`` server streaming one message per token.
 
     python bench/token_path_bench.py            # about 4 minutes on 2 cores
     python bench/token_path_bench.py --quick    # tiny preset, 64 streams, 1 vs 2 routers
@@ -16,20 +16,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import random
 import resource
 import time
 from typing import NamedTuple
 
+import grpc
 import psutil
 import ray
 
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.client import AsyncClient
 
 PROMPT_TOKENS = 64
 IDLE_S = 3.0
+FLOOR_TOKENS = 128
 OUTPUT_TOKENS = {"tiny": 128, "bench": 64}
 
 
@@ -119,6 +124,54 @@ def served(model: str, streams: int, routers: int) -> tuple[float, float, float,
     )
 
 
+class _BareStreamer(pb_grpc.PDServeServicer):
+    """A gRPC servicer that streams ``FLOOR_TOKENS`` one-token messages per call and does nothing else."""
+
+    async def Generate(self, request: object, context: object):
+
+        for i in range(FLOOR_TOKENS):
+            await asyncio.sleep(0)
+            yield pb.GenerateResponse(token_ids=[i], text="a")
+
+
+def _serve_bare(port_queue: multiprocessing.Queue) -> None:
+    async def serve() -> None:
+        server = grpc.aio.server()
+        pb_grpc.add_PDServeServicer_to_server(_BareStreamer(), server)
+        port_queue.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def grpc_floor(streams: int = 64) -> float:
+    """Server CPU µs per message of a bare ``grpc.aio`` server streaming one token per message to
+    ``streams`` concurrent calls: the floor under any router that sends each token on its own."""
+    ctx = multiprocessing.get_context("spawn")
+    ports: multiprocessing.Queue = ctx.Queue()
+    server = ctx.Process(target=_serve_bare, args=(ports,), daemon=True)
+    server.start()
+    try:
+        address = f"127.0.0.1:{ports.get(timeout=60)}"
+
+        async def run(n: int) -> int:
+            async with AsyncClient(address) as client:
+
+                async def one() -> int:
+                    return sum([len(c.token_ids) async for c in client.generate([1], SamplingParams())])
+
+                return sum(await asyncio.gather(*[one() for _ in range(n)]))
+
+        asyncio.run(run(4))  # warm-up
+        before = _cpu_s(server.pid)  # type: ignore[arg-type]
+        messages = asyncio.run(run(streams))
+        return (_cpu_s(server.pid) - before) / messages * 1e6  # type: ignore[arg-type]
+    finally:
+        server.terminate()
+        server.join(10)
+
+
 def measure(model: str, streams: int, routers: int = 1) -> Row:
     offline = offline_throughput(model, streams)
     tok_s, items, router_ms, idle_ms, worker_ms, client_ms = served(model, streams, routers)
@@ -165,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     if bench is not None:
         print(f"bench @64 served/offline {bench.served_tok_s / bench.offline_tok_s:.2f} (target >= 0.95)")
+    floors = [grpc_floor(64) for _ in range(3)]
+    print(
+        f"bare grpc.aio server, 64 streams: {min(floors):.1f}-{max(floors):.1f} us of server CPU per message "
+        "(3 runs): the floor under a router that sends each token as its own message"
+    )
     return 0
 
 
