@@ -43,6 +43,10 @@ class ReserveResult(NamedTuple):
     ttl_s: float  # the reservation is dropped this long after it was made, unless all its KV arrived
 
 
+class ReservationGone(LookupError):
+    """``decode`` found no reservation: it expired (its KV did not arrive in time) or was aborted."""
+
+
 @dataclass
 class _Pending:
     """A reservation waiting for its KV and its first token."""
@@ -147,7 +151,7 @@ class DecodeWorker:
         def do(engine: LLMEngine) -> None:
             pending = self._pending.get(request_id)
             if pending is None:
-                raise ValueError(
+                raise ReservationGone(
                     f"request {request_id!r} has no live reservation on {self.worker_id} "
                     "(never reserved, aborted, or its KV deadline passed)"
                 )

@@ -459,7 +459,12 @@ async def _call(ref: Any) -> Any:
     try:
         return await ref
     except RayTaskError as e:
-        code = "INVALID_ARGUMENT" if _is_value_error(e) else "INTERNAL"
+        if _is_value_error(e):
+            code = "INVALID_ARGUMENT"
+        elif _cause_is(e, "ReservationGone"):  # the decode worker gave up on the KV: not the client's fault
+            code = "UNAVAILABLE"
+        else:
+            code = "INTERNAL"
         raise RequestError(code, _cause(e)) from None
     except RayActorError as e:
         raise RequestError("UNAVAILABLE", f"worker died: {_cause(e)}") from None
