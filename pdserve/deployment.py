@@ -49,6 +49,8 @@ class DeploymentConfig:
     num_routers: int = 1  # router processes, all on `port` (SO_REUSEPORT)
     http_port: int | None = None  # the OpenAI-compatible HTTP API, every router on it; None = off, 0 = any free
     metrics_port: int | None = None  # Prometheus /metrics of router i on metrics_port + i; None = off, 0 = any free
+    explorer_port: int | None = None  # the explorer page, served by router 0; None = off, 0 = any free
+    explorer_host: str = "127.0.0.1"  # loopback by default: its bursts and playground need no token
     address: str | None = None  # a Ray cluster to join ("auto" or host:port); None = local, started here
     router: RouterConfig | None = None  # None = defaults with `mode` as default_mode
     reservation_ttl_s: float = 60.0  # a decode reservation whose KV has not all arrived by then is freed
@@ -78,6 +80,11 @@ class DeploymentConfig:
             raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
         if self.transport not in ("nixl", "grpc"):
             raise ValueError(f"transport must be nixl or grpc, got {self.transport!r}")
+        if self.explorer_port is not None and self.auth_token and not _is_loopback(self.explorer_host):
+            raise ValueError(
+                f"explorer_host {self.explorer_host!r}: with an auth token the explorer listens on loopback only "
+                "(its page sends bursts without a token); reach it through an SSH tunnel"
+            )
 
     def security(self) -> ServerSecurity:
         """What the routers' gRPC servers require of clients; reads the TLS files (fails fast if unreadable)."""
@@ -100,6 +107,17 @@ class DeploymentConfig:
         )
 
 
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class Deployment:
     def __init__(self, config: DeploymentConfig) -> None:
         self.config = config
@@ -110,6 +128,7 @@ class Deployment:
         self.port: int | None = None
         self.http_port: int | None = None
         self.metrics_ports: list[int] = []  # per router, when metrics_port is set
+        self.explorer_port: int | None = None
         self._started_ray = False
 
     @property
@@ -124,6 +143,13 @@ class Deployment:
         if self.http_port is None:
             raise RuntimeError("deployment not started, or started without http_port")
         return f"http://{self.config.host}:{self.http_port}"
+
+    @property
+    def explorer_url(self) -> str:
+        """``http://host:port/`` of the explorer page."""
+        if self.explorer_port is None:
+            raise RuntimeError("deployment not started, or started without explorer_port")
+        return f"http://{self.config.explorer_host}:{self.explorer_port}/"
 
     def start(self) -> Deployment:
         cfg = self.config
@@ -192,10 +218,13 @@ class Deployment:
             )
             self.routers.append(router)
             metrics_port = cfg.metrics_port + i if cfg.metrics_port else cfg.metrics_port
-            ports = ray.get(router.start.remote(cfg.host, port, http_port, metrics_port), timeout=120)
+            explorer = (cfg.explorer_host, cfg.explorer_port) if i == 0 and cfg.explorer_port is not None else None
+            ports = ray.get(router.start.remote(cfg.host, port, http_port, metrics_port, explorer), timeout=120)
             port, http_port = ports["grpc"], ports["http"]  # the next routers share these ports
             if ports["metrics"] is not None:
                 self.metrics_ports.append(ports["metrics"])
+            if ports["explorer"] is not None:
+                self.explorer_port = ports["explorer"]
         self.port, self.http_port = port, http_port
 
     @property

@@ -4,7 +4,8 @@ Each ``Router`` owns a ``RouterMetrics`` with a registry of its own (several rou
 as in tests, do not collide; several router processes each expose theirs). The router calls it at a
 few points: ``request_rejected`` (refused before routing), ``request_finished`` (once per routed
 request, with its ``RequestMetrics`` and outcome) and ``token_gap`` (once per streamed chunk after
-the first: the only per-token cost, one histogram observation). Worker gauges and preemption counts
+the first: the only per-token cost, one histogram observation and one append to ``recent``, the last
+minute's latencies the explorer's live view reads). Worker gauges and preemption counts
 are pulled from ``Router.stats`` when scraped (``scrape``), so nothing polls the workers unless
 someone reads the metrics.
 
@@ -17,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -34,7 +37,7 @@ from pdserve.messages import RequestMetrics
 if TYPE_CHECKING:
     from pdserve.router.router import Router
 
-__all__ = ["CONTENT_TYPE_LATEST", "OUTCOMES", "RouterMetrics", "is_kv_transfer_failure"]
+__all__ = ["CONTENT_TYPE_LATEST", "OUTCOMES", "RecentLatencies", "RouterMetrics", "is_kv_transfer_failure"]
 
 OUTCOMES = ("finished", "aborted", "failed", "rejected")
 
@@ -222,6 +225,7 @@ class RouterMetrics:
             setattr(self, spec.attr, spec.kind(spec.name, spec.help, spec.labels, registry=r, **extra))
         Gauge("pdserve_router_info", "This router's id", ("router",), registry=r).labels(router=router_id).set(1)
 
+        self.recent = RecentLatencies()
         self._itl_by_mode: dict[str, Histogram] = {}
         self._last_step: dict[str, float] = {}  # per worker: start time of the newest step counted
         self._created = time.time()
@@ -234,6 +238,7 @@ class RouterMetrics:
         if child is None:
             child = self._itl_by_mode[mode] = self.itl.labels(mode=mode)
         child.observe(seconds)
+        self.recent.add("itl", mode, seconds)
 
     def request_rejected(self, code: str, mode: str) -> None:
         """A request refused before it was routed; ``mode`` as requested (or the default)."""
@@ -259,6 +264,7 @@ class RouterMetrics:
         if outcome != "finished":
             return
         self.ttft.labels(mode=mode).observe(metrics.ttft_s)
+        self.recent.add("ttft", mode, metrics.ttft_s)
         self.e2e.labels(mode=mode).observe(metrics.e2e_s)
         self.queue.labels(mode=mode).observe(metrics.queue_s)
         self.prefill.labels(mode=mode).observe(metrics.prefill_s)
@@ -299,3 +305,32 @@ class RouterMetrics:
         """The Prometheus text exposition of this router's registry, refreshed first."""
         await self.refresh(router)
         return generate_latest(self.registry)
+
+
+class RecentLatencies:
+    """The TTFT and ITL samples of the last ``window_s`` seconds, per mode (at most ``max_samples``)."""
+
+    PERCENTILES = (50, 90, 99)
+
+    def __init__(self, window_s: float = 60.0, max_samples: int = 200_000) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, str, str, float]] = deque(maxlen=max_samples)
+
+    def add(self, kind: str, mode: str, seconds: float) -> None:
+        """One sample: ``kind`` is "ttft" or "itl"; ``mode`` the resolved one (colocated, disaggregated)."""
+        self._samples.append((time.monotonic(), kind, mode, seconds))
+
+    def percentiles(self) -> dict[str, dict[str, dict[str, float]]]:
+        """``{mode: {"ttft"|"itl": {"n": count, "p50": ms, "p90": ms, "p99": ms}}}`` over the window."""
+        cutoff = time.monotonic() - self.window_s
+        while self._samples and self._samples[0][0] < cutoff:
+            self._samples.popleft()
+        by: dict[tuple[str, str], list[float]] = {}
+        for _, kind, mode, seconds in self._samples:
+            by.setdefault((mode, kind), []).append(seconds)
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for (mode, kind), values in sorted(by.items()):
+            ms = np.percentile(np.asarray(values) * 1000.0, self.PERCENTILES)  # linear, as bench.metrics
+            row = {"n": float(len(values)), **{f"p{p}": float(v) for p, v in zip(self.PERCENTILES, ms, strict=True)}}
+            out.setdefault(mode, {})[kind] = row
+        return out

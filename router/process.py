@@ -9,6 +9,8 @@ With ``http_port`` the router also serves the OpenAI-compatible HTTP API (``rout
 every router on the same port (``SO_REUSEPORT`` again). With ``metrics_port`` router ``i`` serves its
 own Prometheus ``/metrics`` on ``metrics_port + i`` (each router has its own registry, so each needs
 its own port to be scraped; the HTTP API's ``/metrics`` answers for whichever router took the connection).
+With ``explorer``, router 0 also serves the explorer page (``pdserve.explorer``) on that address: the
+same app as the HTTP API plus the page and its JSON endpoints, on a port of its own (loopback by default).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.explorer.app import ExplorerApi, add_explorer
 from pdserve.router.http_api import HttpServer, build_app, metrics_app
 from pdserve.router.policy import RouterConfig
 from pdserve.router.router import ModelLimits, Router, WorkerHandle
@@ -44,34 +47,47 @@ class RouterProcess:
         self.model_name = engine_config.model
         self._server: GrpcServer | None = None
         self._http: list[HttpServer] = []
+        self._explorer: ExplorerApi | None = None
         self._security = security
 
     async def start(
-        self, host: str, port: int, http_port: int | None = None, metrics_port: int | None = None
+        self,
+        host: str,
+        port: int,
+        http_port: int | None = None,
+        metrics_port: int | None = None,
+        explorer: tuple[str, int] | None = None,
     ) -> dict[str, Any]:
-        """Serve gRPC on ``port``, and HTTP / metrics when given (0 = any free port; None = off).
+        """Serve gRPC on ``port``, and HTTP / metrics / the explorer (at ``(host, port)``) when given
+        (port 0 = any free port; None = off).
 
-        Returns the bound ports: ``{"grpc": int, "http": int | None, "metrics": int | None}``.
+        Returns the bound ports: ``{"grpc": int, "http", "metrics", "explorer": int | None}``.
         """
         await self.router.start()
         self._server = await start_server(self.router, host, port, self._security)
-        ports: dict[str, Any] = {"grpc": self._server.port, "http": None, "metrics": None}
-        token = self._security.auth_token if self._security else None
-        for name, wanted, app in (
-            (
-                "http",
-                http_port,
-                lambda: build_app(self.router, self.model_name, token),
-            ),
-            ("metrics", metrics_port, lambda: metrics_app(self.router)),
+        ports: dict[str, Any] = {"grpc": self._server.port, "http": None, "metrics": None, "explorer": None}
+        for name, address, app in (
+            ("http", (host, http_port), self._http_app),
+            ("metrics", (host, metrics_port), lambda: metrics_app(self.router)),
+            ("explorer", explorer or (host, None), self._explorer_app),
         ):
-            if wanted is not None:
-                server = HttpServer(app(), host, wanted)
+            if address[1] is not None:
+                server = HttpServer(app(), *address)
                 self._http.append(server)
                 ports[name] = await server.start()
         return ports
 
+    def _http_app(self) -> Any:
+        return build_app(self.router, self.model_name, self._security.auth_token if self._security else None)
+
+    def _explorer_app(self) -> Any:
+        app = self._http_app()
+        self._explorer = add_explorer(app, self.router)
+        return app
+
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self._explorer is not None:
+            await self._explorer.close()
         for http in self._http:
             await http.stop()
         self._http = []

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs pdserve with its test extras; as root on Debian, also
-# openssh-server and rsync when missing (for cluster/local.yaml). Idempotent.
+# openssh-server and rsync (for cluster/local.yaml) and chromium (the explorer's browser tests) when
+# missing. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The two-node `ray up` on loopback (cluster/local.yaml, tests/test_ray_up.py) needs sshd and rsync.
@@ -11,6 +12,16 @@ if ! [ -x /usr/sbin/sshd ] || ! command -v rsync >/dev/null; then
       { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server rsync >/dev/null; }
   else
     echo "setup.sh: note: install openssh-server and rsync to try cluster/local.yaml (README, Deploy on a cluster)" >&2
+  fi
+fi
+# The explorer's page is tested in Debian's headless Chromium, driven by Playwright (no browser download).
+if ! [ -x "${PDSERVE_CHROMIUM:-/usr/bin/chromium}" ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup.sh: installing chromium (Debian package) for the explorer's browser tests" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null ||
+      { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }
+  else
+    echo "setup.sh: note: install chromium (or set PDSERVE_CHROMIUM) to run tests/test_explorer.py" >&2
   fi
 fi
 PY=${PYTHON:-python3}

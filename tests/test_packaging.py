@@ -37,9 +37,12 @@ def test_the_wheel_holds_one_top_level_package(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     top = {name.split("/", 1)[0] for name in names}
     assert {t for t in top if not t.endswith((".dist-info", ".data"))} == {"pdserve"}
-    for part in ("engine", "router", "prefill_node", "decode_node", "kv_transfer", "bench", "bench/sim", "cli"):
+    parts = ("engine", "router", "prefill_node", "decode_node", "kv_transfer", "bench", "bench/sim", "cli", "explorer")
+    for part in parts:
         assert f"pdserve/{part}/__init__.py" in names, part
     assert {"pdserve/proto/pdserve.proto", "pdserve/proto/pdserve_pb2.py", "pdserve/messages.py"} <= set(names)
+    page = {f"pdserve/explorer/static/{f}" for f in ("index.html", "explorer.js", "explorer.css")}
+    assert page <= set(names)  # the explorer's page ships in the package
 
 
 def test_the_client_imports_without_ray_or_torch() -> None:

@@ -287,6 +287,7 @@ def test_presets_match_engine_configs():
             p.intermediate_size,
             p.vocab_size,
             p.tie_word_embeddings,
+            p.max_context,
         ) == (
             c.hidden_size,
             c.num_hidden_layers,
@@ -296,6 +297,7 @@ def test_presets_match_engine_configs():
             c.intermediate_size,
             c.vocab_size,
             c.tie_word_embeddings,
+            c.max_position_embeddings,
         )
 
 

@@ -6,11 +6,14 @@ workload on the chosen architecture(s) and writes a report):
 - default: colocated, disaggregated and/or auto runs of one workload → ``--out`` (results.json, report.md,
   PNGs); ``--mode both`` (the default) runs colocated and disaggregated, ``--mode all`` adds auto
 - ``--demo``: the chunked-prefill demo (8k prompt, chunk 1024, 24 decodes, 50 ms ITL target by
-  default) plus the 32k chunking off-vs-on worst-ITL ratio
+  default, on one colocated instance unless ``--mode``/``--instances``/``--prefill``/``--decode`` say
+  otherwise) plus the 32k chunking off-vs-on worst-ITL ratio
 - ``--sweep chunk=128,256,...``: chunk-size sweep, P99 ITL vs prefill throughput and the knee
 - ``--pd-search N``: colocated vs every P:D split of N GPUs, disaggregated and auto, goodput per GPU
   under ``--slo``
 - ``--calibrate [PATH]``: measure our engine on this CPU and write the cpu-measured profile JSON
+- ``--serve``: serve the explorer's playground (a web page that runs the demo above for its controls)
+  on ``--serve-host``:``--serve-port`` until interrupted; no cluster needed
 
 Exit status: 0 on success, 2 on bad arguments or configuration (message on stderr).
 """
@@ -130,6 +133,9 @@ def _add_action_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--torch-threads", type=int, default=None, help="calibration: torch threads of the engine")
     g.add_argument("--sweep", default=None, metavar="chunk=128,256,...", help="chunk-size sweep")
     g.add_argument("--quiet", action="store_true")
+    g.add_argument("--serve", action="store_true", help="serve the explorer's playground page (Ctrl-C stops)")
+    g.add_argument("--serve-host", default="127.0.0.1", help="--serve: the address to listen on")
+    g.add_argument("--serve-port", type=int, default=8088, help="--serve: the port (0 = any free port)")
 
 
 def parse_sweep(text: str) -> list[int]:
@@ -205,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.bench.report import write_report
 
     say = (lambda *a: None) if args.quiet else print
+    if args.serve:
+        return serve_explorer(args.serve_host, args.serve_port)
     if args.calibrate:
         calibrate_profile(args, say)
         if not (args.demo or args.sweep or args.pd_search):
@@ -239,6 +247,23 @@ def run(args: argparse.Namespace) -> int:
         extra_plots=_merged(*(f.plots for f in findings)),
     )
     say(f"wrote {files.report_md} and {len(files.all_paths()) - 1} other files in {args.out}")
+    return 0
+
+
+def serve_explorer(host: str, port: int) -> int:
+    """``--serve``: the explorer (playground only) on ``host:port`` until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from pdserve.explorer.app import build_explorer_app
+    from pdserve.router.http_api import reuse_port_socket
+
+    try:
+        sock = reuse_port_socket(host, port)
+    except OSError as e:
+        raise ValueError(f"--serve-port: cannot listen on {host}:{port}: {e.strerror}") from None
+    print(f"pdserve explorer (playground) on http://{host}:{sock.getsockname()[1]}/ ; Ctrl-C stops", flush=True)
+    config = uvicorn.Config(build_explorer_app(), log_config=None, access_log=False, timeout_graceful_shutdown=2)
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 
@@ -301,9 +326,8 @@ def run_demo(args: argparse.Namespace, setup: SimSetup) -> Findings:
     kw = dict(
         num_decodes=args.demo_decodes,
         itl_target_ms=args.itl_target_ms,
-        block_size=setup.config.block_size,
-        max_num_seqs=setup.config.max_num_seqs,
-        seed=args.seed,
+        architecture=demo_architecture(args),
+        base=setup.config,
     )
     main_on = run_chunked_prefill_demo(cost_model, args.demo_prompt_len, args.demo_chunk, **kw)
     main_off = run_chunked_prefill_demo(cost_model, args.demo_prompt_len, None, **kw)
@@ -338,6 +362,15 @@ def run_demo(args: argparse.Namespace, setup: SimSetup) -> Findings:
             f"Demo, {args.demo_long_prompt_len}-token prompt: worst ITL off/on = {cmp.worst_itl_ratio:.1f}x",
         ],
     )
+
+
+def demo_architecture(args: argparse.Namespace) -> Any:
+    """The demo's architecture from ``--mode`` (both/all: colocated), ``--instances`` (default 1),
+    ``--prefill`` and ``--decode``."""
+    from pdserve.bench.sim.demo import DemoArchitecture
+
+    mode = "colocated" if args.mode in ("both", "all") else args.mode
+    return DemoArchitecture(mode, args.instances or 1, args.prefill, args.decode)
 
 
 def run_sweep(args: argparse.Namespace, setup: SimSetup) -> Findings:

@@ -67,6 +67,7 @@ class ModelProfile:
     vocab_size: int
     dtype_bytes: int = 2
     tie_word_embeddings: bool = False
+    max_context: int = 131072  # the longest sequence the model takes (Llama 3.1's 128k)
 
     @property
     def params_per_layer(self) -> int:
@@ -113,8 +114,8 @@ class ModelProfile:
 MODELS: dict[str, ModelProfile] = {
     "Llama-3-8B": ModelProfile("Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256),
     "Llama-3-70B": ModelProfile("Llama-3-70B", 80, 8192, 64, 8, 128, 28672, 128256),
-    "tiny": ModelProfile("tiny", 4, 256, 8, 4, 32, 768, 260, dtype_bytes=4, tie_word_embeddings=True),
-    "bench": ModelProfile("bench", 8, 512, 8, 4, 64, 1536, 260, dtype_bytes=4, tie_word_embeddings=True),
+    "tiny": ModelProfile("tiny", 4, 256, 8, 4, 32, 768, 260, 4, tie_word_embeddings=True, max_context=4096),
+    "bench": ModelProfile("bench", 8, 512, 8, 4, 64, 1536, 260, 4, tie_word_embeddings=True, max_context=8192),
 }
 
 

@@ -134,6 +134,13 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="Prometheus /metrics of router i on this port + i (default: off; /metrics is on --http-port too)",
     )
+    p.add_argument(
+        "--explorer-port",
+        type=int,
+        default=None,
+        help="serve the explorer page (playground and live view) on --explorer-host at this port; default: off",
+    )
+    p.add_argument("--explorer-host", default="127.0.0.1", help="the explorer's address (loopback by default)")
     p.add_argument("--address", default=None, help="Ray cluster to join ('auto' or host:port); default: local")
     p.add_argument("--auto-min-remote-tokens", type=int, default=512)
     p.add_argument("--auto-max-prefill-queue-tokens", type=int, default=16384)
@@ -155,6 +162,8 @@ def deployment_config_from_args(args: argparse.Namespace):
         num_routers=args.routers,
         http_port=args.http_port,
         metrics_port=args.metrics_port,
+        explorer_port=args.explorer_port,
+        explorer_host=args.explorer_host,
         address=args.address,
         detached_workers=args.address is not None,  # on a cluster, a restarted `serve` finds its workers
         auth_token=args.auth_token,
@@ -184,6 +193,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     if deployment.http_port is not None:
         print(f"OpenAI-compatible API on {deployment.http_url}/v1 (model {args.model!r})", flush=True)
+    if deployment.explorer_port is not None:
+        print(f"explorer (playground and live view) on {deployment.explorer_url}", flush=True)
     if deployment.metrics_ports:
         urls = ", ".join(f"http://{args.host}:{p}/metrics" for p in deployment.metrics_ports)
         print(f"Prometheus metrics on {urls}", flush=True)

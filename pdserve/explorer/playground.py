@@ -1,0 +1,276 @@
+"""The playground: the chunked-prefill demo of ``pdserve sim --demo``, run for one set of controls.
+
+A ``PlaygroundSettings`` is what the page's controls say. ``PlaygroundSettings.parse`` checks a JSON
+body and raises ``SettingError`` (naming the control) for anything out of range. ``run_playground``
+turns the settings into the ``pdserve sim`` command line that means the same, builds the simulator
+exactly as that command does, and runs the demo twice: as set, and with chunking flipped (so the page
+can show the unchunked spike against the chunked timeline). Nothing here is a copy of the simulator's
+logic: the figures are ``run_chunked_prefill_demo``'s, the same numbers ``pdserve sim --demo`` prints.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from pdserve.bench.sim.cost_model import CostModel, StepShape
+from pdserve.bench.sim.demo import DemoResult
+from pdserve.messages import StepStats
+
+MODES = ("colocated", "disaggregated", "auto")
+MAX_CHUNKS = 1024  # prompt_len / chunk_size: more steps than this would keep the page waiting
+MAX_WORK = 40_000  # (decodes + 1) x chunks: the requests the scheduler places over the window (~2 s here)
+MAX_INSTANCES = 8
+MAX_DECODES = 127  # the long prompt needs a place in a step of at most max_num_seqs (128) requests
+
+
+class SettingError(ValueError):
+    """A control's value is out of range; ``field`` names the control."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class PlaygroundSettings:
+    """The playground's controls (the defaults are the lesson's: an 8k prompt, chunk 1024, 24 decodes)."""
+
+    hardware: str = "H100"
+    model: str = "Llama-3-8B"
+    tp: int = 1
+    mode: str = "colocated"
+    instances: int = 1  # colocated
+    prefill: int = 1  # disaggregated / auto
+    decode: int = 1
+    prompt_len: int = 8192
+    chunk_size: int = 1024
+    chunking: bool = True
+    num_decodes: int = 24
+    itl_target_ms: float = 50.0
+
+    @staticmethod
+    def parse(body: Any) -> PlaygroundSettings:
+        """Settings from a JSON object (missing keys take their defaults). Raises SettingError."""
+        if not isinstance(body, dict):
+            raise SettingError("body", "expected a JSON object of settings")
+        known = {f.name: f for f in fields(PlaygroundSettings)}
+        unknown = sorted(set(body) - set(known))
+        if unknown:
+            raise SettingError(unknown[0], f"unknown setting (known: {', '.join(known)})")
+        values = {name: _coerce(name, body[name], type(getattr(_DEFAULTS, name))) for name in body}
+        settings = PlaygroundSettings(**values)
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        """Raise SettingError for a value no run can take (profile-dependent limits: ``run_playground``)."""
+        from pdserve.bench.sim.profiles import HARDWARE_NAMES, MODELS
+
+        if self.hardware.lower() not in {h.lower() for h in HARDWARE_NAMES}:
+            raise SettingError("hardware", f"unknown profile {self.hardware!r} (known: {', '.join(HARDWARE_NAMES)})")
+        if self.model.lower() not in {m.lower() for m in MODELS}:
+            raise SettingError("model", f"unknown model profile {self.model!r} (known: {', '.join(MODELS)})")
+        if self.mode not in MODES:
+            raise SettingError("mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
+        _in_range("tp", self.tp, 1, 8)
+        for name in ("instances", "prefill", "decode"):
+            _in_range(name, getattr(self, name), 1, MAX_INSTANCES)
+        _in_range("prompt_len", self.prompt_len, 1, 1 << 20)
+        _in_range("chunk_size", self.chunk_size, 16, 1 << 20)
+        _in_range("num_decodes", self.num_decodes, 0, MAX_DECODES)
+        if not 1.0 <= self.itl_target_ms <= 10_000.0:
+            raise SettingError("itl_target_ms", f"must be between 1 and 10000 ms, got {self.itl_target_ms:g}")
+        if self.chunking and self.prompt_len / self.chunk_size > MAX_CHUNKS:
+            raise SettingError(
+                "chunk_size",
+                f"a {self.prompt_len}-token prompt in chunks of {self.chunk_size} is "
+                f"{-(-self.prompt_len // self.chunk_size)} steps; the playground takes at most {MAX_CHUNKS} "
+                f"(use at least {-(-self.prompt_len // MAX_CHUNKS)}, or run pdserve sim --demo)",
+            )
+        work = (self.num_decodes + 1) * -(-self.prompt_len // self.chunk_size)
+        if work > MAX_WORK:
+            raise SettingError(
+                "chunk_size",
+                f"{self.num_decodes} decodes over {-(-self.prompt_len // self.chunk_size)} chunks is too long a "
+                f"run for the page (at most {MAX_WORK} request-steps): a larger chunk or fewer decodes, or run "
+                "pdserve sim --demo",
+            )
+
+    def sim_argv(self) -> list[str]:
+        """The ``pdserve sim`` arguments that run this demo (chunking on and off both: ``--demo``)."""
+        argv = ["--demo", "--hardware", self.hardware, "--model-profile", self.model, "--tp", str(self.tp)]
+        argv += ["--mode", self.mode]
+        if self.mode == "colocated":
+            argv += ["--instances", str(self.instances)]
+        else:
+            argv += ["--prefill", str(self.prefill), "--decode", str(self.decode)]
+        argv += ["--demo-prompt-len", str(self.prompt_len), "--demo-chunk", str(self.chunk_size)]
+        argv += ["--demo-decodes", str(self.num_decodes), "--itl-target-ms", f"{self.itl_target_ms:g}"]
+        return argv
+
+
+_DEFAULTS = PlaygroundSettings()
+
+
+def _coerce(name: str, value: Any, kind: type) -> Any:
+    """``value`` as ``kind`` (JSON numbers and booleans as they come; nothing else is converted)."""
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        raise SettingError(name, f"expected true or false, got {value!r}")
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+            raise SettingError(name, f"expected a whole number, got {value!r}")
+        return int(value)
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise SettingError(name, f"expected a number, got {value!r}")
+        return float(value)
+    if not isinstance(value, str) or not value:
+        raise SettingError(name, f"expected a name, got {value!r}")
+    return value
+
+
+def _in_range(name: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise SettingError(name, f"must be between {low} and {high}, got {value}")
+
+
+def run_playground(settings: PlaygroundSettings) -> dict[str, Any]:
+    """The demo as set and with chunking flipped: figures and per-instance timelines, as JSON-ready data.
+
+    Raises SettingError for settings the chosen profile cannot take (a prompt past the model's context,
+    a model that does not fit the GPUs, a scenario larger than the KV cache)."""
+    from pdserve.bench.sim.cli import build_parser, demo_architecture, make_setup
+    from pdserve.bench.sim.demo import run_chunked_prefill_demo
+
+    started = time.perf_counter()
+    argv = settings.sim_argv()
+    args = build_parser().parse_args(argv)
+    try:
+        setup = make_setup(args, lambda *a: None)
+    except ValueError as e:
+        raise SettingError("hardware", str(e)) from None
+    _check_fits(settings, setup.cost_model)
+    chunks = (settings.chunk_size, None) if settings.chunking else (None, settings.chunk_size)
+    if settings.num_decodes >= setup.config.max_num_seqs:
+        raise SettingError(
+            "num_decodes",
+            f"at most {setup.config.max_num_seqs - 1} (max_num_seqs is "
+            f"{setup.config.max_num_seqs} and the long prompt needs a place)",
+        )
+    runs = [
+        run_chunked_prefill_demo(
+            setup.cost_model,
+            settings.prompt_len,
+            chunk,
+            settings.num_decodes,
+            settings.itl_target_ms,
+            architecture=demo_architecture(args),
+            base=setup.config,
+        )
+        for chunk in chunks
+    ]
+    return {
+        "settings": asdict(settings),
+        "command": shlex.join(["pdserve", "sim", *argv]),
+        "cost_model": setup.cost_model.name,
+        "kv_capacity_tokens": setup.cost_model.kv_capacity_tokens(),  # checked by _check_fits
+        "runs": [_run_json(r, setup.cost_model) for r in runs],
+        "elapsed_s": time.perf_counter() - started,
+    }
+
+
+def _check_fits(settings: PlaygroundSettings, cost_model: CostModel) -> None:
+    model = cost_model.model
+    if settings.prompt_len >= model.max_context:
+        raise SettingError(
+            "prompt_len",
+            f"{model.name} takes at most {model.max_context} tokens (prompt and output); got a "
+            f"{settings.prompt_len}-token prompt",
+        )
+    try:
+        capacity = cost_model.kv_capacity_tokens()
+    except ValueError as e:  # the weights alone do not fit
+        raise SettingError("tp", str(e).replace("raise --tp", "choose a larger tensor-parallel size")) from None
+    needed = settings.prompt_len + settings.num_decodes * 1024  # each stream: a 512-token prompt and its output
+    if needed > capacity:
+        raise SettingError(
+            "num_decodes",
+            f"one instance's KV cache holds {capacity} tokens; this scenario needs about {needed} on one "
+            f"instance (fewer decodes, a shorter prompt, or a larger tp)",
+        )
+
+
+def _run_json(result: DemoResult, cost_model: CostModel) -> dict[str, Any]:
+    """One run for the page: its four figures and every instance's steps around the window (ms since
+    the long prompt arrived)."""
+    t0 = result.arrival_s
+    instances = []
+    for name in result.instances:
+        role = _role(name, result.architecture)
+        steps = [s for s in result.timeline_steps if s.worker == name]
+        instances.append({"name": name, "role": role, "steps": [_step_json(s, t0, cost_model, role) for s in steps]})
+    return {
+        "label": f"chunk {result.chunk_size}" if result.chunk_size else "chunking off",
+        "chunked": result.chunk_size is not None,
+        "architecture": result.architecture,
+        "figures": {
+            "worst_decode_stall_ms": result.worst_decode_stall_ms,
+            "long_prompt_ttft_ms": result.long_prompt_ttft_ms,
+            "steps_over_target": result.steps_over_target,
+            "steps_in_window": result.steps_in_window,
+            "decode_throughput_tok_s": result.decode_throughput_tok_s,
+        },
+        "window_ms": [0.0, result.long_prompt_ttft_ms],
+        "instances": instances,
+    }
+
+
+def _role(instance: str, architecture: str) -> str:
+    if architecture.startswith("colocated"):
+        return "colocated"
+    return "prefill" if instance.startswith("prefill") else "decode"
+
+
+def _step_json(step: StepStats, t0: float, cost_model: CostModel, role: str) -> list[float]:
+    """``[start ms, duration ms, prefill ms, decode ms, prefill tokens, decode tokens]``: the step's
+    time split between its prefill and decode work in the proportion the cost model prices them."""
+    prefill_s, decode_s = _work_split(step, cost_model, role)
+    ms = step.duration_s * 1000.0
+    share = prefill_s / (prefill_s + decode_s) if prefill_s + decode_s > 0 else 0.0
+    start = (step.started - t0) * 1000.0
+    return [round(start, 3), round(ms, 3), round(ms * share, 3), round(ms * (1 - share), 3)] + [
+        step.num_prefill_tokens,
+        step.num_decode_tokens,
+    ]
+
+
+def _work_split(step: StepStats, cost_model: CostModel, role: str) -> tuple[float, float]:
+    """What the cost model charges for the step's prefill chunks alone and for its decodes alone."""
+    shape = StepShape.from_stats(step)
+    if not shape.decode_tokens:
+        return 1.0, 0.0
+    if not shape.prefill_tokens:
+        return 0.0, 1.0
+    decode = StepShape(
+        0,
+        shape.decode_tokens,
+        shape.decode_context_tokens,
+        shape.decode_context_tokens - shape.decode_tokens,
+        shape.decode_tokens,
+        shape.decode_tokens,
+        shape.decode_context_tokens,
+    )
+    prefill = StepShape(
+        shape.prefill_tokens,
+        0,
+        shape.prefill_context_tokens,
+        shape.prefill_kv_read_tokens,
+        max(1, shape.num_seqs - shape.decode_tokens),
+        max(0, shape.sampled_tokens - shape.decode_tokens),
+    )
+    return cost_model.step_time(prefill, role), cost_model.step_time(decode, role)
