@@ -6,7 +6,7 @@
   is attached (the live view).
 - ``POST /explorer/api/playground``: a JSON object of ``PlaygroundSettings`` → ``run_playground``'s
   result. One run at a time, in a thread (the simulator is CPU work; the router's loop keeps serving).
-- ``GET /explorer/api/live``: ``live_snapshot`` and the recent bursts (409 without a deployment).
+- ``GET /explorer/api/live``: ``LiveView.snapshot`` and the recent bursts (409 without a deployment).
 - ``POST /explorer/api/burst``: a JSON object of ``BurstSpec`` fields → the burst's status (202).
 
 A bad value answers 400 with ``{"error": {"message", "field"}}``; the page shows the message.
@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from pdserve.explorer.live import Bursts, BurstSpec, live_snapshot
+from pdserve.explorer.live import Bursts, BurstSpec, LiveView
 from pdserve.explorer.playground import MAX_CHUNKS, MAX_DECODES, MAX_INSTANCES, MODES, PlaygroundSettings, SettingError
 from pdserve.router.router import Router
 
@@ -67,6 +67,7 @@ class ExplorerApi:
     def __init__(self, router: Router | None) -> None:
         self.router = router
         self.bursts = Bursts(router) if router is not None else None
+        self.live_view = LiveView(router) if router is not None else None
         self._sim_lock = asyncio.Lock()
 
     async def page(self) -> FileResponse:
@@ -102,9 +103,9 @@ class ExplorerApi:
         return JSONResponse(result)
 
     async def live(self) -> JSONResponse:
-        if self.router is None or self.bursts is None:
+        if self.live_view is None or self.bursts is None:
             return _error(409, "no deployment here: the live view needs `pdserve serve --explorer-port N`")
-        snapshot = await live_snapshot(self.router)
+        snapshot = await self.live_view.snapshot()
         snapshot["bursts"] = self.bursts.to_json()
         return JSONResponse(snapshot)
 

@@ -1,10 +1,11 @@
 """The live view: what a running deployment's workers and requests are doing, and bursts to watch.
 
-``live_snapshot`` asks the router for every worker's stats with the steps of the last ``window_s``
-seconds (the workers' own step timings, ``StepStats``) and adds the router's percentiles of recent
-requests per mode (``RouterMetrics.recent``). ``Bursts`` sends a short interference workload through
-the same ``Router.generate`` the gRPC and HTTP front doors use: a few streams decoding, then long
-prompts landing on them, so that prefill chunks and decode steps interleave on the timeline.
+``LiveView.snapshot`` asks the router for every worker's stats with its newest steps (the workers'
+own step timings, ``StepStats``), keeps the last ``window_s`` seconds of them, and adds the router's
+percentiles of recent requests per mode (``RouterMetrics.recent``). ``Bursts`` sends a short
+interference workload through the same ``Router.generate`` the gRPC and HTTP front doors use: a few
+streams decoding, then long prompts landing on them, so that prefill chunks and decode steps
+interleave on the timeline.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import itertools
 import random
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -20,32 +22,51 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import StepStats, WorkerStats
 from pdserve.router.router import GenerateInput, Router
 
-MAX_STEPS_PER_WORKER = 400  # the newest; a busy worker makes ~100 steps a second
+MAX_STEPS_PER_WORKER = 1000  # the newest; a busy worker here makes up to ~100 steps a second
 
 
-async def live_snapshot(router: Router, window_s: float = 10.0) -> dict[str, Any]:
-    """Workers (KV blocks, queues, the last ``window_s`` seconds of steps) and recent latencies per mode.
+class LiveView:
+    """The live view's state: each worker's steps of the last ``window_s`` seconds, fetched incrementally.
 
-    Step times are seconds before ``now`` (negative), each step ``[start, duration ms, prefill ms,
-    decode ms, prefill tokens, decode tokens]`` with the time split by token share (a live step has no
-    cost model to price its parts)."""
-    now = time.time()
-    workers = await router.stats(steps_since=now - window_s)
-    workers = sorted(workers, key=lambda w: (w.role != "prefill", w.worker_id))
-    return {
-        "now": now,
-        "window_s": window_s,
-        "router": router.router_id,
-        "default_mode": router.config.default_mode,
-        "workers": [_worker_json(w, now) for w in workers],
-        "latency": router.metrics.recent.percentiles(),
-        "latency_window_s": router.metrics.recent.window_s,
-        "active_requests": len(router.active),
-    }
+    ``snapshot()`` asks the workers (through ``Router.stats``) only for steps newer than the newest it
+    holds, so a page refreshing every second moves each step once, not ten times."""
+
+    def __init__(self, router: Router, window_s: float = 10.0) -> None:
+        self.router = router
+        self.window_s = window_s
+        self._steps: dict[str, deque[StepStats]] = {}
+
+    async def snapshot(self) -> dict[str, Any]:
+        """Workers (KV blocks, queues, recent steps) and recent latencies per mode, as JSON-ready data.
+
+        Step times are seconds before ``now`` (negative), each step ``[start, duration ms, prefill ms,
+        decode ms, prefill tokens, decode tokens]`` with the time split by token share (a live step has
+        no cost model to price its parts)."""
+        now = time.time()
+        cutoff = now - self.window_s
+        newest = [q[-1].started for q in self._steps.values() if q]
+        since = min(newest) if newest and len(newest) == len(self._steps) else cutoff
+        workers = await self.router.stats(steps_since=max(since, cutoff))
+        for w in workers:
+            held = self._steps.setdefault(w.worker_id, deque(maxlen=MAX_STEPS_PER_WORKER))
+            last = held[-1].started if held else -1.0
+            held.extend(sorted((s for s in w.steps if s.started > last), key=lambda s: s.started))
+            while held and held[0].started < cutoff:
+                held.popleft()
+        workers = sorted(workers, key=lambda w: (w.role != "prefill", w.worker_id))
+        return {
+            "now": now,
+            "window_s": self.window_s,
+            "router": self.router.router_id,
+            "default_mode": self.router.config.default_mode,
+            "workers": [_worker_json(w, self._steps[w.worker_id], now) for w in workers],
+            "latency": self.router.metrics.recent.percentiles(),
+            "latency_window_s": self.router.metrics.recent.window_s,
+            "active_requests": len(self.router.active),
+        }
 
 
-def _worker_json(w: WorkerStats, now: float) -> dict[str, Any]:
-    steps = sorted(w.steps, key=lambda s: s.started)[-MAX_STEPS_PER_WORKER:]
+def _worker_json(w: WorkerStats, steps: deque[StepStats], now: float) -> dict[str, Any]:
     return {
         "id": w.worker_id,
         "role": w.role,
