@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from idle import assert_idle
 
 from pdserve.explorer.live import BurstSpec
 from pdserve.explorer.playground import PlaygroundSettings, SettingError, run_playground
@@ -323,17 +324,6 @@ def deployment():
             yield d
     finally:
         ray.shutdown()
-
-
-def assert_idle(deployment) -> None:
-    """No request left on any worker and every KV block free or cached (bounded wait)."""
-    deadline = time.monotonic() + 15
-    while True:
-        stats = deployment.stats()
-        if all(w.num_running + w.num_waiting == 0 and w.blocks_used == 0 for w in stats):
-            return
-        assert time.monotonic() < deadline, f"workers still busy: {stats}"
-        time.sleep(0.05)
 
 
 @pytest.mark.cluster

@@ -11,6 +11,7 @@ from typing import Any
 import openai
 import pytest
 import ray
+from idle import assert_idle
 
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, SamplingParams
@@ -55,18 +56,6 @@ def oai(deployment) -> openai.OpenAI:
     yield client
     client.close()
     assert_idle(deployment)
-
-
-def assert_idle(deployment: Deployment) -> None:
-    """No request left on any worker and every KV block free or cached (bounded wait)."""
-    deadline = time.monotonic() + 15
-    with Client(deployment.address) as c:
-        while True:
-            stats = c.stats()
-            if all(w.num_running + w.num_waiting == 0 and w.blocks_used == 0 for w in stats):
-                return
-            assert time.monotonic() < deadline, f"workers still busy: {stats}"
-            time.sleep(0.05)
 
 
 def grpc_text(deployment: Deployment, prompt: str, max_tokens: int, mode: str | None = None) -> tuple[str, list[int]]:
