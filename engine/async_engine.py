@@ -92,7 +92,12 @@ class AsyncEngine:
 
     async def run(self, fn: Callable[[LLMEngine], T]) -> T:
         """Apply ``fn(engine)`` on the loop thread between steps and return its result."""
-        return await asyncio.wrap_future(self.loop.call(fn), loop=self._bind())
+        return await self.submit(fn)
+
+    def submit(self, fn: Callable[[LLMEngine], T]) -> asyncio.Future[T]:
+        """Queue ``fn(engine)`` for the loop thread without waiting: commands apply in the order they were
+        submitted, between steps. Returns the future of its result."""
+        return asyncio.wrap_future(self.loop.call(fn), loop=self._bind())
 
     # ---- request ownership (event loop) ----------------------------------------------------------
     def claim(self, request_id: str, subscriber_id: str) -> None:

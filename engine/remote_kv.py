@@ -76,7 +76,13 @@ def waiting_prompt_tokens(scheduler: Scheduler) -> int:
     return sum(r.num_uncomputed_tokens for r in scheduler.waiting)
 
 
+def admission_open(waiting_tokens: int, budget: int) -> bool:
+    """The prefill worker's admission rule: admit the next prompt of its FIFO into its engine while
+    fewer prompt tokens than one step's budget (``max_num_batched_tokens``) wait to be computed there.
+    Every prompt admitted while a step runs joins the next step, up to that budget."""
+    return waiting_tokens < budget
+
+
 def prefill_admission_open(scheduler: Scheduler) -> bool:
-    """The prefill worker's admission rule: admit the next prompt of its FIFO into this engine while
-    the waiting queue holds fewer prompt tokens than one step's budget (``max_num_batched_tokens``)."""
-    return waiting_prompt_tokens(scheduler) < scheduler.config.max_num_batched_tokens
+    """``admission_open`` for what waits in ``scheduler`` now."""
+    return admission_open(waiting_prompt_tokens(scheduler), scheduler.config.max_num_batched_tokens)

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine, exit_process_soon, worker_request_stats
 from pdserve.engine.llm_engine import RequestOutput
-from pdserve.engine.remote_kv import prefill_admission_open
+from pdserve.engine.remote_kv import admission_open, waiting_prompt_tokens
 from pdserve.kv_transfer import ChunkNotification, PushHandle, TransferTarget, make_transport
 from pdserve.messages import WorkerStats
 from pdserve.placement import current_node
@@ -102,7 +102,9 @@ class PrefillWorker:
         self.block_size = engine.config.block_size
         self._admission = asyncio.Lock()  # FIFO: prefills are admitted in the order they were accepted
         self._accepted: dict[str, _Job] = {}  # event loop: accepted, not yet admitted into the engine
-        self._admission_open = True  # the engine's admission rule, as of the loop's last turn
+        self._budget = engine.scheduler.config.max_num_batched_tokens
+        self._waiting_tokens = 0  # prompt tokens waiting in the engine, as of the loop thread's last look
+        self._adding: dict[str, int] = {}  # admitted, not yet added by the loop thread: prompt tokens
         self._fault: str | None = None
         self.transport = make_transport(transport, transport_config)
         self.transport.register_pool(engine.kv_cache)
@@ -159,7 +161,7 @@ class PrefillWorker:
         self, job: _Job, prompt: list[int], params: SamplingParams, decode: Any, reserve_timeout_s: float
     ) -> None:
         async with self._admission:
-            while not job.cancelled and not self._admission_open:
+            while not job.cancelled and not self._admission_is_open():
                 await asyncio.sleep(0.002)
             reservation, reserved_at = await self._reserve(job, prompt, params, decode, reserve_timeout_s)
             if reservation is None:
@@ -175,13 +177,23 @@ class PrefillWorker:
             def add(engine: LLMEngine) -> None:
                 engine.add_request(prompt, first_params, job.request_id, hold_blocks=True, detokenize=False)
                 self._jobs[job.request_id] = job
+                self._waiting_tokens = waiting_prompt_tokens(engine.scheduler)
 
-            try:
-                await self.aengine.run(add)
-            except Exception:
-                await decode.abort.remote(job.request_id)
-                raise
-            self._admission_open = False  # until the loop's next turn has counted it
+            # Queued, not awaited, under the lock: while a step runs, the next prompts are admitted behind
+            # this one (counted in `_adding` until the loop thread adds them) and share the next step.
+            self._adding[job.request_id] = len(prompt)
+            added = self.aengine.submit(add)
+        try:
+            await added
+        except Exception:
+            await decode.abort.remote(job.request_id)
+            raise
+        finally:
+            self._adding.pop(job.request_id, None)
+
+    def _admission_is_open(self) -> bool:
+        """The engine's admission rule, counting the prompts admitted but not yet added."""
+        return admission_open(self._waiting_tokens + sum(self._adding.values()), self._budget)
 
     async def _reserve(
         self, job: _Job, prompt: list[int], params: SamplingParams, decode: Any, timeout_s: float
@@ -245,7 +257,7 @@ class PrefillWorker:
                 job.resolve(job.first_token, first)
 
     def _on_tick(self, engine: LLMEngine) -> None:
-        self._admission_open = prefill_admission_open(engine.scheduler)
+        self._waiting_tokens = waiting_prompt_tokens(engine.scheduler)
         now = time.monotonic()
         for job in list(self._jobs.values()):
             try:

@@ -164,6 +164,24 @@ def test_seeded_sampling_is_the_same_in_every_mode(deployment, client):
     assert runs["colocated"] == runs["disaggregated"] == reference
 
 
+def test_prompts_that_arrive_together_are_prefilled_together(deployment, client):
+    """The prefill worker admits every queued prompt that fits one step's budget (48 tokens) while a
+    step runs, so short prompts sent at once share the next step instead of taking one step each."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(256) for _ in range(10)] for _ in range(4)]
+    prefill = deployment.prefill_workers[0].actor
+    since = time.time()
+    ray.get(prefill.inject_fault.remote("slow_steps"))  # 200 ms a step: the others queue during the first
+    try:
+        results = _run_concurrently(deployment.address, prompts, "disaggregated")
+    finally:
+        ray.get(prefill.inject_fault.remote(None))
+    assert all(meta.prefill_worker == "prefill-0" for _, meta in results)
+    (stats,) = [w for w in deployment.stats(steps_since=since) if w.role == "prefill"]
+    steps = [s.num_prefill_tokens for s in stats.steps if s.num_prefill_tokens]
+    assert sum(steps) == 40 and len(steps) <= 2 and max(steps) >= 30, steps
+
+
 @pytest.mark.parametrize(
     ("kwargs", "code", "match"),
     [
