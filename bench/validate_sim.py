@@ -7,16 +7,19 @@
    repeats each *calibration* workload (the same kinds, other requests: another seed each time). Every
    request's client timestamps and every worker's steps are kept (``measured.json``).
 2. Calibrate the ``cpu-measured`` profile from the calibration runs only: per role (colocated, prefill,
-   decode worker) a linear step-time fit with separate prefill and decode terms (the typical step), the
-   machine's slowdown on top of it per 0.1 s window (the tail that other load on 2 shared cores adds;
-   the simulator replays a draw of it, shared by all workers), the token delivery and control-call
-   latencies and the engine loop's gap between steps (``bench.sim.calibrate``).
+   decode worker) a linear step-time fit with separate prefill and decode terms (the typical step
+   alone; decode attention priced by the keys the engine's padding makes it read, each decode's context
+   read off the requests' token times), the slowdown while both workers run steps at once, the
+   machine's slowdown per 0.1 s window inside a run at the median run's level (the tail that other
+   load on 2 shared cores adds; the simulator replays a draw of it, shared by all workers), the token
+   delivery and control-call latencies and the engine loop's gap between steps (``bench.sim.calibrate``).
 3. Simulate each validation workload on each architecture, through the engine's scheduler and the
-   router's ``RoutingPolicy``, and compare TTFT p50/p99 and ITL p50/p99 with the median of the
-   measured repeats; the measured spread (min–max) is printed next to the error. A figure is a miss
-   when it is more than 10% off the measured median *and* outside the measured spread.
+   router's ``RoutingPolicy``, ``--sim-runs`` times (one seed of the slowdown draws each), and compare
+   the median of each figure (TTFT p50/p99 and ITL p50/p99) with the median of the measured repeats;
+   the measured spread (min–max) is printed next to the error. A figure is a miss when it is more than
+   10% off the measured median *and* outside the measured spread.
 
-    flock -s /tmp/pdserve-ray.lock python bench/validate_sim.py [--repeats 3] [--out results/validate]
+    flock -x /tmp/pdserve-ray.lock python bench/validate_sim.py [--repeats 3] [--out results/validate]
     python bench/validate_sim.py --measured results/validate/measured.json   # re-simulate, no Ray
 
 Writes ``validation.md``, ``measured.json`` and ``profile.json`` into ``--out``.
@@ -83,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--measured", default=None, help="a measured.json to re-simulate (no deployment is started)")
     p.add_argument("--no-tail", action="store_true", help="simulate without the measured step-time tail")
+    p.add_argument("--sim-runs", type=int, default=9, help="simulated runs per figure (seeds; the median is compared)")
     p.add_argument("--out", default=os.path.join("results", "validate"))
     return p
 
@@ -203,7 +207,6 @@ def compare(args: argparse.Namespace, runs: Sequence[Run], profile: Any, say: An
     from pdserve.bench.sim.config import SimConfig
     from pdserve.bench.sim.cost_model import LinearCostModel
     from pdserve.bench.sim.profiles import get_model
-    from pdserve.bench.sim.simulator import simulate
 
     engine = engine_config(bench_arguments(args))
     config = SimConfig.from_engine_config(engine, **profile.sim_settings(), step_tail=not args.no_tail)
@@ -211,8 +214,7 @@ def compare(args: argparse.Namespace, runs: Sequence[Run], profile: Any, say: An
     rows = []
     for name, requests in workloads(args, args.seed).items():
         for arch in ARCHITECTURES:
-            counts = {"num_instances": 2} if arch == "colocated" else {"num_prefill": 1, "num_decode": 1}
-            sim = figures(simulate(requests, cost, config, mode=arch, **counts).records)
+            sim = simulated_figures(requests, cost, config, arch, args.sim_runs)
             measured = [
                 figures(r.records)
                 for r in runs
@@ -226,6 +228,22 @@ def compare(args: argparse.Namespace, runs: Sequence[Run], profile: Any, say: An
                 + "  ".join(f"{r.figure} {r.simulated:6.1f}/{r.median:6.1f}" for r in rows[-4:])
             )
     return rows
+
+
+def simulated_figures(
+    requests: Sequence[WorkloadRequest], cost: Any, config: Any, architecture: str, runs: int
+) -> dict[str, float]:
+    """Each figure's median over ``runs`` simulated runs of ``requests``, one per seed of the machine's
+    slowdown draws (``SimConfig.seed`` 0, 1, ...): the simulated side of the comparison is, like the
+    measured one, the median of repeats, not one draw of the machine's bursts."""
+    from pdserve.bench.sim.simulator import simulate
+
+    counts = {"num_instances": 2} if architecture == "colocated" else {"num_prefill": 1, "num_decode": 1}
+    results = [
+        figures(simulate(requests, cost, dataclasses.replace(config, seed=seed), mode=architecture, **counts).records)
+        for seed in range(runs)
+    ]
+    return {key: statistics.median(r[key] for r in results) for key in FIGURES}
 
 
 def table(rows: Sequence[Row]) -> str:
@@ -266,8 +284,12 @@ def main(argv: list[str] | None = None) -> int:
         doc = {"args": vars(args), "measured_s": time.monotonic() - t0, "runs": [r.to_dict() for r in runs]}
         with open(os.path.join(args.out, "measured.json"), "w", encoding="utf-8") as f:
             json.dump(doc, f)
+    from pdserve.bench.runner import engine_config
+
     calibration = [(r.architecture, r.steps, r.records) for r in runs if r.purpose == "calibration"]
-    profile = calibrate_from_runs(calibration, model=args.model, notes="in place: the calibration runs of validate_sim")
+    block_size = engine_config(bench_arguments(args)).block_size
+    notes = "in place: the calibration runs of validate_sim"
+    profile = calibrate_from_runs(calibration, model=args.model, block_size=block_size, notes=notes)
     save_linear_profile(profile, os.path.join(args.out, "profile.json"))
     plot_residuals(args, runs, profile)
     print(describe_profile(profile), flush=True)
@@ -278,14 +300,19 @@ def main(argv: list[str] | None = None) -> int:
 def plot_residuals(args: argparse.Namespace, runs: Sequence[Run], profile: Any) -> str:
     """``fit_residuals.png``: measured against predicted step time of every calibration step, per role."""
     from pdserve.bench.plots import plot_fit_residuals
-    from pdserve.bench.sim.calibrate import residuals, step_role
+    from pdserve.bench.runner import engine_config
+    from pdserve.bench.sim.calibrate import residuals, step_role, step_shapes
+    from pdserve.bench.sim.cost_model import StepShape
 
+    block_size = engine_config(bench_arguments(args)).block_size
     by_role: dict[str, list[StepStats]] = {}
+    shapes: dict[str, list[StepShape]] = {}
     for r in runs:
         if r.purpose == "calibration":
-            for s in r.steps:
+            for s, shape in zip(r.steps, step_shapes(r.steps, r.records, block_size), strict=True):
                 by_role.setdefault(step_role(s.worker, r.architecture), []).append(s)
-    return plot_fit_residuals(residuals(profile, by_role), os.path.join(args.out, "fit_residuals.png"))
+                shapes.setdefault(step_role(s.worker, r.architecture), []).append(shape)
+    return plot_fit_residuals(residuals(profile, by_role, shapes), os.path.join(args.out, "fit_residuals.png"))
 
 
 def report(

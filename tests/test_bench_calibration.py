@@ -10,18 +10,22 @@ import numpy as np
 import pytest
 
 from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.sim import cost_model
 from pdserve.bench.sim.calibrate import (
     CalibrationGrid,
     calibrate_from_runs,
+    co_run_fractions,
+    decode_contexts,
     deployment_latencies,
     fit_linear_profile,
     fit_role,
     machine_slowdown,
     measure_step_records,
     step_gap,
+    step_shapes,
 )
 from pdserve.bench.sim.cli import main
-from pdserve.bench.sim.cost_model import LinearCostModel, StepShape
+from pdserve.bench.sim.cost_model import LinearCostModel, StepShape, decode_keys
 from pdserve.bench.sim.profiles import LinearProfile, RoleFit, get_model, load_linear_profile, quantile_at
 from pdserve.bench.sim.simulator import SimConfig, simulate
 from pdserve.bench.workloads import WorkloadRequest, random_workload
@@ -110,7 +114,14 @@ def test_machine_slowdown_and_step_gap_from_measured_steps():
         steps.append(s._replace(started=t, duration_s=s.duration_s * factor))
         t += 0.001
     table = machine_slowdown(profile, [("colocated", steps)], window_s=0.3)
-    assert table[0] == pytest.approx(1.0) and table[100] == pytest.approx(3.0)
+    assert table.runs[0] == pytest.approx(2.0) == table.runs[100]  # the run, over all its steps: 2x
+    assert table.windows[0] == pytest.approx(1.0) and table.windows[100] == pytest.approx(3.0)  # its bursts
+    # a second run 4x slower throughout: the windows are each run's bursts at the median run's level
+    slow_run = [s._replace(duration_s=s.duration_s * 4.0) for s in fast]
+    two = machine_slowdown(profile, [("colocated", steps), ("colocated", slow_run)], window_s=0.3)
+    assert two.runs[0] == pytest.approx(2.0) and two.runs[100] == pytest.approx(4.0)
+    level = 3.0  # the median of the two runs' levels
+    assert two.windows[0] == pytest.approx(0.5 * level) and two.windows[100] == pytest.approx(1.5 * level)
     back_to_back = [StepStats(0.01 * k, 0.008, worker="w") for k in range(5)]  # 2 ms between steps
     assert step_gap([*back_to_back, StepStats(5.0, 0.008, worker="w")]) == pytest.approx(0.002)  # idle gap left out
 
@@ -128,7 +139,8 @@ def test_measure_step_records_on_the_real_engine():
 
 
 def test_machine_slowdown_stretches_steps_by_the_windows_they_span():
-    cost = LinearCostModel(_profile(TRUTH), get_model("tiny"))
+    # no decode-key term: a step record's shape (no per-decode context lengths) prices it exactly
+    cost = LinearCostModel(_profile((*TRUTH[:4], 0.0, TRUTH[5])), get_model("tiny"))
     reqs = random_workload(10, prompt_len_mean=100, output_len_mean=20, rate=100.0, seed=1)
 
     def ratios(**cfg):  # each step's wall time over its priced time (windows of 20 ms: many of them)
@@ -180,3 +192,94 @@ def test_cli_calibrate_then_simulate_on_cpu_profile(tmp_path, monkeypatch):
     assert doc["config"]["cost_model"] == "cpu-measured/tiny"
     assert [r["name"] for r in doc["runs"]] == ["colocated x2", "disaggregated 1P:1D", "auto 1P:1D"]
     assert main([*on_cpu_profile, "--model-profile", "bench"]) == 2  # measured on another model
+
+
+def test_decode_keys_pad_every_decode_to_its_groups_longest_context():
+    from pdserve.engine.model_runner import DECODE_GROUP_SIZE
+
+    assert cost_model.DECODE_GROUP_SIZE == DECODE_GROUP_SIZE  # the engine's grouping, copied without torch
+    assert decode_keys([100, 100, 100, 1540], 16) == 4 * 1552  # one long decode pads the three short ones
+    assert decode_keys([100] * 3, 16) == 3 * 112
+    assert decode_keys([10] * 16 + [1000], 16) == 16 * 16 + 1008  # sorted, then groups of 16
+    shape = StepShape.from_chunks([(99, 1, True)] * 3 + [(1539, 1, True)] + [(0, 64, True)])
+    assert (shape.decode_tokens, shape.decode_context_tokens, shape.decode_keys) == (4, 3 * 100 + 1540, 4 * 1552)
+    record = shape.to_stats("w", 0.0, 0.01)  # a record keeps only the sum
+    assert StepShape.from_stats(record, [100, 100, 100, 1540]).decode_keys == 4 * 1552
+    assert StepShape.from_stats(record).decode_keys == 4 * 464  # without the lengths: taken as equal (460)
+    assert StepShape.from_stats(record, [100, 1540]).decode_keys == 4 * 464  # disagreeing lengths are not used
+
+
+def test_step_shapes_read_each_decodes_context_off_the_token_times():
+    steps = [
+        StepStats(0.0, 0.1, num_prefill_tokens=1100, num_seqs=2, worker="decode-0"),
+        StepStats(0.1, 0.02, num_decode_tokens=2, num_seqs=2, num_decode_context_tokens=101 + 1001, worker="decode-0"),
+        StepStats(0.12, 0.02, num_decode_tokens=1, num_seqs=1, num_decode_context_tokens=102, worker="decode-0"),
+    ]
+    meta = {"decode_worker": "decode-0"}
+    records = [  # tokens reach the client 1 ms after the step that made them
+        RequestRecord("short", 0.0, (0.101, 0.121, 0.141), 100, meta=meta),
+        RequestRecord("long", 0.0, (0.101, 0.121), 1000, meta=meta),
+    ]
+    assert decode_contexts(steps, records) == [[], [101, 1001], [102]]
+    shapes = step_shapes(steps, records)
+    assert [s.decode_keys for s in shapes] == [0, 2 * 1008, 112]
+    assert StepShape.from_stats(steps[1]).decode_keys == 2 * 560  # the record alone cannot see the padding
+
+
+def test_co_run_fractions_and_the_fitted_co_run_slowdown():
+    a = StepStats(0.0, 0.1, worker="decode-0")
+    b = StepStats(0.05, 0.1, worker="decode-1")
+    c = StepStats(0.3, 0.1, worker="decode-0")
+    assert co_run_fractions([a, b, c]) == pytest.approx([0.5, 0.5, 0.0])
+    assert co_run_fractions([a, c]) == [0.0, 0.0]  # one worker: nothing runs beside it
+    # two workers in lockstep (each step 1.3x its time alone), then one of them alone
+    k, shapes = 0.3, [StepShape.from_stats(s) for s in _synthetic_steps(noise=0.0)]
+    cost = LinearCostModel(_profile(TRUTH), get_model("tiny"))
+    steps, t = [], 0.0
+    for shape in shapes:
+        duration = cost.step_time(shape) * (1 + k)
+        steps += [shape.to_stats(w, t, duration) for w in ("decode-0", "decode-1")]
+        t += duration + 0.001
+    for shape in shapes:
+        steps.append(shape.to_stats("decode-0", t, cost.step_time(shape)))
+        t += cost.step_time(shape) + 0.001
+    profile = calibrate_from_runs([("colocated", steps, [])], model="tiny")
+    assert profile.co_run_slowdown == pytest.approx(k)
+    assert profile.roles["colocated"].coefficients == pytest.approx(TRUTH, rel=0.02)  # the time alone
+    alone = calibrate_from_runs([("colocated", steps[2 * len(shapes) :], [])], model="tiny")
+    assert alone.co_run_slowdown == 0.0
+
+
+def test_the_simulator_slows_steps_while_other_instances_run_steps():
+    per_token = _profile((0.0, 1e-3, 0.0, 0.0, 0.0, 0.0))  # a step takes 1 ms per prefill token
+    cost = LinearCostModel(per_token, get_model("tiny"))
+    long = WorkloadRequest("long", [5] * 100, 1, 0.0)
+    short = WorkloadRequest("short", [7] * 10, 1, 0.02)
+    config = SimConfig(max_num_batched_tokens=256, co_run_slowdown=0.5)
+    result = simulate([long, short], cost, config, num_instances=2)
+    by_worker = {s.worker: s for s in result.steps}
+    assert len(by_worker) == 2  # one step on each instance
+    first, second = sorted(by_worker.values(), key=lambda s: s.started)
+    # the short step runs beside the long one: 10 ms of work at 1.5x; the long one does 20 ms alone, 10 ms
+    # of work in the 15 ms beside the short step, then its last 70 ms alone
+    assert (second.started, second.duration_s) == pytest.approx((0.02, 0.015))
+    assert (first.started, first.duration_s) == pytest.approx((0.0, 0.105))
+    plain = simulate([long, short], cost, SimConfig(max_num_batched_tokens=256), num_instances=2)
+    assert sorted(s.duration_s for s in plain.steps) == pytest.approx([0.01, 0.1])  # no co-run slowdown
+
+
+def test_validation_compares_the_median_of_simulated_runs():
+    from pdserve.bench.validate_sim import FIGURES, figures, simulated_figures
+
+    cost = LinearCostModel(_profile(TRUTH), get_model("tiny"))
+    reqs = random_workload(12, prompt_len_mean=100, output_len_mean=20, rate=50.0, seed=3)
+    bursty = tuple(1.0 if i < 70 else 4.0 for i in range(101))
+    config = SimConfig(slowdown_window_s=0.01, slowdown_percentiles=bursty)
+    each = [
+        figures(simulate(reqs, cost, SimConfig(**{**config.to_dict(), "seed": s}), num_instances=2).records)
+        for s in range(5)
+    ]
+    assert len({e["ITL p99"] for e in each}) > 1  # the seeds draw different bursts
+    median = simulated_figures(reqs, cost, config, "colocated", 5)
+    assert set(median) == set(FIGURES)
+    assert median["ITL p99"] == pytest.approx(sorted(e["ITL p99"] for e in each)[2])

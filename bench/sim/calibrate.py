@@ -4,7 +4,7 @@ profile), and measure what a deployment adds around the steps.
 Model per role (seconds; the regressors are ``cost_model.linear_features``)::
 
     duration = fixed + a * prefill_tokens + b * decode_tokens + cp * prefill_context
-               + cd * decode_context + r * prefill_kv_read
+               + cd * decode_keys + r * prefill_kv_read
 
 Roles (``cost_model.ROLES``) are where a step ran: ``colocated`` (a decode worker of a deployment
 without prefill workers: mixed steps), ``prefill`` (a prefill worker: prompts only) and ``decode`` (a
@@ -16,7 +16,16 @@ exercises a term (a prefill worker never decodes) takes that coefficient from ``
 ``fit_role`` is a median regression of the relative error with every coefficient >= 0, so the fit is
 a shape's typical step, and it keeps what other load on the machine adds (noise only ever makes a step
 slower): ``RoleFit.ratio_percentiles`` is the distribution of measured/predicted over every record,
-which the simulator resamples per step. ``deployment_latencies`` measures the token delivery latency (a worker's
+which the simulator resamples per step. ``decode_keys`` (the decodes' keys as the engine pads them)
+is not in a step record: ``step_shapes`` reads every decode's context length off the requests' token
+times (which step produced each token) and so prices each step's padding exactly.
+
+On top of the per-role fit (which is a step's time *alone*), two things a shared machine adds:
+``co_run_slowdown`` ``k``, a step runs ``1 + k`` times slower while the deployment's other worker
+runs a step too (two engines on two cores share caches and memory bandwidth; ``fit_co_run_slowdown``,
+one number for the machine), and ``machine_slowdown``, the other load's bursts per window, measured
+inside each run and taken at the median run's level.
+``deployment_latencies`` measures the token delivery latency (a worker's
 step end to the client) and the control-call latency (client to worker) from the same runs.
 
 ``measure_step_records`` instead drives a real ``engine.LLMEngine`` alone through a grid of batch
@@ -39,7 +48,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from pdserve.bench.metrics import RequestRecord
-from pdserve.bench.sim.cost_model import ROLES, StepShape, linear_features
+from pdserve.bench.sim.cost_model import DEFAULT_BLOCK_SIZE, ROLES, StepShape, linear_features
 from pdserve.bench.sim.profiles import LINEAR_TERMS, RATIO_PERCENTILES, LinearProfile, RoleFit
 from pdserve.messages import StepStats
 
@@ -47,6 +56,8 @@ if TYPE_CHECKING:
     from pdserve.engine import LLMEngine
 
 MIN_RECORDS = len(LINEAR_TERMS) + 2  # a role with fewer records is not fitted on its own
+RunSteps = tuple[str, Sequence[StepStats], Sequence[StepShape], Sequence[float]]  # + shapes, co-run fractions
+CO_RUN_GRID = tuple(i / 40 for i in range(41))  # the co-run slowdowns tried: 0, 0.025, ..., 1
 
 
 def step_role(worker: str, architecture: str) -> str:
@@ -90,8 +101,23 @@ def _median_fit(x: np.ndarray, y: np.ndarray, free: list[int], offset: np.ndarra
     return coef
 
 
-def fit_role(steps: Sequence[StepStats], robust: bool = True, fallback: RoleFit | None = None) -> RoleFit:
-    """Fit ``LINEAR_TERMS`` to ``steps`` (at least ``MIN_RECORDS``; raises ValueError otherwise).
+def _shapes(steps: Sequence[StepStats], shapes: Sequence[StepShape] | None) -> Sequence[StepShape]:
+    """``shapes`` (one per step) when given, else each step's shape from its record alone."""
+    if shapes is None:
+        return [StepShape.from_stats(s) for s in steps]
+    if len(shapes) != len(steps):
+        raise ValueError(f"calibration: {len(shapes)} shapes for {len(steps)} steps")
+    return shapes
+
+
+def fit_role(
+    steps: Sequence[StepStats],
+    robust: bool = True,
+    fallback: RoleFit | None = None,
+    shapes: Sequence[StepShape] | None = None,
+) -> RoleFit:
+    """Fit ``LINEAR_TERMS`` to ``steps`` (at least ``MIN_RECORDS``; raises ValueError otherwise);
+    ``shapes`` are the steps' shapes when known better than their records say (``step_shapes``).
 
     ``robust``: a median regression of the relative error, so the fit is the typical step and the slow
     ones (other load on the machine only ever makes a step slower) land in ``ratio_percentiles``, the
@@ -100,7 +126,7 @@ def fit_role(steps: Sequence[StepStats], robust: bool = True, fallback: RoleFit 
     """
     if len(steps) < MIN_RECORDS:
         raise ValueError(f"calibration: need at least {MIN_RECORDS} step records, got {len(steps)}")
-    x = np.asarray([linear_features(StepShape.from_stats(s)) for s in steps], dtype=float)
+    x = np.asarray([linear_features(shape) for shape in _shapes(steps, shapes)], dtype=float)
     y = np.asarray([s.duration_s for s in steps], dtype=float)
     absent = [j for j in range(x.shape[1]) if not np.any(x[:, j])]
     fixed = np.zeros(x.shape[1])
@@ -128,17 +154,54 @@ def fit_role(steps: Sequence[StepStats], robust: bool = True, fallback: RoleFit 
 
 
 def fit_linear_profile(
-    steps_by_role: Mapping[str, Sequence[StepStats]], model: str = "bench", robust: bool = True, **extra: Any
+    steps_by_role: Mapping[str, Sequence[StepStats]],
+    model: str = "bench",
+    robust: bool = True,
+    shapes_by_role: Mapping[str, Sequence[StepShape]] | None = None,
+    **extra: Any,
 ) -> LinearProfile:
     """``all`` over every record, then each role of ``ROLES`` with at least ``MIN_RECORDS`` records.
-    ``extra`` goes into the profile (latencies, ``notes``, ...)."""
+    ``shapes_by_role``: the steps' shapes, one per step (else read off the records). ``extra`` goes
+    into the profile (latencies, ``notes``, ...)."""
+    shapes = {role: _shapes(steps, (shapes_by_role or {}).get(role)) for role, steps in steps_by_role.items()}
     everything = [s for steps in steps_by_role.values() for s in steps]
-    roles = {"all": fit_role(everything, robust)}
+    roles = {"all": fit_role(everything, robust, shapes=[x for v in shapes.values() for x in v])}
     for role in ROLES:
         steps = steps_by_role.get(role, ())
         if len(steps) >= MIN_RECORDS:
-            roles[role] = fit_role(steps, robust, fallback=roles["all"])
+            roles[role] = fit_role(steps, robust, fallback=roles["all"], shapes=shapes[role])
     return LinearProfile(model=model, roles=roles, **extra)
+
+
+def decode_contexts(steps: Sequence[StepStats], records: Iterable[RequestRecord]) -> list[list[int]]:
+    """Per step (in ``steps``' order), the context length of every decode it ran, read off the requests:
+    a request's token ``k >= 1`` came from the latest step on its decode worker that ended before the
+    client received it, a decode over ``prompt + k`` keys. A step whose list disagrees with its record
+    (a token delivered late, past the next step's end) is priced from the record alone (``from_stats``)."""
+    ends: dict[str, list[tuple[float, int]]] = defaultdict(list)
+    for i, s in enumerate(steps):
+        ends[s.worker].append((s.ended, i))
+    for v in ends.values():
+        v.sort()
+    found: list[list[int]] = [[] for _ in steps]
+    for r in records:
+        worker = r.meta.get("decode_worker")
+        if not r.succeeded or worker not in ends:
+            continue
+        times = [t for t, _ in ends[worker]]
+        for k, t in enumerate(r.token_times[1:], start=1):
+            j = bisect.bisect_right(times, t)
+            if j:
+                found[ends[worker][j - 1][1]].append(r.num_prompt_tokens + k)
+    return found
+
+
+def step_shapes(
+    steps: Sequence[StepStats], records: Iterable[RequestRecord], block_size: int = DEFAULT_BLOCK_SIZE
+) -> list[StepShape]:
+    """Every step's shape, its padded decode keys from the decodes' context lengths (``decode_contexts``)."""
+    contexts = decode_contexts(steps, records)
+    return [StepShape.from_stats(s, c, block_size) for s, c in zip(steps, contexts, strict=True)]
 
 
 def _latest_end_before(ends: list[float], t: float) -> float | None:
@@ -214,43 +277,143 @@ def step_gap(steps: Iterable[StepStats], busy_within_s: float = 0.05) -> float:
     return max(0.0, statistics.median(gaps)) if gaps else 0.0
 
 
+class Slowdown(NamedTuple):
+    """The machine's measured slowdown (measured over predicted step time), at percentiles 0 ... 100."""
+
+    windows: tuple[float, ...]  # per window of a worker's time, in a run at the median run's level
+    runs: tuple[float, ...]  # per run, over all its steps: the run-to-run level
+
+
 def machine_slowdown(
-    profile: LinearProfile, runs: Iterable[tuple[str, Sequence[StepStats]]], window_s: float
-) -> tuple[float, ...]:
-    """The machine's slowdown at percentiles 0 ... 100: per ``window_s`` of each worker's time, the
-    measured duration of the steps that began in it over what ``profile`` (each step's role) predicts.
-    Short windows see short stalls, long ones the average: ``window_s`` sets how bursty the simulated
-    machine is (and long steps span several windows, so they see less of a burst than short ones)."""
-    factors = []
-    for arch, steps in runs:
+    profile: LinearProfile, runs: Iterable[tuple[str, Sequence[StepStats]] | RunSteps], window_s: float
+) -> Slowdown:
+    """The machine's slowdown at percentiles 0 ... 100, in two parts. Each run's level: the measured
+    duration of all its steps over what ``profile`` (each step's role) predicts. Within a run, per
+    ``window_s`` of each worker's time, the steps that began in that window, measured over predicted,
+    relative to the run's level; ``windows`` is that, times the median run's level.
+
+    Other load on a shared machine comes and goes over seconds, so whole runs are slow or fast
+    together; a simulated run is one typical run (the median level) with the bursts measured inside
+    runs, rather than every window drawn from every run, which would price a run at the mean level
+    that one slow run pulls up. Short windows see short stalls, long ones the average: ``window_s``
+    sets how bursty the simulated machine is (and long steps span several windows, so they see less of
+    a burst than short ones). ``runs``: ``(architecture, steps)``, or ``(architecture, steps, shapes,
+    co_run_fractions)`` with the steps' shapes and how much of each step other workers ran steps too
+    (``co_run_fractions``), which ``profile.co_run_slowdown`` prices."""
+    levels: list[float] = []
+    relative: list[float] = []
+    for arch, steps, *known in runs:
+        shapes = _shapes(steps, known[0] if known else None)
+        fractions = known[1] if len(known) > 1 else [0.0] * len(steps)
         sums: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
-        for s in steps:
+        for s, shape, f in zip(steps, shapes, fractions, strict=True):
             fit = profile.fit_for(step_role(s.worker, arch))
             window = sums[s.worker, int(s.started // window_s)]
             window[0] += s.duration_s
-            window[1] += fit.predict(linear_features(StepShape.from_stats(s)))
-        factors += [measured / predicted for measured, predicted in sums.values() if predicted > 0]
-    return tuple(float(v) for v in np.percentile(factors, RATIO_PERCENTILES)) if factors else ()
+            window[1] += fit.predict(linear_features(shape)) * (1 + profile.co_run_slowdown * f)
+        measured, predicted = (sum(v[i] for v in sums.values()) for i in (0, 1))
+        if predicted <= 0:
+            continue
+        level = measured / predicted
+        levels.append(level)
+        relative += [m / p / level for m, p in sums.values() if p > 0]
+    if not levels:
+        return Slowdown((), ())
+    typical = float(np.median(levels))
+    windows = tuple(float(v) * typical for v in np.percentile(relative, RATIO_PERCENTILES))
+    return Slowdown(windows, tuple(float(v) for v in np.percentile(levels, RATIO_PERCENTILES)))
+
+
+def co_run_fractions(steps: Sequence[StepStats]) -> list[float]:
+    """Per step, how much of it the other workers of its deployment (the other ``worker`` names in
+    ``steps``) ran steps too: their overlapping step time over its duration, per other worker, in [0, 1]."""
+    by_worker: dict[str, list[StepStats]] = defaultdict(list)
+    for s in steps:
+        by_worker[s.worker].append(s)
+    others = len(by_worker) - 1
+    if others < 1:
+        return [0.0] * len(steps)
+    starts = {w: sorted(v, key=lambda s: s.started) for w, v in by_worker.items()}
+    keys = {w: [s.started for s in v] for w, v in starts.items()}
+    out = []
+    for s in steps:
+        overlap = 0.0
+        for w, v in starts.items():
+            if w == s.worker:
+                continue
+            j = max(bisect.bisect_left(keys[w], s.started) - 1, 0)  # the one begun before may overlap
+            while j < len(v) and v[j].started < s.ended:
+                overlap += max(0.0, min(s.ended, v[j].ended) - max(s.started, v[j].started))
+                j += 1
+        out.append(min(1.0, overlap / max(s.duration_s, 1e-12) / others))
+    return out
+
+
+class Observed(NamedTuple):
+    """One measured step, as the calibration sees it."""
+
+    step: StepStats
+    shape: StepShape
+    co_run: float  # how much of it other workers ran steps (``co_run_fractions``)
+    run: int  # which run it belongs to
+
+
+def _alone(by_role: Mapping[str, Sequence[Observed]], k: float) -> dict[str, list[StepStats]]:
+    """The steps with their durations divided by the co-run slowdown ``1 + k * co_run``."""
+    return {
+        role: [o.step._replace(duration_s=o.step.duration_s / (1 + k * o.co_run)) for o in v]
+        for role, v in by_role.items()
+    }
+
+
+def _role_shapes(by_role: Mapping[str, Sequence[Observed]]) -> dict[str, list[StepShape]]:
+    return {role: [o.shape for o in v] for role, v in by_role.items()}
+
+
+def fit_co_run_slowdown(by_role: Mapping[str, Sequence[Observed]], model: str = "bench") -> float:
+    """The co-run slowdown ``k`` of ``CO_RUN_GRID`` under which the per-role fits of the steps' time
+    alone, times ``1 + k * co-run fraction``, leave the least mean relative error over every step: one
+    number for the machine (two workers on shared cores and memory), 0 when overlap explains nothing."""
+    shapes = _role_shapes(by_role)
+
+    def error(k: float) -> float:
+        profile = fit_linear_profile(_alone(by_role, k), model, shapes_by_role=shapes)
+        total = 0.0
+        for role, observed in by_role.items():
+            fit = profile.fit_for(role)
+            for o in observed:
+                predicted = max(fit.predict(linear_features(o.shape)) * (1 + k * o.co_run), 1e-12)
+                total += abs(o.step.duration_s - predicted) / predicted
+        return total
+
+    return min(CO_RUN_GRID, key=error)
 
 
 def calibrate_from_runs(
     runs: Iterable[tuple[str, Sequence[StepStats], Sequence[RequestRecord]]],
     model: str = "bench",
     window_s: float = 0.1,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     **extra: Any,
 ) -> LinearProfile:
     """The cpu-measured profile from deployment runs ``(architecture, steps, records)``: per-role fits
-    of the steps (``step.worker`` names the worker), the deployment's latencies and the machine's
-    slowdown per ``window_s``."""
+    of the steps (``step.worker`` names the worker; their shapes by ``step_shapes`` with the
+    deployment's ``block_size``), the deployment's latencies and the machine's slowdown per ``window_s``."""
     runs = list(runs)
-    by_role: dict[str, list[StepStats]] = defaultdict(list)
-    for arch, steps, _ in runs:
-        for s in steps:
-            by_role[step_role(s.worker, arch)].append(s)
+    shaped: list[RunSteps] = [
+        (arch, steps, step_shapes(steps, records, block_size), co_run_fractions(steps)) for arch, steps, records in runs
+    ]
+    by_role: dict[str, list[Observed]] = defaultdict(list)
+    for run, (arch, steps, shapes, fractions) in enumerate(shaped):
+        for step, shape, f in zip(steps, shapes, fractions, strict=True):
+            by_role[step_role(step.worker, arch)].append(Observed(step, shape, f, run))
+    k = fit_co_run_slowdown(by_role, model)
     latency = deployment_latencies((steps, records) for _, steps, records in runs)
     profile = fit_linear_profile(
-        by_role,
+        _alone(by_role, k),
         model,
+        shapes_by_role=_role_shapes(by_role),
+        co_run_slowdown=k,
         token_latency_s=latency.token_s,
         control_latency_s=latency.control_s,
         control_latency_percentiles=latency.control_percentiles,
@@ -259,15 +422,15 @@ def calibrate_from_runs(
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
         **extra,
     )
-    slowdown = machine_slowdown(profile, ((arch, steps) for arch, steps, _ in runs), window_s)
-    return dataclasses.replace(profile, slowdown_percentiles=slowdown)
+    slowdown = machine_slowdown(profile, shaped, window_s)
+    return dataclasses.replace(profile, slowdown_percentiles=slowdown.windows, run_slowdown_percentiles=slowdown.runs)
 
 
 def describe_profile(profile: LinearProfile) -> str:
     """A few lines: each role's coefficients, fit quality and measured/predicted tail; the latencies."""
     units = ((1e3, "ms"), (1e6, "us/prefill tok"), (1e6, "us/decode tok"))
-    units += ((1e9, "ns/prefill ctx"), (1e9, "ns/decode ctx"), (1e9, "ns/prefill KV read"))
-    lines = [f"cpu-measured profile for {profile.model!r} ({profile.notes or 'no notes'}):"]
+    units += ((1e9, "ns/prefill ctx"), (1e9, "ns/decode key"), (1e9, "ns/prefill KV read"))
+    lines = [f"cpu-measured profile for {profile.model!r} ({profile.notes or 'no notes'}), a step alone:"]
     for role, fit in profile.roles.items():
         terms = " + ".join(f"{c * k:.3g} {u}" for c, (k, u) in zip(fit.coefficients, units, strict=True))
         r = fit.ratio_percentiles
@@ -284,6 +447,7 @@ def describe_profile(profile: LinearProfile) -> str:
         f"{profile.control_latency_s * 1e3:.2f} ms{spread}, gap between steps {profile.step_gap_s * 1e3:.2f} ms, "
         f"KV link {profile.kv_link_bw / 1e9:.1f} GB/s"
     )
+    lines.append(f"  co-run slowdown: x{1 + profile.co_run_slowdown:.3g} while the other worker runs a step too")
     w = profile.slowdown_percentiles
     if w:
         mean = float(np.mean(np.interp(np.linspace(0, 100, 1001), RATIO_PERCENTILES, w)))
@@ -291,15 +455,27 @@ def describe_profile(profile: LinearProfile) -> str:
             f"  machine slowdown per {profile.slowdown_window_s:g} s window: p50 {w[50]:.2f} p90 {w[90]:.2f} "
             f"p99 {w[99]:.2f} max {w[100]:.2f} (mean {mean:.2f})"
         )
+    r = profile.run_slowdown_percentiles
+    if r:
+        lines.append(
+            f"  run-to-run level (a run's steps, measured over predicted): min {r[0]:.2f} p50 {r[50]:.2f} "
+            f"max {r[100]:.2f}; simulated at the median"
+        )
     return "\n".join(lines)
 
 
-def residuals(profile: LinearProfile, steps_by_role: Mapping[str, Sequence[StepStats]]) -> dict[str, list[tuple]]:
-    """Per role, ``(predicted, measured)`` seconds of every step: the fit's residuals, for a plot."""
+def residuals(
+    profile: LinearProfile,
+    steps_by_role: Mapping[str, Sequence[StepStats]],
+    shapes_by_role: Mapping[str, Sequence[StepShape]] | None = None,
+) -> dict[str, list[tuple]]:
+    """Per role, ``(predicted, measured)`` seconds of every step: the fit's residuals, for a plot.
+    ``shapes_by_role``: the steps' shapes, one per step (else read off the records)."""
     out = {}
     for role, steps in steps_by_role.items():
         fit = profile.fit_for(role)
-        out[role] = [(fit.predict(linear_features(StepShape.from_stats(s))), s.duration_s) for s in steps]
+        shapes = _shapes(steps, (shapes_by_role or {}).get(role))
+        out[role] = [(fit.predict(linear_features(x)), s.duration_s) for s, x in zip(steps, shapes, strict=True)]
     return out
 
 

@@ -41,6 +41,9 @@ class SimConfig:
     distribution (``random.Random(seed)``), shared by all instances (a burst of other load slows them
     all), and a step's priced work is stretched by the factors of the windows it spans; each control
     call's latency is drawn from ``control_latency_percentiles``. ``step_tail=False`` leaves both out.
+    ``co_run_slowdown`` (``k``): an instance's step runs ``1 + k`` times slower while every other
+    instance runs a step too (``1 + k * busy / others`` in between; the cores and memory are shared),
+    re-timed whenever another instance starts or ends a step; 0 (GPU instances share nothing).
     ``auto_*`` are the router's auto thresholds (``router.policy.RouterConfig``, same defaults).
     """
 
@@ -60,6 +63,7 @@ class SimConfig:
     step_gap_s: float = 0.0
     slowdown_window_s: float = 0.1
     slowdown_percentiles: tuple[float, ...] = ()
+    co_run_slowdown: float = 0.0
     step_tail: bool = True
     seed: int = 0
     auto_min_remote_tokens: int = _ROUTER_DEFAULTS.auto_min_remote_tokens
@@ -75,7 +79,7 @@ class SimConfig:
                 raise ValueError(f"sim: {name} must be None or >= 1, got {v}")
         if self.kv_link_bw is not None and not self.kv_link_bw > 0:
             raise ValueError(f"sim: kv_link_bw must be > 0, got {self.kv_link_bw}")
-        for name in ("token_latency_s", "control_latency_s", "step_gap_s", "auto_min_remote_tokens"):
+        for name in ("token_latency_s", "control_latency_s", "step_gap_s", "auto_min_remote_tokens", "co_run_slowdown"):
             if getattr(self, name) < 0:
                 raise ValueError(f"sim: {name} must be >= 0, got {getattr(self, name)}")
         if not self.slowdown_window_s > 0:

@@ -22,18 +22,24 @@ which is what makes very small chunks expensive.
 
 ``LinearCostModel`` (the cpu-measured profile) is the per-role least-squares fit from ``calibrate``::
 
-    step = c0 + a * prefill_tokens + b * decode_tokens + cp * prefill_context + cd * decode_context
+    step = c0 + a * prefill_tokens + b * decode_tokens + cp * prefill_context + cd * decode_keys
            + r * prefill_kv_read
 
 (a shape's typical step); the simulator stretches it by the machine's measured slowdown (``SimConfig``).
 Prefill attention (many queries over a chunk's keys) and decode attention (one query reading a whole
 cached context) get separate terms: their costs per attended key differ, on a GPU by an order of
 magnitude (decode is bandwidth-bound), and on a CPU too (different kernels).
+
+``decode_keys`` is what our engine's decode attention really reads: it sorts a step's decodes by
+context length, attends them in groups of ``DECODE_GROUP_SIZE`` and pads every decode of a group to
+the group's longest context in whole KV blocks (``engine.model_runner``). One 1500-token decode next
+to three 100-token ones makes the step gather 4 x 1500 keys, not 1800: summed context lengths
+under-price such a step and, fitted over many uniform ones, over-price the uniform steps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from pdserve.bench.sim.profiles import HardwareProfile, LinearProfile, ModelProfile
@@ -44,6 +50,8 @@ if TYPE_CHECKING:
     from pdserve.engine.scheduler import SchedulerOutput
 
 ROLES = ("colocated", "prefill", "decode")
+DECODE_GROUP_SIZE = 16  # engine.model_runner.DECODE_GROUP_SIZE (a test keeps them equal; that module needs torch)
+DEFAULT_BLOCK_SIZE = 16  # engine.EngineConfig().block_size
 
 __all__ = [
     "ROLES",
@@ -53,6 +61,7 @@ __all__ = [
     "StepCost",
     "StepShape",
     "chunk_context_tokens",
+    "decode_keys",
     "linear_features",
 ]
 
@@ -67,6 +76,7 @@ class StepShape(NamedTuple):
     num_seqs: int
     sampled_tokens: int  # chunks that produce a token (LM head work)
     decode_context_tokens: int = 0  # of context_tokens, those attended by decode tokens
+    decode_keys: int = 0  # keys the decodes' attention reads, padded as the engine pads (``decode_keys``)
 
     @property
     def num_tokens(self) -> int:
@@ -83,31 +93,45 @@ class StepShape(NamedTuple):
         return self.kv_read_tokens - (self.decode_context_tokens - self.decode_tokens)
 
     @staticmethod
-    def from_chunks(chunks: Iterable[tuple[int, int, bool]]) -> StepShape:
+    def from_chunks(chunks: Iterable[tuple[int, int, bool]], block_size: int = DEFAULT_BLOCK_SIZE) -> StepShape:
         """From ``(start, num_tokens, samples)`` per chunk. A 1-token sampling chunk is a decode."""
-        prefill = decode = context = kv_read = seqs = sampled = decode_context = 0
+        prefill = decode = context = kv_read = seqs = sampled = 0
+        decode_contexts = []
         for start, n, samples in chunks:
             if n == 1 and samples:
                 decode += 1
-                decode_context += start + 1
+                decode_contexts.append(start + 1)
             else:
                 prefill += n
             context += chunk_context_tokens(start, n)
             kv_read += start
             seqs += 1
             sampled += int(samples)
-        return StepShape(prefill, decode, context, kv_read, seqs, sampled, decode_context)
+        keys = decode_keys(decode_contexts, block_size)
+        return StepShape(prefill, decode, context, kv_read, seqs, sampled, sum(decode_contexts), keys)
 
     @staticmethod
-    def from_output(output: SchedulerOutput) -> StepShape:
+    def from_output(output: SchedulerOutput, block_size: int = DEFAULT_BLOCK_SIZE) -> StepShape:
         """From the engine scheduler's ``SchedulerOutput``."""
-        return StepShape.from_chunks((c.start, len(c.token_ids), c.samples) for c in output.chunks)
+        return StepShape.from_chunks(((c.start, len(c.token_ids), c.samples) for c in output.chunks), block_size)
 
     @staticmethod
-    def from_stats(step: StepStats) -> StepShape:
+    def from_stats(
+        step: StepStats, decode_contexts: Sequence[int] | None = None, block_size: int = DEFAULT_BLOCK_SIZE
+    ) -> StepShape:
         """From a measured (or simulated) step record. Sampled tokens are not recorded: one per
-        decode, plus one when the step carries prefill tokens (an estimate; only the roofline uses it)."""
+        decode, plus one when the step carries prefill tokens (an estimate; only the roofline uses it).
+
+        A record keeps only the decodes' summed context, not each one: ``decode_contexts`` (every
+        decode's context length, e.g. read off the requests' token times) gives the padded
+        ``decode_keys`` exactly when it agrees with the record (as many decodes, the same sum); without
+        it the decodes are taken as equally long (no padding beyond the block)."""
         sampled = step.num_decode_tokens + int(step.num_prefill_tokens > 0)
+        d, total = step.num_decode_tokens, step.num_decode_context_tokens
+        if decode_contexts is not None and len(decode_contexts) == d and sum(decode_contexts) == total:
+            keys = decode_keys(decode_contexts, block_size)
+        else:
+            keys = d * _round_up(-(-total // d), block_size) if d else 0
         return StepShape(
             step.num_prefill_tokens,
             step.num_decode_tokens,
@@ -115,7 +139,8 @@ class StepShape(NamedTuple):
             step.num_kv_read_tokens,
             step.num_seqs,
             sampled,
-            step.num_decode_context_tokens,
+            total,
+            keys,
         )
 
     def to_stats(self, worker: str, started: float, duration_s: float, num_preempted: int = 0) -> StepStats:
@@ -135,15 +160,32 @@ class StepShape(NamedTuple):
         )
 
 
+def _round_up(n: int, block_size: int) -> int:
+    return -(-n // block_size) * block_size
+
+
+def decode_keys(contexts: Iterable[int], block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Keys read by the decode attention of decodes with these context lengths, as the engine runs it:
+    sorted by length, in groups of ``DECODE_GROUP_SIZE``, each decode padded to its group's longest
+    context rounded up to whole blocks of ``block_size``."""
+    ordered = sorted(contexts)
+    keys = 0
+    for g in range(0, len(ordered), DECODE_GROUP_SIZE):
+        group = ordered[g : g + DECODE_GROUP_SIZE]
+        keys += len(group) * _round_up(group[-1], block_size)
+    return keys
+
+
 def linear_features(shape: StepShape) -> tuple[float, ...]:
     """The linear model's regressors, in ``LINEAR_TERMS`` order: 1, prefill tokens, decode tokens,
-    prefill context (keys attended by prefill tokens), decode context, prefill KV read."""
+    prefill context (keys attended by prefill tokens), decode keys (padded, ``decode_keys``), prefill KV
+    read."""
     return (
         1.0,
         float(shape.prefill_tokens),
         float(shape.decode_tokens),
         float(shape.prefill_context_tokens),
-        float(shape.decode_context_tokens),
+        float(shape.decode_keys),
         float(shape.prefill_kv_read_tokens),
     )
 

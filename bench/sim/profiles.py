@@ -141,7 +141,7 @@ LINEAR_TERMS = (
     "per_prefill_token_s",
     "per_decode_token_s",
     "per_prefill_context_token_s",  # per key attended by a prefill token
-    "per_decode_context_token_s",  # per key attended by a decode token (its KV read included)
+    "per_decode_key_s",  # per key a decode token's attention reads, padded as the engine pads (its KV read included)
     "per_prefill_kv_read_token_s",  # per cached token a prefill chunk reads (gathers) before its own keys
 )
 RATIO_PERCENTILES = tuple(range(101))  # where RoleFit.ratio_percentiles samples measured/predicted
@@ -228,6 +228,8 @@ class LinearProfile:
     step_gap_s: float = 0.0
     slowdown_window_s: float = 0.1
     slowdown_percentiles: tuple[float, ...] = ()
+    run_slowdown_percentiles: tuple[float, ...] = ()
+    co_run_slowdown: float = 0.0
     kv_memory_bytes: float = 0.5 * 2**30  # the engine's default kv_cache_memory_gb
     name: str = CPU_MEASURED
     measured_at: str = ""
@@ -244,6 +246,7 @@ class LinearProfile:
         """``SimConfig`` fields this profile sets: the KV link, the deployment's latencies, the machine's slowdown."""
         names = ("kv_link_bw", "kv_link_latency_s", "token_latency_s", "control_latency_s")
         names += ("control_latency_percentiles", "step_gap_s", "slowdown_window_s", "slowdown_percentiles")
+        names += ("co_run_slowdown",)
         return {name: getattr(self, name) for name in names}
 
     def to_dict(self) -> dict[str, Any]:
@@ -251,6 +254,7 @@ class LinearProfile:
         d["roles"] = {k: v.to_dict() for k, v in self.roles.items()}
         d["control_latency_percentiles"] = [round(x, 6) for x in self.control_latency_percentiles]
         d["slowdown_percentiles"] = [round(x, 4) for x in self.slowdown_percentiles]
+        d["run_slowdown_percentiles"] = [round(x, 4) for x in self.run_slowdown_percentiles]
         return d
 
     @staticmethod
@@ -261,7 +265,7 @@ class LinearProfile:
         known = {f.name for f in fields(LinearProfile)} - {"roles"}
         roles = {k: RoleFit.from_dict(v) for k, v in d["roles"].items()}
         rest = {k: v for k, v in d.items() if k in known}
-        for name in ("control_latency_percentiles", "slowdown_percentiles"):
+        for name in ("control_latency_percentiles", "slowdown_percentiles", "run_slowdown_percentiles"):
             rest[name] = tuple(rest.get(name, ()))
         return LinearProfile(roles=roles, **rest)
 

@@ -25,6 +25,8 @@ Around the steps, ``SimConfig`` adds a deployment's latencies (a token's deliver
 starting a request, the reservation, applied between the decode instance's steps, and its answer, the
 decode call; the engine loop's gap between steps) and, with ``step_tail``, the machine's measured
 slowdown: one factor per window of virtual time, shared by all instances, stretching the steps there.
+With a ``co_run_slowdown`` (instances sharing one machine's cores), a step also runs slower while
+other instances run steps: every step's end is re-timed when another instance starts or ends one.
 
 Events at the same virtual time are all applied before any idle instance starts its next step, so
 requests sent together are batched together. The simulator is deterministic for a given seed.
@@ -90,7 +92,8 @@ class _Instance:
         self.cost_role = cost_role  # how the cost model prices its steps (cost_model.ROLES)
         self.scheduler = scheduler
         self.busy = False
-        self.output: SchedulerOutput | None = None
+        self.output: SchedulerOutput | None = None  # the step running now, if any
+        self.step: _Step | None = None  # its timing
         self.link_free_at = 0.0
         self.fifo: deque[_Client] = deque()  # a prefill instance's accepted prompts, not yet admitted
         self.reserving = False  # a prefill instance waits for the reservation of its FIFO's head
@@ -99,6 +102,20 @@ class _Instance:
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
+
+
+@dataclass
+class _Step:
+    """A running step's timing: ``work_s`` of priced time left as of ``since``, done at ``1 / multiplier``
+    of the machine's pace (the co-run slowdown while other instances run steps); ``version`` tells the
+    current completion event from those a re-timing superseded (unique over the run)."""
+
+    shape: StepShape
+    started: float
+    work_s: float
+    since: float
+    multiplier: float = 1.0
+    version: int = -1
 
 
 @dataclass
@@ -287,11 +304,72 @@ class Simulator:
         output = inst.scheduler.schedule()
         if not output.chunks:
             return  # waiting for blocks; retried after the next event
-        shape = StepShape.from_output(output)
-        duration = self._stretch(self.now, max(self.cost_model.step_time(shape, inst.cost_role), 1e-9))
+        shape = StepShape.from_output(output, self.config.block_size)
+        work = max(self.cost_model.step_time(shape, inst.cost_role), 1e-9)
         inst.busy, inst.output = True, output
-        self.steps.append(shape.to_stats(inst.name, self.now, duration, len(output.preempted)))
-        self._at(self.now + duration, self._on_step_done, inst)
+        inst.step = _Step(shape, self.now, work, self.now)
+        self._retime(inst)
+
+    def _co_run_multiplier(self, inst: _Instance) -> float:
+        """``1 + co_run_slowdown`` x the fraction of the other instances running a step now."""
+        others = len(self.instances) - 1
+        k = self.config.co_run_slowdown
+        if not k or not others:
+            return 1.0
+        busy = sum(1 for other in self.instances.values() if other is not inst and other.output is not None)
+        return 1.0 + k * busy / others
+
+    def _retime(self, changed: _Instance) -> None:
+        """``changed`` started or ended a step: (re)schedule the end of every running step whose pace
+        that changes (``changed``'s own new step, and with a co-run slowdown every other running step)."""
+        targets = [changed] if changed.step is not None else []
+        if self.config.co_run_slowdown:
+            targets += [i for i in self.instances.values() if i is not changed and i.step is not None]
+        for inst in targets:
+            step = inst.step
+            assert step is not None
+            if step.since < self.now:  # the work done at the old pace since the last re-timing
+                step.work_s = max(step.work_s - self._work_between(step.since, self.now) / step.multiplier, 0.0)
+                step.since = self.now
+            step.multiplier = self._co_run_multiplier(inst)
+            step.version = next(self._seq)  # unique: an event of an earlier step never matches
+            self._at(
+                self.now + self._stretch(self.now, step.work_s * step.multiplier), self._on_step_end, inst, step.version
+            )
+
+    def _on_step_end(self, inst: _Instance, version: int) -> None:
+        step = inst.step
+        if step is None or step.version != version:
+            return  # re-timed since: a later event ends it
+        inst.step = None
+        self.steps.append(step.shape.to_stats(inst.name, step.started, self.now - step.started, self._preempted(inst)))
+        self._on_step_done(inst)
+        if self.config.co_run_slowdown:
+            self._retime(inst)
+
+    @staticmethod
+    def _preempted(inst: _Instance) -> int:
+        return len(inst.output.preempted) if inst.output is not None else 0
+
+    def _work_between(self, start: float, end: float) -> float:
+        """Priced step time the slowed-down machine does between ``start`` and ``end`` (the inverse of
+        ``_stretch``)."""
+        c = self.config
+        if not (c.step_tail and c.slowdown_percentiles):
+            return end - start
+        work, t = 0.0, start
+        while t < end:
+            k = int(t // c.slowdown_window_s)
+            stop = min(end, (k + 1) * c.slowdown_window_s)
+            work += (stop - t) / self._slowdown_factor(k)
+            t = stop if stop > t else math.nextafter(t, math.inf)
+        return work
+
+    def _slowdown_factor(self, k: int) -> float:
+        """The machine's slowdown in window ``k`` (drawn once, shared by all instances)."""
+        if k not in self._slowdown:
+            self._slowdown[k] = quantile_at(self.config.slowdown_percentiles, self._rng.random(), 1.0)
+        return max(self._slowdown[k], 1e-6)
 
     def _stretch(self, start: float, work: float) -> float:
         """Wall time of ``work`` seconds of priced step time begun at ``start`` on the slowed-down machine."""
@@ -300,9 +378,7 @@ class Simulator:
             return work
         t, k = start, int(start // c.slowdown_window_s)
         while True:
-            if k not in self._slowdown:
-                self._slowdown[k] = quantile_at(c.slowdown_percentiles, self._rng.random(), 1.0)
-            factor, end = max(self._slowdown[k], 1e-6), (k + 1) * c.slowdown_window_s
+            factor, end = self._slowdown_factor(k), (k + 1) * c.slowdown_window_s
             room = max(end - t, 0.0) / factor  # priced work that fits in the rest of this window
             if work <= room:
                 return t + work * factor - start
