@@ -308,29 +308,35 @@ class RouterMetrics:
 
 
 class RecentLatencies:
-    """The TTFT and ITL samples of the last ``window_s`` seconds, per mode (at most ``max_samples``)."""
+    """The TTFT and ITL samples of the last ``window_s`` seconds, per mode and kind (at most
+    ``max_samples`` of each, the newest)."""
 
     PERCENTILES = (50, 90, 99)
 
-    def __init__(self, window_s: float = 60.0, max_samples: int = 200_000) -> None:
+    def __init__(self, window_s: float = 60.0, max_samples: int = 50_000) -> None:
         self.window_s = window_s
-        self._samples: deque[tuple[float, str, str, float]] = deque(maxlen=max_samples)
+        self.max_samples = max_samples
+        self._samples: dict[tuple[str, str], tuple[deque[float], deque[float]]] = {}  # (times, seconds)
 
     def add(self, kind: str, mode: str, seconds: float) -> None:
         """One sample: ``kind`` is "ttft" or "itl"; ``mode`` the resolved one (colocated, disaggregated)."""
-        self._samples.append((time.monotonic(), kind, mode, seconds))
+        pair = self._samples.get((mode, kind))
+        if pair is None:
+            pair = self._samples[mode, kind] = (deque(maxlen=self.max_samples), deque(maxlen=self.max_samples))
+        pair[0].append(time.monotonic())
+        pair[1].append(seconds)
 
     def percentiles(self) -> dict[str, dict[str, dict[str, float]]]:
         """``{mode: {"ttft"|"itl": {"n": count, "p50": ms, "p90": ms, "p99": ms}}}`` over the window."""
         cutoff = time.monotonic() - self.window_s
-        while self._samples and self._samples[0][0] < cutoff:
-            self._samples.popleft()
-        by: dict[tuple[str, str], list[float]] = {}
-        for _, kind, mode, seconds in self._samples:
-            by.setdefault((mode, kind), []).append(seconds)
         out: dict[str, dict[str, dict[str, float]]] = {}
-        for (mode, kind), values in sorted(by.items()):
-            ms = np.percentile(np.asarray(values) * 1000.0, self.PERCENTILES)  # linear, as bench.metrics
+        for (mode, kind), (times, values) in sorted(self._samples.items()):
+            while times and times[0] < cutoff:
+                times.popleft()
+                values.popleft()
+            if not values:
+                continue
+            ms = np.percentile(np.fromiter(values, float, len(values)) * 1000.0, self.PERCENTILES)  # as bench.metrics
             row = {"n": float(len(values)), **{f"p{p}": float(v) for p, v in zip(self.PERCENTILES, ms, strict=True)}}
             out.setdefault(mode, {})[kind] = row
         return out
