@@ -155,13 +155,13 @@ def run_playground(settings: PlaygroundSettings) -> dict[str, Any]:
     except ValueError as e:
         raise SettingError("hardware", str(e)) from None
     _check_fits(settings, setup.cost_model)
-    chunks = (settings.chunk_size, None) if settings.chunking else (None, settings.chunk_size)
     if settings.num_decodes >= setup.config.max_num_seqs:
         raise SettingError(
             "num_decodes",
             f"at most {setup.config.max_num_seqs - 1} (max_num_seqs is "
             f"{setup.config.max_num_seqs} and the long prompt needs a place)",
         )
+    chunks = (settings.chunk_size, None) if settings.chunking else (None, settings.chunk_size)
     runs = [
         run_chunked_prefill_demo(
             setup.cost_model,
