@@ -273,6 +273,13 @@ def test_roofline_cost_model():
     assert chunk_context_tokens(10, 3) == 11 + 12 + 13
 
 
+def test_a_step_splits_into_its_prefill_and_its_decodes():
+    chunks = [(64, 256, False), (0, 100, True), (300, 1, True), (40, 1, True)]
+    prefill, decode = StepShape.from_chunks(chunks).split()
+    assert prefill == StepShape.from_chunks(chunks[:2])
+    assert decode == StepShape.from_chunks(chunks[2:])
+
+
 def test_presets_match_engine_configs():
     from pdserve.engine.config import ModelConfig
 

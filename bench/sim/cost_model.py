@@ -92,6 +92,29 @@ class StepShape(NamedTuple):
         keys, ``decode_context - 1``)."""
         return self.kv_read_tokens - (self.decode_context_tokens - self.decode_tokens)
 
+    def split(self) -> tuple[StepShape, StepShape]:
+        """``(its prefill chunks alone, its decodes alone)``: two steps that together compute this one."""
+        d = self.decode_tokens
+        decode = StepShape(
+            0,
+            d,
+            self.decode_context_tokens,
+            self.decode_context_tokens - d,
+            d,
+            d,
+            self.decode_context_tokens,
+            self.decode_keys,
+        )
+        prefill = StepShape(
+            self.prefill_tokens,
+            0,
+            self.prefill_context_tokens,
+            self.prefill_kv_read_tokens,
+            self.num_seqs - d,
+            self.sampled_tokens - d,
+        )
+        return prefill, decode
+
     @staticmethod
     def from_chunks(chunks: Iterable[tuple[int, int, bool]], block_size: int = DEFAULT_BLOCK_SIZE) -> StepShape:
         """From ``(start, num_tokens, samples)`` per chunk. A 1-token sampling chunk is a decode."""

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.explorer.timeline import step_row
 from pdserve.messages import StepStats, WorkerStats
 from pdserve.router.router import GenerateInput, Router
 
@@ -82,13 +83,8 @@ def _worker_json(w: WorkerStats, steps: deque[StepStats], now: float) -> dict[st
 
 
 def _step_json(s: StepStats, now: float) -> list[float]:
-    ms = s.duration_s * 1000.0
     tokens = s.num_prefill_tokens + s.num_decode_tokens
-    prefill_ms = ms * s.num_prefill_tokens / tokens if tokens else 0.0
-    return [round(s.started - now, 4), round(ms, 3), round(prefill_ms, 3), round(ms - prefill_ms, 3)] + [
-        s.num_prefill_tokens,
-        s.num_decode_tokens,
-    ]
+    return step_row(s, s.started - now, s.num_prefill_tokens / tokens if tokens else 0.0)
 
 
 @dataclass(frozen=True)

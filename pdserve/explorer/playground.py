@@ -13,11 +13,14 @@ from __future__ import annotations
 import shlex
 import time
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pdserve.bench.sim.cost_model import CostModel, StepShape
-from pdserve.bench.sim.demo import DemoResult
-from pdserve.messages import StepStats
+from pdserve.explorer.timeline import step_row
+
+if TYPE_CHECKING:  # the simulator is imported when a run is asked for, not with the router
+    from pdserve.bench.sim.cost_model import CostModel
+    from pdserve.bench.sim.demo import DemoResult
+    from pdserve.messages import StepStats
 
 MODES = ("colocated", "disaggregated", "auto")
 MAX_CHUNKS = 1024  # prompt_len / chunk_size: more steps than this would keep the page waiting
@@ -237,40 +240,12 @@ def _role(instance: str, architecture: str) -> str:
 
 
 def _step_json(step: StepStats, t0: float, cost_model: CostModel, role: str) -> list[float]:
-    """``[start ms, duration ms, prefill ms, decode ms, prefill tokens, decode tokens]``: the step's
-    time split between its prefill and decode work in the proportion the cost model prices them."""
-    prefill_s, decode_s = _work_split(step, cost_model, role)
-    ms = step.duration_s * 1000.0
+    """The step's timeline row (ms since ``t0``), its time split between its prefill and decode work in
+    the proportion the cost model prices them alone."""
+    from pdserve.bench.sim.cost_model import StepShape
+
+    prefill, decode = StepShape.from_stats(step).split()
+    prefill_s = cost_model.step_time(prefill, role) if prefill.prefill_tokens else 0.0
+    decode_s = cost_model.step_time(decode, role) if decode.decode_tokens else 0.0
     share = prefill_s / (prefill_s + decode_s) if prefill_s + decode_s > 0 else 0.0
-    start = (step.started - t0) * 1000.0
-    return [round(start, 3), round(ms, 3), round(ms * share, 3), round(ms * (1 - share), 3)] + [
-        step.num_prefill_tokens,
-        step.num_decode_tokens,
-    ]
-
-
-def _work_split(step: StepStats, cost_model: CostModel, role: str) -> tuple[float, float]:
-    """What the cost model charges for the step's prefill chunks alone and for its decodes alone."""
-    shape = StepShape.from_stats(step)
-    if not shape.decode_tokens:
-        return 1.0, 0.0
-    if not shape.prefill_tokens:
-        return 0.0, 1.0
-    decode = StepShape(
-        0,
-        shape.decode_tokens,
-        shape.decode_context_tokens,
-        shape.decode_context_tokens - shape.decode_tokens,
-        shape.decode_tokens,
-        shape.decode_tokens,
-        shape.decode_context_tokens,
-    )
-    prefill = StepShape(
-        shape.prefill_tokens,
-        0,
-        shape.prefill_context_tokens,
-        shape.prefill_kv_read_tokens,
-        max(1, shape.num_seqs - shape.decode_tokens),
-        max(0, shape.sampled_tokens - shape.decode_tokens),
-    )
-    return cost_model.step_time(prefill, role), cost_model.step_time(decode, role)
+    return step_row(step, (step.started - t0) * 1000.0, share)
