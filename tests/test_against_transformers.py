@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from prompt_logits import engine_prompt_logits
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -65,7 +66,7 @@ def test_logits_and_greedy_tokens_match_transformers(kind, tmp_path):
 
     with torch.no_grad():
         ref_logits = hf(torch.tensor([prompt])).logits[0]
-    ours = _engine_prompt_logits(engine, prompt)
+    ours = engine_prompt_logits(engine, prompt)
     assert ours.shape == ref_logits.shape
     assert (ours - ref_logits).abs().max().item() <= 1e-4
 
@@ -82,16 +83,3 @@ def test_logits_and_greedy_tokens_match_transformers(kind, tmp_path):
     [completion] = engine.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
     assert completion.token_ids == ref
     engine.block_manager.check_integrity()
-
-
-def _engine_prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
-    """Run the prompt through the engine's own scheduler (chunked: budget 64 < 77) and collect logits."""
-    request_id = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
-    rows = []
-    while engine.get_request(request_id) is not None:
-        output = engine.scheduler.schedule()
-        rows.append(engine.runner.prompt_logits(output))
-        engine.scheduler.update_after_step(output)
-        if engine.get_request(request_id).num_computed_tokens == len(prompt):
-            engine.abort(request_id)
-    return torch.cat(rows)

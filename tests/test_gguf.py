@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 from gguf_writer import SPECIAL_TOKENS, byte_level_vocabulary, write_gguf
+from prompt_logits import engine_prompt_logits
 
 from pdserve.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from pdserve.engine import gguf as engine_gguf
@@ -93,19 +94,6 @@ def test_smollm2_preset_reads_the_architecture_from_the_gguf_metadata(engine):
     assert engine.tokenizer.decode([2]) == "" and engine.tokenizer._tok.id_to_token(2) == "<|im_end|>"
 
 
-def _prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
-    """Logits of every prompt position through the engine's scheduler (chunks of its 64-token budget)."""
-    request_id = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
-    rows = []
-    while engine.get_request(request_id) is not None:
-        output = engine.scheduler.schedule()
-        rows.append(engine.runner.prompt_logits(output))
-        engine.scheduler.update_after_step(output)
-        if engine.get_request(request_id).num_computed_tokens == len(prompt):
-            engine.abort(request_id)
-    return torch.cat(rows)
-
-
 def _hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
     with torch.no_grad():
         ids = torch.tensor([prompt])
@@ -128,7 +116,7 @@ def test_logits_and_greedy_tokens_match_transformers(engine, hf_model, question,
     prompt = engine.tokenizer.encode(text)
     with torch.no_grad():
         reference = hf_model(torch.tensor([prompt])).logits[0]
-    ours = _prompt_logits(engine, prompt)
+    ours = engine_prompt_logits(engine, prompt)
     assert ours.shape == reference.shape
     assert (ours - reference).abs().max().item() <= 1e-3  # logits reach ~40
 
@@ -203,7 +191,7 @@ def test_small_gguf_files_match_transformers(tmp_path, arch, matrix_type, tied):
     prompt = engine.tokenizer.encode("the quick brown fox jumps over the lazy dog")
     with torch.no_grad():
         expected_logits = reference(torch.tensor([prompt])).logits[0]
-    assert (_prompt_logits(engine, prompt) - expected_logits).abs().max().item() <= 1e-4
+    assert (engine_prompt_logits(engine, prompt) - expected_logits).abs().max().item() <= 1e-4
     [completion] = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     assert completion.token_ids == _hf_greedy(reference, prompt, 12)
 
