@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -168,7 +169,9 @@ def sim_server() -> Iterator[str]:
     )
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline()  # the first line names the URL (or says why it failed)
+        ready, _, _ = select.select([proc.stdout], [], [], 60)  # the first line names the URL (or the error)
+        assert ready, "pdserve sim --serve printed nothing for 60 s"
+        line = proc.stdout.readline()
         match = re.search(r"http://127\.0\.0\.1:\d+/", line)
         assert match, f"pdserve sim --serve said {line!r}"
         yield match.group(0)
