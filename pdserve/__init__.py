@@ -4,21 +4,14 @@ Common names are importable from here (lazily, so ``import pdserve`` loads neith
 
     from pdserve import LLMEngine, EngineConfig, SamplingParams, Client
 
-The parts keep their own top-level folders in the repository (``engine/``, ``router/``, ``proto/``, …)
-and import as ``pdserve.<part>``: ``pyproject.toml`` maps each folder into this package for an install,
-and in a source checkout this package's search path is extended to the repository root, so the same
-import names work from a clone, an editable install, a wheel, and in Ray workers.
+Each part is a folder of this package (``pdserve/engine``, ``pdserve/router``, ``pdserve/proto``, …);
+the repository's top-level folders of the same names are links to them.
 """
 
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-_CHECKOUT = Path(__file__).resolve().parent.parent
-if (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / "proto" / "pdserve.proto").is_file():
-    __path__.append(str(_CHECKOUT))  # a source checkout: pdserve.engine is <repo>/engine, and so on
 
 _EXPORTS = {
     "AsyncClient": "pdserve.router.client",

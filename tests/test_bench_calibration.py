@@ -1,4 +1,4 @@
-"""bench.sim.calibrate and the cpu-measured profile: per-role fits, the measured tail, the deployment's
+"""sim.calibrate and the cpu-measured profile: per-role fits, the measured tail, the deployment's
 latencies, the machine's slowdown, and how the simulator replays them."""
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from pdserve.bench.metrics import RequestRecord
-from pdserve.bench.sim import cost_model
-from pdserve.bench.sim.calibrate import (
+from pdserve.bench.workloads import WorkloadRequest, random_workload
+from pdserve.messages import StepStats
+from pdserve.sim import cost_model
+from pdserve.sim.calibrate import (
     CalibrationGrid,
     calibrate_from_runs,
     co_run_fractions,
@@ -24,12 +26,10 @@ from pdserve.bench.sim.calibrate import (
     step_gap,
     step_shapes,
 )
-from pdserve.bench.sim.cli import main
-from pdserve.bench.sim.cost_model import LinearCostModel, StepShape, decode_keys
-from pdserve.bench.sim.profiles import LinearProfile, RoleFit, get_model, load_linear_profile, quantile_at
-from pdserve.bench.sim.simulator import SimConfig, simulate
-from pdserve.bench.workloads import WorkloadRequest, random_workload
-from pdserve.messages import StepStats
+from pdserve.sim.cli import main
+from pdserve.sim.cost_model import LinearCostModel, StepShape, decode_keys
+from pdserve.sim.profiles import LinearProfile, RoleFit, get_model, load_linear_profile, quantile_at
+from pdserve.sim.simulator import SimConfig, simulate
 
 TRUTH = (0.004, 5e-4, 2e-3, 1e-7, 4e-6, 3e-6)  # LINEAR_TERMS: fixed, prefill, decode, prefill ctx, decode ctx, KV read
 
@@ -167,7 +167,7 @@ def test_machine_slowdown_stretches_steps_by_the_windows_they_span():
 
 
 def test_cli_calibrate_then_simulate_on_cpu_profile(tmp_path, monkeypatch):
-    import pdserve.bench.sim.calibrate as calibrate_mod
+    import pdserve.sim.calibrate as calibrate_mod
 
     # the real engine measurement is covered above; here the CLI path gets known records
     synthetic = _synthetic_steps()

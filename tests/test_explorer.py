@@ -47,7 +47,7 @@ CHROMIUM_ARGS = [
 
 def sim_demo(tmp_path: Path, settings: PlaygroundSettings) -> dict[str, Any]:
     """``pdserve sim`` with the command line the playground shows: its results.json's demo figures."""
-    from pdserve.bench.sim.cli import main
+    from pdserve.sim.cli import main
 
     out = tmp_path / "sim"
     assert main([*settings.sim_argv(), "--out", str(out), "--quiet"]) == 0

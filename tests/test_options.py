@@ -10,11 +10,11 @@ from dataclasses import fields
 import pytest
 
 from pdserve.bench.runner import build_parser as bench_parser
-from pdserve.bench.sim.cli import build_parser as sim_parser
-from pdserve.bench.sim.config import SimConfig
 from pdserve.cli.main import build_parser as pdserve_parser
 from pdserve.engine.config import DEFAULT_TOKEN_BUDGET, EngineConfig, ModelConfig
 from pdserve.engine.options import add_engine_arguments, engine_config_from_args, engine_fields, option_flag
+from pdserve.sim.cli import build_parser as sim_parser
+from pdserve.sim.config import SimConfig
 
 CHANGED = ["--max-num-batched-tokens", "4096", "--max-num-seqs", "8", "--no-chunked-prefill", "--block-size", "32"]
 

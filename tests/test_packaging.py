@@ -37,7 +37,7 @@ def test_the_wheel_holds_one_top_level_package(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     top = {name.split("/", 1)[0] for name in names}
     assert {t for t in top if not t.endswith((".dist-info", ".data"))} == {"pdserve"}
-    parts = ("engine", "router", "prefill_node", "decode_node", "kv_transfer", "bench", "bench/sim", "cli", "explorer")
+    parts = ("engine", "router", "prefill_node", "decode_node", "kv_transfer", "bench", "sim", "cli", "explorer")
     for part in parts:
         assert f"pdserve/{part}/__init__.py" in names, part
     assert {"pdserve/proto/pdserve.proto", "pdserve/proto/pdserve_pb2.py", "pdserve/messages.py"} <= set(names)
@@ -54,3 +54,48 @@ def test_the_client_imports_without_ray_or_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+PARTS = ("engine", "kv_transfer", "prefill_node", "decode_node", "router", "proto", "bench", "sim")
+
+
+def test_every_part_is_a_folder_of_the_package_and_the_top_level_names_link_to_it() -> None:
+    for part in PARTS:
+        folder = REPO / "pdserve" / part
+        assert folder.is_dir() and not folder.is_symlink(), part
+        link = REPO / part
+        assert link.is_symlink() and link.resolve() == folder.resolve(), part
+    edits = [
+        str(path.relative_to(REPO))
+        for path in (REPO / "pdserve").rglob("*.py")
+        if "__path__" in path.read_text() and path.name != "generate.py"
+    ]
+    assert edits == [], f"__path__ edited in {edits}"
+
+
+def test_the_repository_root_on_sys_path_shadows_nothing() -> None:
+    """``python -c`` from the root puts the root first on ``sys.path``, as pytest and a static editable install do."""
+    code = (
+        "import importlib, pathlib, sys\n"
+        "import proto  # proto-plus's (Ray depends on it), not our proto/ folder\n"
+        f"assert proto.__file__ and not pathlib.Path(proto.__file__).resolve().is_relative_to({str(REPO)!r})\n"
+        f"for part in {PARTS!r}:\n"
+        "    try:\n"
+        "        importlib.import_module(part if part != 'proto' else 'proto.pdserve_pb2')\n"
+        "    except ImportError:\n"
+        "        continue\n"
+        "    sys.exit(f'{part} imported as a second copy of pdserve.{part}')\n"
+        "import pdserve.engine.config as config\n"
+        "assert sys.modules['pdserve.engine.config'] is config\n"
+        "assert 'engine.config' not in sys.modules and 'pdserve.pdserve' not in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert result.returncode == 0, result.stderr + result.stdout
+
+
+def test_a_script_beside_a_clone_named_pdserve_imports_the_package(tmp_path: Path) -> None:
+    (tmp_path / "pdserve").symlink_to(REPO)  # the folder a `git clone .../pdserve` makes
+    code = "import pdserve; from pdserve import Client; print(pdserve.__file__)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert Path(result.stdout.strip()).resolve() == (REPO / "pdserve" / "__init__.py").resolve()

@@ -1,4 +1,4 @@
-"""bench.sim: the simulator drives the real scheduler, protocol and routing policy; cost model, demo, CLI."""
+"""pdserve.sim: the simulator drives the real scheduler, protocol and routing policy; cost model, demo, CLI."""
 
 from __future__ import annotations
 
@@ -9,16 +9,6 @@ import pytest
 
 import pdserve.engine.scheduler as engine_scheduler
 from pdserve.bench.metrics import compute_metrics
-from pdserve.bench.sim.cli import main
-from pdserve.bench.sim.cost_model import RooflineCostModel, StepShape, chunk_context_tokens
-from pdserve.bench.sim.demo import compare_chunking, run_chunked_prefill_demo
-from pdserve.bench.sim.experiments import chunk_sweep, find_knee, max_rate_meeting_slo, pd_search
-from pdserve.bench.sim.profiles import (
-    MODELS,
-    get_hardware,
-    get_model,
-)
-from pdserve.bench.sim.simulator import SimConfig, simulate
 from pdserve.bench.workloads import (
     WorkloadRequest,
     WorkloadSpec,
@@ -26,6 +16,16 @@ from pdserve.bench.workloads import (
     random_workload,
     shared_prefix_workload,
 )
+from pdserve.sim.cli import main
+from pdserve.sim.cost_model import RooflineCostModel, StepShape, chunk_context_tokens
+from pdserve.sim.demo import compare_chunking, run_chunked_prefill_demo
+from pdserve.sim.experiments import chunk_sweep, find_knee, max_rate_meeting_slo, pd_search
+from pdserve.sim.profiles import (
+    MODELS,
+    get_hardware,
+    get_model,
+)
+from pdserve.sim.simulator import SimConfig, simulate
 
 H100_8B = RooflineCostModel(get_hardware("H100"), get_model("Llama-3-8B"))
 

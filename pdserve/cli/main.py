@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 PASSTHROUGH = {  # sub-commands with parsers of their own
     "bench": ("pdserve.bench.runner", "A/B benchmark of the real system (pdserve bench --help)"),
-    "sim": ("pdserve.bench.sim.cli", "step-time simulator (pdserve sim --help)"),
+    "sim": ("pdserve.sim.cli", "step-time simulator (pdserve sim --help)"),
 }
 
 

@@ -74,8 +74,8 @@ class ExplorerApi:
         return FileResponse(STATIC / "index.html", media_type="text/html")
 
     async def options(self) -> dict[str, Any]:
-        from pdserve.bench.sim.cli import DEFAULT_CALIBRATION
-        from pdserve.bench.sim.profiles import CPU_MEASURED, HARDWARE, MODELS
+        from pdserve.sim.cli import DEFAULT_CALIBRATION
+        from pdserve.sim.profiles import CPU_MEASURED, HARDWARE, MODELS
 
         hardware = list(HARDWARE)
         if os.path.exists(DEFAULT_CALIBRATION):  # `pdserve sim --calibrate` has measured this machine

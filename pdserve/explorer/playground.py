@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 from pdserve.explorer.timeline import step_row
 
 if TYPE_CHECKING:  # the simulator is imported when a run is asked for, not with the router
-    from pdserve.bench.sim.cost_model import CostModel
-    from pdserve.bench.sim.demo import DemoResult
     from pdserve.messages import StepStats
+    from pdserve.sim.cost_model import CostModel
+    from pdserve.sim.demo import DemoResult
 
 MODES = ("colocated", "disaggregated", "auto")
 MAX_CHUNKS = 1024  # prompt_len / chunk_size: more steps than this would keep the page waiting
@@ -70,7 +70,7 @@ class PlaygroundSettings:
 
     def check(self) -> None:
         """Raise SettingError for a value no run can take (profile-dependent limits: ``run_playground``)."""
-        from pdserve.bench.sim.profiles import HARDWARE_NAMES, MODELS
+        from pdserve.sim.profiles import HARDWARE_NAMES, MODELS
 
         if self.hardware.lower() not in {h.lower() for h in HARDWARE_NAMES}:
             raise SettingError("hardware", f"unknown profile {self.hardware!r} (known: {', '.join(HARDWARE_NAMES)})")
@@ -147,8 +147,8 @@ def run_playground(settings: PlaygroundSettings) -> dict[str, Any]:
 
     Raises SettingError for settings the chosen profile cannot take (a prompt past the model's context,
     a model that does not fit the GPUs, a scenario larger than the KV cache)."""
-    from pdserve.bench.sim.cli import build_parser, demo_architecture, make_setup
-    from pdserve.bench.sim.demo import run_chunked_prefill_demo
+    from pdserve.sim.cli import build_parser, demo_architecture, make_setup
+    from pdserve.sim.demo import run_chunked_prefill_demo
 
     started = time.perf_counter()
     argv = settings.sim_argv()
@@ -242,7 +242,7 @@ def _role(instance: str, architecture: str) -> str:
 def _step_json(step: StepStats, t0: float, cost_model: CostModel, role: str) -> list[float]:
     """The step's timeline row (ms since ``t0``), its time split between its prefill and decode work in
     the proportion the cost model prices them alone."""
-    from pdserve.bench.sim.cost_model import StepShape
+    from pdserve.sim.cost_model import StepShape
 
     prefill, decode = StepShape.from_stats(step).split()
     prefill_s = cost_model.step_time(prefill, role) if prefill.prefill_tokens else 0.0

@@ -407,7 +407,7 @@ def sweep_table(sweep: Sequence[SweepPoint]) -> str:
 
 
 def pd_search_table(pd_rows: Sequence[Any]) -> str:
-    """One Markdown row per configuration of a P:D search (``bench.sim.experiments.PDRow``)."""
+    """One Markdown row per configuration of a P:D search (``sim.experiments.PDRow``)."""
     head = [
         "config",
         "GPUs",

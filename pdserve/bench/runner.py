@@ -35,7 +35,6 @@ from tqdm import tqdm
 
 from pdserve.bench.metrics import RequestRecord, SweepPoint, find_knee, parse_slo, sweep_point
 from pdserve.bench.report import RunData, markdown_table, write_report
-from pdserve.bench.sim.cli import parse_sweep
 from pdserve.bench.spread import differences, spread_table, summarize
 from pdserve.bench.workloads import (
     WorkloadRequest,
@@ -47,6 +46,7 @@ from pdserve.bench.workloads import (
 from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.engine.options import add_engine_arguments, engine_config_from_args
 from pdserve.messages import StepStats
+from pdserve.sim.cli import parse_sweep
 
 ARCHITECTURES = ("colocated", "disaggregated", "auto")
 

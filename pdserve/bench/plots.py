@@ -163,7 +163,7 @@ def plot_chunk_sweep(points: Sequence[SweepPoint], path: str, itl_target_ms: flo
 
 def plot_pd_search(rows: Sequence[Any], path: str) -> str:
     """Per-GPU figure of merit per architecture (rows with ``name``, ``goodput_per_gpu`` and optional
-    ``max_rate_per_gpu``, e.g. ``bench.sim.experiments.PDRow``)."""
+    ``max_rate_per_gpu``, e.g. ``sim.experiments.PDRow``)."""
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows) + 2), 4))
     names = [r.name for r in rows]
     x = np.arange(len(rows))

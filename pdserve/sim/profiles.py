@@ -3,7 +3,7 @@
 Hardware figures are datasheet peaks (dense bf16 tensor FLOP/s without sparsity, HBM bandwidth,
 per-GPU NVLink bandwidth in one direction) times achievable fractions (``mfu`` for matmuls,
 ``bw_efficiency`` for streaming reads) that are typical of tuned serving kernels, not measurements.
-``cpu-measured`` is not a roofline: it is a per-role linear step-time fit (``bench.sim.calibrate``) of
+``cpu-measured`` is not a roofline: it is a per-role linear step-time fit (``sim.calibrate``) of
 our own engine on this machine, loaded from a calibration JSON.
 
 Model profiles count parameters from the architecture (Llama family: GQA attention, SwiGLU MLP).
@@ -207,7 +207,7 @@ class RoleFit:
 
 @dataclass(frozen=True)
 class LinearProfile:
-    """A measured step-time model of our engine on this machine (``bench.sim.calibrate`` writes it as
+    """A measured step-time model of our engine on this machine (``sim.calibrate`` writes it as
     the cpu-measured JSON): one ``RoleFit`` per role (``colocated``, ``prefill``, ``decode``; ``all``
     fits every record and stands in for a role that has none), plus what the deployment and the machine
     add around the steps, as measured: the KV link; ``token_latency_s`` (a worker's step end to the

@@ -42,9 +42,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from pdserve.bench.sim.profiles import HardwareProfile, LinearProfile, ModelProfile
 from pdserve.engine.scheduler import chunk_context_tokens  # the engine's own count: simulator and StepStats agree
 from pdserve.messages import StepStats
+from pdserve.sim.profiles import HardwareProfile, LinearProfile, ModelProfile
 
 if TYPE_CHECKING:
     from pdserve.engine.scheduler import SchedulerOutput

@@ -12,7 +12,7 @@
    read off the requests' token times), the slowdown while both workers run steps at once, the
    machine's slowdown per 0.1 s window inside a run at the median run's level (the tail that other
    load on 2 shared cores adds; the simulator replays a draw of it, shared by all workers), the token
-   delivery and control-call latencies and the engine loop's gap between steps (``bench.sim.calibrate``).
+   delivery and control-call latencies and the engine loop's gap between steps (``sim.calibrate``).
 3. Simulate each validation workload on each architecture, through the engine's scheduler and the
    router's ``RoutingPolicy``, ``--sim-runs`` times (one seed of the slowdown draws each), and compare
    the median of each figure (TTFT p50/p99 and ITL p50/p99) with the median of the measured repeats;
@@ -204,9 +204,9 @@ class Row(NamedTuple):
 def compare(args: argparse.Namespace, runs: Sequence[Run], profile: Any, say: Any = print) -> list[Row]:
     """Simulate every validation workload on every architecture; one Row per figure."""
     from pdserve.bench.runner import engine_config
-    from pdserve.bench.sim.config import SimConfig
-    from pdserve.bench.sim.cost_model import LinearCostModel
-    from pdserve.bench.sim.profiles import get_model
+    from pdserve.sim.config import SimConfig
+    from pdserve.sim.cost_model import LinearCostModel
+    from pdserve.sim.profiles import get_model
 
     engine = engine_config(bench_arguments(args))
     config = SimConfig.from_engine_config(engine, **profile.sim_settings(), step_tail=not args.no_tail)
@@ -236,7 +236,7 @@ def simulated_figures(
     """Each figure's median over ``runs`` simulated runs of ``requests``, one per seed of the machine's
     slowdown draws (``SimConfig.seed`` 0, 1, ...): the simulated side of the comparison is, like the
     measured one, the median of repeats, not one draw of the machine's bursts."""
-    from pdserve.bench.sim.simulator import simulate
+    from pdserve.sim.simulator import simulate
 
     counts = {"num_instances": 2} if architecture == "colocated" else {"num_prefill": 1, "num_decode": 1}
     results = [
@@ -262,8 +262,8 @@ def table(rows: Sequence[Row]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdserve.bench.sim.calibrate import calibrate_from_runs, describe_profile
-    from pdserve.bench.sim.profiles import save_linear_profile
+    from pdserve.sim.calibrate import calibrate_from_runs, describe_profile
+    from pdserve.sim.profiles import save_linear_profile
 
     args = build_parser().parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -301,8 +301,8 @@ def plot_residuals(args: argparse.Namespace, runs: Sequence[Run], profile: Any) 
     """``fit_residuals.png``: measured against predicted step time of every calibration step, per role."""
     from pdserve.bench.plots import plot_fit_residuals
     from pdserve.bench.runner import engine_config
-    from pdserve.bench.sim.calibrate import residuals, step_role, step_shapes
-    from pdserve.bench.sim.cost_model import StepShape
+    from pdserve.sim.calibrate import residuals, step_role, step_shapes
+    from pdserve.sim.cost_model import StepShape
 
     block_size = engine_config(bench_arguments(args)).block_size
     by_role: dict[str, list[StepStats]] = {}

@@ -24,10 +24,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pdserve.bench.metrics import SweepPoint, find_knee, prefill_throughput, sweep_point
-from pdserve.bench.sim.config import SimConfig
-from pdserve.bench.sim.cost_model import CostModel
-from pdserve.bench.sim.simulator import SimResult, simulate
 from pdserve.bench.workloads import WorkloadRequest, WorkloadSpec, build_workload
+from pdserve.sim.config import SimConfig
+from pdserve.sim.cost_model import CostModel
+from pdserve.sim.simulator import SimResult, simulate
 
 __all__ = [
     "PDRow",

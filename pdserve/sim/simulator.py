@@ -3,7 +3,7 @@
 
 Nothing of the serving logic is re-typed here. Every instance owns an ``engine.scheduler.Scheduler``
 over an ``engine.block_manager.BlockManager`` whose ``clock`` is the virtual clock; a step is what
-``Scheduler.schedule()`` returns, priced by a cost model (``bench.sim.cost_model``) instead of run.
+``Scheduler.schedule()`` returns, priced by a cost model (``sim.cost_model``) instead of run.
 Requests are routed by the router's own ``router.policy.RoutingPolicy`` (``route``, then the
 bookkeeping calls ``start``, ``prefill_done`` and ``finish`` at the moments the router makes them),
 so ``auto`` is the router's rule. Disaggregation follows ``engine.remote_kv``: a prefill instance keeps
@@ -45,9 +45,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.bench.metrics import BenchmarkMetrics, RequestRecord, compute_metrics
-from pdserve.bench.sim.config import SimConfig
-from pdserve.bench.sim.cost_model import CostModel, StepShape
-from pdserve.bench.sim.profiles import quantile_at
 from pdserve.bench.workloads import WorkloadRequest
 from pdserve.engine import remote_kv
 from pdserve.engine.block_manager import BlockManager
@@ -56,6 +53,9 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.messages import StepStats
 from pdserve.router.policy import Route, RouterConfig, RoutingPolicy
+from pdserve.sim.config import SimConfig
+from pdserve.sim.cost_model import CostModel, StepShape
+from pdserve.sim.profiles import quantile_at
 
 MODES = ("colocated", "disaggregated", "auto")
 DUMMY_TOKEN = 0  # what a simulated step "samples"; never EOS (requests run to max_tokens)

@@ -9,6 +9,9 @@ Use :func:`make_transport` to build one; see :class:`kv_transfer.base.KVTranspor
 
 from __future__ import annotations
 
+if __name__ != "pdserve.kv_transfer":  # imported as a top-level `kv_transfer` (the repository's link to this folder)
+    raise ImportError(f"import pdserve.kv_transfer, not {__name__}: pdserve's parts have one import name each")
+
 from typing import TYPE_CHECKING
 
 from pdserve.kv_transfer.base import (

@@ -6,6 +6,9 @@ the simulator) load without torch.
 
 from __future__ import annotations
 
+if __name__ != "pdserve.engine":  # imported as a top-level `engine` (the repository's link to this folder)
+    raise ImportError(f"import pdserve.engine, not {__name__}: pdserve's parts have one import name each")
+
 import importlib
 from typing import TYPE_CHECKING, Any
 

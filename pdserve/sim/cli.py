@@ -27,21 +27,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from pdserve.bench.sim.config import ENGINE_OPTIONS, SimConfig
 from pdserve.bench.workloads import add_workload_arguments, workload_spec_from_args
 from pdserve.engine.options import add_engine_arguments, engine_config_from_args
+from pdserve.sim.config import ENGINE_OPTIONS, SimConfig
 
 if TYPE_CHECKING:
     from pdserve.bench.metrics import SweepPoint
     from pdserve.bench.report import RunData
-    from pdserve.bench.sim.cost_model import CostModel
+    from pdserve.sim.cost_model import CostModel
 
 DEFAULT_CALIBRATION = os.path.join("results", "cpu-profile.json")
 DEFAULT_OUT = os.path.join("results", "sim")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pdserve.bench.sim.profiles import HARDWARE_NAMES, MODELS
+    from pdserve.sim.profiles import HARDWARE_NAMES, MODELS
 
     p = argparse.ArgumentParser(
         prog="pdserve sim",
@@ -161,8 +161,8 @@ def make_cost_model(
 ) -> tuple[Any, dict[str, Any]]:
     """``(cost model, SimConfig fields it implies)`` for the named profiles: the KV link of the hardware,
     and for cpu-measured the deployment latencies and the machine's slowdown it measured too."""
-    from pdserve.bench.sim.cost_model import LinearCostModel, RooflineCostModel
-    from pdserve.bench.sim.profiles import CPU_MEASURED, get_hardware, get_model, load_linear_profile
+    from pdserve.sim.cost_model import LinearCostModel, RooflineCostModel
+    from pdserve.sim.profiles import CPU_MEASURED, get_hardware, get_model, load_linear_profile
 
     if hardware.lower() == CPU_MEASURED:
         prof = load_linear_profile(calibration)
@@ -273,7 +273,7 @@ def _merged(*dicts: dict[str, Any]) -> dict[str, Any]:
 
 def calibrate_profile(args: argparse.Namespace, say: Callable[..., None]) -> None:
     """``--calibrate``: measure the engine on this CPU and write the cpu-measured profile."""
-    from pdserve.bench.sim.calibrate import CalibrationGrid, calibrate, describe_profile
+    from pdserve.sim.calibrate import CalibrationGrid, calibrate, describe_profile
 
     grid = CalibrationGrid.quick() if args.calibrate_quick else CalibrationGrid()
     grid = replace(grid, time_budget_s=args.calibrate_budget_s)
@@ -320,7 +320,7 @@ def make_setup(args: argparse.Namespace, say: Callable[..., None]) -> SimSetup:
 def run_demo(args: argparse.Namespace, setup: SimSetup) -> Findings:
     """``--demo``: the chunked-prefill demo, chunking on and off, and the long prompt's off/on ratio."""
     from pdserve.bench.plots import plot_step_timeline
-    from pdserve.bench.sim.demo import compare_chunking, run_chunked_prefill_demo
+    from pdserve.sim.demo import compare_chunking, run_chunked_prefill_demo
 
     cost_model = setup.cost_model
     kw = dict(
@@ -367,7 +367,7 @@ def run_demo(args: argparse.Namespace, setup: SimSetup) -> Findings:
 def demo_architecture(args: argparse.Namespace) -> Any:
     """The demo's architecture from ``--mode`` (both/all: colocated), ``--instances`` (default 1),
     ``--prefill`` and ``--decode``."""
-    from pdserve.bench.sim.demo import DemoArchitecture
+    from pdserve.sim.demo import DemoArchitecture
 
     mode = "colocated" if args.mode in ("both", "all") else args.mode
     return DemoArchitecture(mode, args.instances or 1, args.prefill, args.decode)
@@ -376,8 +376,8 @@ def demo_architecture(args: argparse.Namespace) -> Any:
 def run_sweep(args: argparse.Namespace, setup: SimSetup) -> Findings:
     """``--sweep chunk=...``: P99 ITL against prefill throughput per chunk size, and the knee."""
     from pdserve.bench.metrics import find_knee
-    from pdserve.bench.sim.experiments import chunk_sweep
     from pdserve.bench.workloads import build_workload
+    from pdserve.sim.experiments import chunk_sweep
 
     sizes = parse_sweep(args.sweep)
     wl = build_workload(_spec(args, args.workload or "interference"))
@@ -402,7 +402,7 @@ def run_sweep(args: argparse.Namespace, setup: SimSetup) -> Findings:
 
 def run_pd_search(args: argparse.Namespace, setup: SimSetup) -> Findings:
     """``--pd-search N``: colocated against every P:D split of N GPUs, goodput per GPU under the SLOs."""
-    from pdserve.bench.sim.experiments import best_row, pd_search
+    from pdserve.sim.experiments import best_row, pd_search
 
     spec = _spec(args, args.workload or "random", default_requests=400)
     pd_rows = pd_search(
@@ -434,8 +434,8 @@ def run_pd_search(args: argparse.Namespace, setup: SimSetup) -> Findings:
 def run_architectures(args: argparse.Namespace, setup: SimSetup) -> Findings:
     """The default action: the workload on colocated, disaggregated and/or auto instances."""
     from pdserve.bench.report import RunData, markdown_table
-    from pdserve.bench.sim.simulator import MODES, simulate
     from pdserve.bench.workloads import build_workload
+    from pdserve.sim.simulator import MODES, simulate
 
     spec = _spec(args, args.workload or "random")
     wl = build_workload(spec)

@@ -17,7 +17,7 @@ The architecture (``DemoArchitecture``) is colocated on one instance by default,
 several colocated instances, or disaggregated / auto with P prefill and D decode instances, the router's
 ``RoutingPolicy`` places the streams and the long prompt, as it would in a deployment.
 
-Everything runs through the real engine scheduler via ``bench.sim.simulator``; ``pdserve sim --demo``
+Everything runs through the real engine scheduler via ``sim.simulator``; ``pdserve sim --demo``
 and the explorer's playground (``pdserve.explorer``) both call ``run_chunked_prefill_demo``.
 """
 
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from pdserve.bench.metrics import itls_during_prefill
-from pdserve.bench.sim.config import SimConfig
-from pdserve.bench.sim.cost_model import CostModel
-from pdserve.bench.sim.simulator import SimResult, simulate
 from pdserve.bench.workloads import WorkloadRequest, random_tokens
 from pdserve.messages import StepStats
+from pdserve.sim.config import SimConfig
+from pdserve.sim.cost_model import CostModel
+from pdserve.sim.simulator import SimResult, simulate
 
 STREAM_MAX_TOKENS = 1_000_000  # streams never finish inside the window
 TIMELINE_CONTEXT_STEPS = 4  # steps shown on each side of the window on the timeline

@@ -48,9 +48,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from pdserve.bench.metrics import RequestRecord
-from pdserve.bench.sim.cost_model import DEFAULT_BLOCK_SIZE, ROLES, StepShape, linear_features
-from pdserve.bench.sim.profiles import LINEAR_TERMS, RATIO_PERCENTILES, LinearProfile, RoleFit
 from pdserve.messages import StepStats
+from pdserve.sim.cost_model import DEFAULT_BLOCK_SIZE, ROLES, StepShape, linear_features
+from pdserve.sim.profiles import LINEAR_TERMS, RATIO_PERCENTILES, LinearProfile, RoleFit
 
 if TYPE_CHECKING:
     from pdserve.engine import LLMEngine
@@ -608,7 +608,7 @@ def calibrate(
     progress: Callable[[str], None] | None = None,
 ) -> LinearProfile:
     """Measure the engine alone, fit (role ``all`` only), and write the profile JSON when ``out_path``."""
-    from pdserve.bench.sim.profiles import save_linear_profile
+    from pdserve.sim.profiles import save_linear_profile
 
     t0 = time.monotonic()
     records = measure_step_records(model, grid, seed, torch_threads, progress)

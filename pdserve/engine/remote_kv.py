@@ -10,7 +10,7 @@
   waiting queue holds fewer prompt tokens than one step's token budget.
 
 ``engine.llm_engine.LLMEngine`` (``reserve_remote``, ``admit_remote``, ``step``) and
-``bench.sim.simulator`` call these functions; neither re-types them.
+``sim.simulator`` call these functions; neither re-types them.
 """
 
 from __future__ import annotations
