@@ -17,6 +17,7 @@ the resources are free now. ``current_node`` is what a worker reports as its nod
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 import time
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import ray
 
-    ray.init(address=args.address, logging_level="WARNING", log_to_driver=False)
+    ray.init(address=args.address, logging_level=logging.WARNING, log_to_driver=False)
     try:
         nodes = wait_for_nodes(args.wait_nodes, args.timeout)
     except TimeoutError as e:

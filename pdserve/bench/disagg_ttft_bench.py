@@ -28,7 +28,7 @@ def run_once(client: Client, prompt: list[int], mode: str) -> dict:
         if first is None and chunk.token_ids:
             first = time.time()
         meta = chunk.metadata or meta
-    assert first is not None and meta.mode == mode, meta
+    assert first is not None and meta is not None and meta.mode == mode, meta
     return {**meta._asdict(), "ttft_s": first - sent}
 
 

@@ -124,6 +124,7 @@ def engine_prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     rid = engine.add_request(prompt, greedy(1), request_id="engine-bench-logit-check")
     rows = []
     request = engine.get_request(rid)
+    assert request is not None
     while request.num_computed_tokens < len(prompt):
         output = engine.scheduler.schedule()
         rows.append(engine.runner.prompt_logits(output))
@@ -330,7 +331,7 @@ def interference_engine(args: argparse.Namespace, chunk: int | None) -> LLMEngin
 def interference_trial(args: argparse.Namespace, engine: LLMEngine, trial: int) -> dict[str, Any]:
     """Streams decode; the long prompt arrives; stamp every decode token until the prompt's first token."""
     seed = args.seed * 1000 + 7 + trial  # fresh prompts per trial: no prefix-cache hits
-    stream_params = greedy(engine.config.max_model_len - 128)
+    stream_params = greedy(engine.max_model_len - 128)
     streams = [
         engine.add_request(r.prompt_token_ids, stream_params, request_id=r.request_id)
         for r in uniform_workload(args.streams, (32, 64), (1, 1), seed=seed, prefix=f"stream-{trial}")

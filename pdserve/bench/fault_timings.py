@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable
-from typing import NamedTuple
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, NamedTuple
 
 import grpc
 import ray
@@ -95,7 +95,8 @@ async def prefill_killed(d: Deployment, expected: list[int]) -> Timing:
 
         async def disaggregated_again() -> bool:
             chunks = [c async for c in client.generate(PROMPT, GREEDY)]
-            return chunks[-1].metadata.prefill_worker == "prefill-0"
+            meta = chunks[-1].metadata
+            return meta is not None and meta.prefill_worker == "prefill-0"
 
         await until(disaggregated_again)
         serving_s = time.monotonic() - killed
@@ -187,7 +188,7 @@ async def _health_is(client: AsyncClient, status: str) -> bool:
 def main() -> int:
     expected = LLMEngine(ENGINE).generate([PROMPT], GREEDY)[0].token_ids
     colocated = {"mode": "colocated", "num_prefill_workers": 0}
-    scenarios: list[tuple[dict, Callable[[Deployment], Awaitable[Timing]]]] = [
+    scenarios: list[tuple[dict, Callable[[Deployment], Coroutine[Any, Any, Timing]]]] = [
         ({}, lambda d: prefill_killed(d, expected)),
         ({**colocated, "num_decode_workers": 2}, decode_killed),
         (colocated, engine_crashed),
@@ -196,7 +197,7 @@ def main() -> int:
     ]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        rows = []
+        rows: list[Timing] = []
         for overrides, measure in scenarios:
             d = deployment(**overrides)
             try:

@@ -29,7 +29,7 @@ def build_hf_model(engine: Any) -> tuple[Any, dict[str, Any]]:
     shared = ours.lm_head.weight is ours.model.embed_tokens.weight
     same_values = torch.equal(ours.lm_head.weight, ours.model.embed_tokens.weight)
     tie = bool(mc.tie_word_embeddings and (shared or same_values))
-    config = transformers.LlamaConfig(
+    config = transformers.LlamaConfig(  # type: ignore[call-arg]  # rope_theta: not in the stub's signature
         vocab_size=mc.vocab_size,
         hidden_size=mc.hidden_size,
         intermediate_size=mc.intermediate_size,
@@ -46,7 +46,7 @@ def build_hf_model(engine: Any) -> tuple[Any, dict[str, Any]]:
         eos_token_id=None,
         pad_token_id=PAD_TOKEN,
     )
-    hf = transformers.LlamaForCausalLM(config)
+    hf: Any = transformers.LlamaForCausalLM(config)
     missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
     missing = [k for k in missing if "rotary_emb" not in k]
     if missing or unexpected:

@@ -120,7 +120,7 @@ def run_transport(
         )
     else:
         config = GrpcConfig(message_bytes=int(args.grpc_message_mib * (1 << 20)))
-    Peer = ray.remote(TransferPeer)
+    Peer: Any = ray.remote(TransferPeer)
     shape = (block_bytes // 4,)  # float32 blocks; the transport only sees bytes
     receiver = Peer.remote(kind, pool_blocks, shape, "float32", config)
     sender = Peer.remote(kind, pool_blocks, shape, "float32", config)

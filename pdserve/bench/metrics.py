@@ -305,7 +305,7 @@ def compute_metrics(
         output_throughput=per_s(total_out),
         total_token_throughput=per_s(total_in + total_out),
         ttft=LatencyStats.of(ttfts),  # type: ignore[arg-type]
-        tpot=LatencyStats.of(tpots),  # type: ignore[arg-type]
+        tpot=LatencyStats.of(tpots),
         itl=LatencyStats.of(itls),
         e2el=LatencyStats.of(e2els),  # type: ignore[arg-type]
         slo_ms=slo,

@@ -91,7 +91,7 @@ async def _timed_request(
     return RequestRecord(
         req.request_id,
         send,
-        times,
+        tuple(times),
         req.num_prompt_tokens,
         num_output,  # None: one token per timestamp
         ok=error is None,

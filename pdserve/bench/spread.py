@@ -24,9 +24,14 @@ class Figure(NamedTuple):
     lower_is_better: bool = True
 
 
+def _latency(attr: str, stat: str) -> Callable[[BenchmarkMetrics], float | None]:
+    """The figure ``BenchmarkMetrics.<attr>.<stat>_ms`` (``ttft``, ``p99``: the TTFT p99 in ms)."""
+    return lambda m: getattr(getattr(m, attr), f"{stat}_ms")
+
+
 FIGURES: tuple[Figure, ...] = (
     *(
-        Figure(f"{name} {stat}", "ms", lambda m, a=attr, s=stat: getattr(getattr(m, a), f"{s}_ms"))
+        Figure(f"{name} {stat}", "ms", _latency(attr, stat))
         for name, attr in (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("E2E", "e2el"))
         for stat in ("mean", "p50", "p99")
     ),
@@ -40,7 +45,7 @@ class Spread(NamedTuple):
     median: float
     low: float
     high: float
-    count: int
+    num_runs: int
 
     @staticmethod
     def of(values: Sequence[float]) -> Spread:
@@ -48,7 +53,7 @@ class Spread(NamedTuple):
         return Spread(statistics.median(values), min(values), max(values), len(values))
 
     def __str__(self) -> str:
-        if self.count == 1:
+        if self.num_runs == 1:
             return f"{self.median:.1f}"
         return f"{self.median:.1f} ({self.low:.1f}–{self.high:.1f})"
 
@@ -111,7 +116,7 @@ def spread_table(summary: Mapping[str, Mapping[str, Spread]]) -> str:
         "|---|---:|" + "---:|" * len(labels),
     ]
     for group, figures in summary.items():
-        count = max((s.count for s in figures.values()), default=0)
+        count = max((s.num_runs for s in figures.values()), default=0)
         cells = [str(figures[label]) if label in figures else "-" for label in labels]
         lines.append(f"| {group} | {count} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -161,7 +161,7 @@ def measure_all(args: argparse.Namespace, say: Any = print) -> list[Run]:
                     plan += [("calibration", name, i, reqs) for name, reqs in calibration[i].items()]
             for purpose, name, repeat, requests in plan:
                 run = measure(address, requests, None, warmup=warm, progress=False)
-                warm = ()
+                warm = []
                 runs.append(Run(purpose, name, arch, repeat, run.records, run.steps, os.getloadavg()[0]))
                 failed = sum(1 for r in run.records if not r.succeeded)
                 say(f"  {arch:>13} {purpose:>11} {name:>12} #{repeat}: {run.duration_s:5.1f} s, {failed} failed")

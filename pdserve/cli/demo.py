@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.engine.config import PRESETS
@@ -104,7 +105,8 @@ def ask_questions(args: argparse.Namespace) -> None:
 
             def ask(mode: str, question: str) -> tuple[str, dict]:
                 prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}])
-                text, meta = [], {}
+                text: list[str] = []
+                meta: dict[str, Any] = {}
                 for chunk in client.generate(prompt, params, mode=mode):
                     text.append(chunk.text)
                     meta = chunk.metadata._asdict() if chunk.metadata else meta

@@ -215,7 +215,7 @@ _STATUS_COUNTS = ("blocks_used", "blocks_cached", "blocks_free", "num_running", 
 
 def format_status(workers: list[WorkerStats]) -> str:
     """One aligned row per worker of a ``Client.stats()`` answer, under a header of ``STATUS_COLUMNS``."""
-    rows = [STATUS_COLUMNS]
+    rows: list[tuple[str, ...]] = [STATUS_COLUMNS]
     for w in sorted(workers, key=lambda w: (w.role, w.worker_id)):
         names = (w.worker_id, w.role, w.node or "-", w.device or "-")
         rows.append((*names, *(str(getattr(w, k)) for k in _STATUS_COUNTS)))

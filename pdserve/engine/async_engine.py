@@ -32,7 +32,7 @@ def second_token_time(request: Request) -> float:
     return tokens[1] if len(tokens) > 1 else 0.0
 
 
-def worker_request_stats(request: Request, **extra: float) -> WorkerRequestStats:
+def worker_request_stats(request: Request, **extra: Any) -> WorkerRequestStats:
     """Queue and prefill times of a request that this worker prefilled, plus ``extra`` fields."""
     t = request.times
     scheduled = t.first_scheduled if t.first_scheduled is not None else t.arrival

@@ -161,7 +161,9 @@ class BlockManager:
             block_id = self.free_blocks.popleft()
         else:
             block_id, _ = self.cached_free.popitem(last=False)  # evict the least recently used
-            del self.hash_to_block[self.block_hash[block_id]]  # type: ignore[index]
+            evicted = self.block_hash[block_id]
+            assert evicted is not None  # a block in cached_free always has a hash
+            del self.hash_to_block[evicted]
             self.block_hash[block_id] = None
         self.ref_counts[block_id] = 1
         return block_id

@@ -114,7 +114,7 @@ class ModelConfig:
         """Architectures of the built-in presets (weights are a seeded random initialisation)."""
         from pdserve.engine.tokenizer import ByteTokenizer
 
-        common = dict(
+        common: dict[str, Any] = dict(
             vocab_size=ByteTokenizer.VOCAB_SIZE,
             eos_token_ids=(ByteTokenizer.EOS,),
             bos_token_id=ByteTokenizer.BOS,

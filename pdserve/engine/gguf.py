@@ -364,9 +364,12 @@ def tokenizer_from_gguf(path: str, metadata: dict[str, Any]) -> tuple[Tokenizer,
         if token_type not in (_CONTROL, _USER_DEFINED) and not set(token) <= alphabet:
             token = "".join(spelling[b] for b in token.encode("utf-8"))  # stored as text, not byte-spelled
         vocab.setdefault(token, index)
-    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
-    if any(len(pair) != 2 for pair in pairs):
-        raise ValueError(f"model: {path}: a tokenizer merge is not two tokens")
+    pairs: list[tuple[str, str]] = []
+    for merge in merges:
+        left, space, right = merge.partition(" ")
+        if not space:
+            raise ValueError(f"model: {path}: a tokenizer merge is not two tokens")
+        pairs.append((left, right))
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
     if pre in _GPT2_SPLIT:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

@@ -6,6 +6,7 @@ import itertools
 import random
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -92,11 +93,14 @@ class LLMEngine:
         )
         self.kv_cache = allocate_kv_cache(self.model_config, num_blocks, block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
+        budget, max_model_len = self.config.max_num_batched_tokens, self.config.max_model_len
+        assert budget is not None and max_model_len is not None  # with_model_defaults sets both
+        self.max_model_len = max_model_len
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                max_num_batched_tokens=budget,
                 max_num_seqs=self.config.max_num_seqs,
-                max_model_len=self.config.max_model_len,  # type: ignore[arg-type]
+                max_model_len=max_model_len,
                 enable_chunked_prefill=self.config.enable_chunked_prefill,
                 max_chunk_tokens=self.config.max_chunk_tokens,
             ),
@@ -238,7 +242,7 @@ class LLMEngine:
         return outputs
 
     def generate(
-        self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+        self, prompts: Sequence[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[Completion]:
         """Run prompts to completion (alongside anything already queued); one Completion per prompt."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -255,7 +259,7 @@ class LLMEngine:
         for request in requests:
             self.scheduler.add(request)
         pending = {r.request_id for r in requests}
-        texts = {r.request_id: [] for r in requests}
+        texts: dict[str, list[str]] = {r.request_id: [] for r in requests}
         while pending:
             for out in self.step():
                 if out.request_id in texts:
@@ -268,10 +272,10 @@ class LLMEngine:
                 r.prompt_token_ids,
                 r.output_token_ids,
                 "".join(texts[r.request_id]) if self.tokenizer else None,
-                r.finish_reason,
+                r.finish_reason or FinishReason.ABORT,  # every request here has finished: never the fallback
                 r.num_cached_tokens,
                 r.times,
-            )  # type: ignore[arg-type]
+            )
             for r in requests
         ]
 

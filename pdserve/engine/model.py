@@ -103,6 +103,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by their absolute positions (the rotate-half convention of HF Llama)."""
 
+    cos: torch.Tensor  # [max positions, head_dim / 2], float32 (buffers, so they follow .to())
+    sin: torch.Tensor
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config

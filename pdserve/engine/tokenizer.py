@@ -133,8 +133,9 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        if self.add_bos_token and (not ids or ids[0] != self.bos_token_id):  # a chat template may write it itself
-            ids.insert(0, self.bos_token_id)
+        bos = self.bos_token_id if self.add_bos_token else None
+        if bos is not None and (not ids or ids[0] != bos):  # a chat template may write it itself
+            ids.insert(0, bos)
         if self.add_eos_token and self._eos_id is not None:
             ids.append(self._eos_id)
         return ids

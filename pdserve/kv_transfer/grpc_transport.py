@@ -405,7 +405,7 @@ class GrpcTransport(KVTransport):
         """Serialized BlockPayload messages of whole blocks; the last one carries the notice."""
         src, dst, block_bytes, notification = push.src, push.dst, push.block_bytes, push.notification
         view = pool_bytes_view(push.pool)
-        flat = memoryview(view.reshape(-1).numpy()) if view.device.type == "cpu" else None
+        flat = view.reshape(-1).numpy().data if view.device.type == "cpu" else None
         per_msg = max(1, self.config.message_bytes // block_bytes)
         notice = pb.ChunkNotice(
             request_id=notification.request_id,
@@ -421,7 +421,7 @@ class GrpcTransport(KVTransport):
                 chunks = [flat[i * block_bytes : (i + 1) * block_bytes] for i in s_ids]
             elif s_ids:
                 idx = torch.tensor(s_ids, dtype=torch.long, device=view.device)
-                chunks = [memoryview(view.index_select(0, idx).cpu().numpy()).cast("B")]
+                chunks = [view.index_select(0, idx).cpu().numpy().data.cast("B")]
             else:
                 chunks = []
             header = pb.BlockPayload(target_id=push.target.target_id, block_bytes=block_bytes, dst_block_ids=d_ids)

@@ -234,6 +234,7 @@ class PrefillWorker:
                 continue
             note = ChunkNotification(job.request_id, job.push_index, tokens_done, is_last)
             try:
+                assert job.target is not None  # reserved before its prompt was added
                 handle = self.transport.push(
                     job.target, [chunk.block_ids[i] for i in blocks], [job.dst_block_ids[i] for i in blocks], note
                 )

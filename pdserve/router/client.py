@@ -7,7 +7,7 @@ with Client("127.0.0.1:50051") as client:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any, NamedTuple
 
 import grpc
@@ -139,7 +139,7 @@ class AsyncClient:
         params: SamplingParams | None = None,
         mode: str | None = None,
         request_id: str | None = None,
-    ) -> AsyncIterator[GenerateChunk]:
+    ) -> AsyncGenerator[GenerateChunk, None]:
         call = self._stub.Generate(
             _request(prompt, params, mode, request_id), timeout=self.timeout_s, metadata=self._md
         )

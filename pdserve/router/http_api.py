@@ -65,8 +65,8 @@ def build_app(router: Router, model_name: str, auth_token: str | None = None) ->
     """
     app = FastAPI(title="pdserve", description=__doc__, docs_url="/docs", redoc_url=None)
     app.middleware("http")(_bearer_token(auth_token))
-    app.add_exception_handler(ApiError, _api_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(ApiError, _api_error)  # type: ignore[arg-type]  # Starlette types handlers by Exception
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected)
     api = _Endpoints(router, model_name)
     app.get("/health")(api.health)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from prometheus_client import (
@@ -221,7 +221,7 @@ class RouterMetrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.router_id = router_id
         for spec in _METRICS:
-            extra = {} if spec.buckets is None else {"buckets": spec.buckets}
+            extra: dict[str, Any] = {} if spec.buckets is None else {"buckets": spec.buckets}
             setattr(self, spec.attr, spec.kind(spec.name, spec.help, spec.labels, registry=r, **extra))
         Gauge("pdserve_router_info", "This router's id", ("router",), registry=r).labels(router=router_id).set(1)
 

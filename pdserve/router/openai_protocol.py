@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from typing import Annotated, Any, Literal, NamedTuple
 
 from fastapi.responses import JSONResponse
@@ -248,14 +248,14 @@ class StopMatcher:
 class Job:
     """One request through the router, as both endpoints serve it."""
 
-    def __init__(self, router: Router, request_id: str, body: _Sampling, stream: AsyncIterator[RouterEvent]):
+    def __init__(self, router: Router, request_id: str, body: _Sampling, stream: AsyncGenerator[RouterEvent, None]):
         self.router = router
         self.request_id = request_id
         self.stream = stream
         self.stop = StopMatcher(body.stop_strings()) if body.stop else None
         self.num_tokens = 0
 
-    async def events(self, first: RouterEvent | None) -> AsyncIterator[tuple[str, list[int], str | None, Any]]:
+    async def events(self, first: RouterEvent | None) -> AsyncGenerator[tuple[str, list[int], str | None, Any], None]:
         """(text, token ids, finish reason, metrics) per router event, with stop strings applied."""
         try:
             if first is not None:

@@ -71,8 +71,9 @@ class RouterProcess:
             ("metrics", (host, metrics_port), lambda: metrics_app(self.router)),
             ("explorer", explorer or (host, None), self._explorer_app),
         ):
-            if address[1] is not None:
-                server = HttpServer(app(), *address)
+            bind_host, bind_port = address
+            if bind_port is not None:
+                server = HttpServer(app(), bind_host, bind_port)
                 self._http.append(server)
                 ports[name] = await server.start()
         return ports

@@ -17,7 +17,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -191,7 +191,7 @@ class Router:
             self.queued_prompt_tokens -= request.num_prompt_tokens
 
     # ---- serving -------------------------------------------------------------------------------
-    async def generate(self, req: GenerateInput) -> AsyncIterator[RouterEvent]:
+    async def generate(self, req: GenerateInput) -> AsyncGenerator[RouterEvent, None]:
         """Stream a request's tokens. Raises RequestError before the first event for bad input.
 
         The hot path is this one loop: one wake-up per batch of the request's updates, coalesced into

@@ -43,7 +43,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 
@@ -303,8 +303,8 @@ def machine_slowdown(
     levels: list[float] = []
     relative: list[float] = []
     for arch, steps, *known in runs:
-        shapes = _shapes(steps, known[0] if known else None)
-        fractions = known[1] if len(known) > 1 else [0.0] * len(steps)
+        shapes = _shapes(steps, cast("Sequence[StepShape]", known[0]) if known else None)
+        fractions = cast("Sequence[float]", known[1]) if len(known) > 1 else [0.0] * len(steps)
         sums: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
         for s, shape, f in zip(steps, shapes, fractions, strict=True):
             fit = profile.fit_for(step_role(s.worker, arch))
@@ -428,7 +428,7 @@ def calibrate_from_runs(
 
 def describe_profile(profile: LinearProfile) -> str:
     """A few lines: each role's coefficients, fit quality and measured/predicted tail; the latencies."""
-    units = ((1e3, "ms"), (1e6, "us/prefill tok"), (1e6, "us/decode tok"))
+    units: tuple[tuple[float, str], ...] = ((1e3, "ms"), (1e6, "us/prefill tok"), (1e6, "us/decode tok"))
     units += ((1e9, "ns/prefill ctx"), (1e9, "ns/decode key"), (1e9, "ns/prefill KV read"))
     lines = [f"cpu-measured profile for {profile.model!r} ({profile.notes or 'no notes'}), a step alone:"]
     for role, fit in profile.roles.items():

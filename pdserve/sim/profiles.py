@@ -244,7 +244,7 @@ class LinearProfile:
 
     def sim_settings(self) -> dict[str, Any]:
         """``SimConfig`` fields this profile sets: the KV link, the deployment's latencies, the machine's slowdown."""
-        names = ("kv_link_bw", "kv_link_latency_s", "token_latency_s", "control_latency_s")
+        names: tuple[str, ...] = ("kv_link_bw", "kv_link_latency_s", "token_latency_s", "control_latency_s")
         names += ("control_latency_percentiles", "step_gap_s", "slowdown_window_s", "slowdown_percentiles")
         names += ("co_run_slowdown",)
         return {name: getattr(self, name) for name in names}

@@ -158,6 +158,8 @@ class Simulator:
             raise ValueError("sim: instance counts must be >= 1")
         if config.kv_link_bw is None or config.kv_link_latency_s is None:
             raise ValueError("sim: the config must set kv_link_bw and kv_link_latency_s (see simulate)")
+        self.link_bw: float = config.kv_link_bw
+        self.link_latency_s: float = config.kv_link_latency_s
         self.cost_model = cost_model
         self.config = config
         self.mode = mode
@@ -469,12 +471,12 @@ class Simulator:
         if not nbytes and not is_last:
             return
         start = max(self.now, inst.link_free_at)
-        inst.link_free_at = start + nbytes / self.config.kv_link_bw  # type: ignore[operator]
+        inst.link_free_at = start + nbytes / self.link_bw
         self.kv_bytes_moved += nbytes
         client.meta["kv_bytes"] += nbytes
         client.sent_upto = max(client.sent_upto, computed)
         if is_last:
-            self._at(inst.link_free_at + self.config.kv_link_latency_s, self._on_kv_complete, client)
+            self._at(inst.link_free_at + self.link_latency_s, self._on_kv_complete, client)
 
     def _first_token_remote(self, client: _Client) -> None:
         """The prefill instance sampled the first token: to the client, and the router calls the decode side."""
