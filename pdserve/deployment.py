@@ -209,7 +209,9 @@ class Deployment:
     def _start_routers(self, engine_config: EngineConfig) -> None:
         cfg = self.config
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        router_cls: Any = ray.remote(RouterProcess).options(num_cpus=0, scheduling_strategy=here, max_concurrency=100_000)
+        router_cls: Any = ray.remote(RouterProcess).options(
+            num_cpus=0, scheduling_strategy=here, max_concurrency=100_000
+        )
         port, http_port = cfg.port, cfg.http_port
         security = cfg.security()
         for i in range(cfg.num_routers):
@@ -219,7 +221,9 @@ class Deployment:
             self.routers.append(router)
             metrics_port = cfg.metrics_port + i if cfg.metrics_port else cfg.metrics_port
             explorer = (cfg.explorer_host, cfg.explorer_port) if i == 0 and cfg.explorer_port is not None else None
-            ports: dict[str, Any] = ray.get(router.start.remote(cfg.host, port, http_port, metrics_port, explorer), timeout=120)
+            ports: dict[str, Any] = ray.get(
+                router.start.remote(cfg.host, port, http_port, metrics_port, explorer), timeout=120
+            )
             port, http_port = ports["grpc"], ports["http"]  # the next routers share these ports
             if ports["metrics"] is not None:
                 self.metrics_ports.append(ports["metrics"])
