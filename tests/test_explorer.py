@@ -2,7 +2,8 @@
 ``pdserve sim --serve``, and the page itself in headless Chromium (Debian's, driven by Playwright),
 for the playground and for the live view of a real local deployment.
 
-Screenshots of both views are written to ``docs/explorer/`` (the README shows them).
+Screenshots of both views are written to ``results/explorer/``; ``bash scripts/screenshots.sh`` writes them
+to ``docs/explorer/`` instead (the images the docs show).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pdserve.router.metrics import RecentLatencies
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL = ("http://127.0.0.1:", "data:")  # everything the page loads comes from its server
-SCREENSHOTS = ROOT / "docs" / "explorer"
+SCREENSHOTS = Path(os.environ.get("PDSERVE_SCREENSHOTS") or ROOT / "results" / "explorer")
 CHROMIUM = os.environ.get("PDSERVE_CHROMIUM", "/usr/bin/chromium")
 # What a sandboxed root without network needs (see README, Tests): no sandbox, no GPU, no calls home.
 CHROMIUM_ARGS = [
