@@ -14,23 +14,15 @@ REPO = Path(__file__).resolve().parents[1]
 def test_the_wheel_holds_one_top_level_package(tmp_path: Path) -> None:
     leftover = REPO / "build"
     had_build = leftover.exists()
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp_path),
-            str(REPO),
-        ],
-        check=True,
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
         capture_output=True,
+        text=True,
         timeout=300,
     )
+    assert built.returncode == 0, built.stderr
+    ours = [line for line in built.stderr.splitlines() if "Warning" in line and "Location 'file:" not in line]
+    assert ours == [], "the packaging config makes setuptools warn:\n" + "\n".join(ours)
     if not had_build:  # setuptools stages the wheel in <repo>/build
         shutil.rmtree(leftover, ignore_errors=True)
     [wheel] = tmp_path.glob("pdserve-*.whl")
@@ -76,9 +68,9 @@ def test_every_part_is_a_folder_of_the_package_and_the_top_level_names_link_to_i
 def test_the_repository_root_on_sys_path_shadows_nothing() -> None:
     """``python -c`` from the root puts the root first on ``sys.path``, as pytest and a static editable install do."""
     code = (
-        "import importlib, pathlib, sys\n"
+        "import importlib, sys\n"
         "import proto  # proto-plus's (Ray depends on it), not our proto/ folder\n"
-        f"assert proto.__file__ and not pathlib.Path(proto.__file__).resolve().is_relative_to({str(REPO)!r})\n"
+        "assert hasattr(proto, 'Message') and 'pdserve_pb2' not in dir(proto), proto\n"
         f"for part in {PARTS!r}:\n"
         "    try:\n"
         "        importlib.import_module(part if part != 'proto' else 'proto.pdserve_pb2')\n"
