@@ -15,7 +15,18 @@ def test_the_wheel_holds_one_top_level_package(tmp_path: Path) -> None:
     leftover = REPO / "build"
     had_build = leftover.exists()
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
