@@ -1,16 +1,15 @@
-"""`ray up` for real: the README's "Deploy on a cluster" commands on a two-node loopback cluster.
+"""`ray up` for real: the commands of docs/cluster.md on a two-node loopback cluster.
 
-Runs the README's block command for command (after its first two lines, setup and venv activation,
-which CI has done): loopback SSH up, `ray up` of ``cluster/local.yaml``, ``cluster/start.sh`` on the
-head through ``ray exec``, requests from outside the cluster over gRPC, ``pdserve status``, then
-stop, ``ray down`` and loopback SSH down, always, even when a step fails. Asserts identical greedy
-tokens in colocated and disaggregated modes, prefill and decode workers on different nodes (the head
-offers ``prefill``, the worker ``decode``), that asking for more prefill workers than the cluster offers
-fails at once naming the resource, and that nothing is left behind: no process of the
-cluster, no file in the home directory, ``~/.ssh`` and ``~/.bashrc`` as they were, no
-``/tmp/ray/cluster-*`` or ``/tmp/ray-config-*`` of the cluster, no ``/tmp/ray/ray_current_cluster``
-that a later ``ray.init()`` would join. Bounded: past ``BUDGET_S`` the running step is killed and the
-cleanup runs.
+Runs the block under "Two nodes on one machine" in docs/cluster.md command for command (after its first two
+lines, setup and venv activation, which CI has done): loopback SSH up, `ray up` of ``cluster/local.yaml``,
+``cluster/start.sh`` on the head through ``ray exec``, requests from outside the cluster over gRPC,
+``pdserve status``, then stop, ``ray down`` and loopback SSH down, always, even when a step fails. Asserts identical
+greedy tokens in colocated and disaggregated modes, prefill and decode workers on different nodes (the head
+offers ``prefill``, the worker ``decode``), that asking for more prefill workers than the cluster offers fails
+at once naming the resource, and that nothing is left behind: no process of the cluster, no file in the home
+directory, ``~/.ssh`` and ``~/.bashrc`` as they were, no ``/tmp/ray/cluster-*`` or ``/tmp/ray-config-*`` of
+the cluster, no ``/tmp/ray/ray_current_cluster`` that a later ``ray.init()`` would join. Bounded: past
+``BUDGET_S`` the running step is killed and the cleanup runs.
 
 On a shared machine run it alone: ``ray down`` stops every Ray process on the machine
 (``flock -x /tmp/pdserve-ray.lock python -m pytest -m ray_up``).
@@ -58,13 +57,17 @@ DOWN = [
     "ray down -y cluster/local.yaml",
     "bash cluster/loopback_ssh.sh down",
 ]
-README_COMMANDS = [*SETUP, *UP, *USE, *DOWN]
+DOC_COMMANDS = [*SETUP, *UP, *USE, *DOWN]
 
 
-def readme_block() -> list[str]:
-    """The commands of the first ```bash block under '### Two nodes on this machine' in the README."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("### Two nodes on this machine", 1)[1]
+CLUSTER_DOC = ROOT / "docs" / "cluster.md"
+DOC_HEADING = "## Two nodes on one machine"
+
+
+def cluster_doc_block() -> list[str]:
+    """The commands of the first ```bash block under DOC_HEADING in docs/cluster.md."""
+    text = CLUSTER_DOC.read_text()
+    section = text.split(DOC_HEADING, 1)[1]
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]
     return [line.split("  #", 1)[0].rstrip() for line in block.splitlines() if line.strip()]
 
@@ -157,8 +160,8 @@ def current_cluster_address() -> str | None:
     return path.read_text().strip() if path.is_file() else None
 
 
-def test_readme_block_is_what_this_test_runs():
-    assert readme_block() == README_COMMANDS
+def test_cluster_doc_block_is_what_this_test_runs():
+    assert cluster_doc_block() == DOC_COMMANDS
 
 
 @pytest.mark.ray_up
@@ -174,7 +177,7 @@ def test_ray_up_serves_both_modes_across_two_nodes(tmp_path):
     try:
         for command in UP[:-1]:
             run(command, deadline)
-        # Not in the README: more prefill workers than the cluster offers fails at once, naming the resource.
+        # Not in docs/cluster.md: more prefill workers than the cluster offers fails at once, naming the resource.
         placement_started = time.monotonic()
         out = run(UP[-1].replace("--prefill-workers 1", "--prefill-workers 5"), deadline, check=False)
         assert run.returncode != 0 and "cannot place 5 prefill workers" in out and "'prefill'" in out, out[-2000:]
