@@ -50,7 +50,7 @@ class DeploymentConfig:
     http_port: int | None = None  # the OpenAI-compatible HTTP API, every router on it; None = off, 0 = any free
     metrics_port: int | None = None  # Prometheus /metrics of router i on metrics_port + i; None = off, 0 = any free
     explorer_port: int | None = None  # the explorer page, served by router 0; None = off, 0 = any free
-    explorer_host: str = "127.0.0.1"  # loopback by default: its bursts and playground need no token
+    explorer_host: str = "127.0.0.1"  # loopback by default; with auth_token its endpoints need the token too
     address: str | None = None  # a Ray cluster to join ("auto" or host:port); None = local, started here
     router: RouterConfig | None = None  # None = defaults with `mode` as default_mode
     reservation_ttl_s: float = 60.0  # a decode reservation whose KV has not all arrived by then is freed
@@ -80,11 +80,14 @@ class DeploymentConfig:
             raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
         if self.transport not in ("nixl", "grpc"):
             raise ValueError(f"transport must be nixl or grpc, got {self.transport!r}")
-        if self.explorer_port is not None and self.auth_token and not _is_loopback(self.explorer_host):
-            raise ValueError(
-                f"explorer_host {self.explorer_host!r}: with an auth token the explorer listens on loopback only "
-                "(its page sends bursts without a token); reach it through an SSH tunnel"
-            )
+        tls = self.tls_cert_file is not None and self.tls_key_file is not None
+        http_servers = (("http", self.http_port, self.host), ("explorer", self.explorer_port, self.explorer_host))
+        for name, port, host in http_servers:
+            if port is not None and self.auth_token and not tls and not _is_loopback(host):
+                raise ValueError(
+                    f"{name}_port on {host!r}: a token-protected HTTP server off loopback needs TLS "
+                    "(tls_cert_file and tls_key_file), or the token crosses the network in the clear"
+                )
 
     def security(self) -> ServerSecurity:
         """What the routers' gRPC servers require of clients; reads the TLS files (fails fast if unreadable)."""
