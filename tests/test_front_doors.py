@@ -388,12 +388,21 @@ class Closed:
         with self.client() as c:
             return c._stub.Stats(pb.StatsRequest(), timeout=30, metadata=c._md).num_active_requests
 
-    def active_gauge(self) -> float:
+    def metric(self, name: str, **labels: str) -> float:
+        """A sample of router 0's ``/metrics`` (served over HTTPS too), 0 when absent."""
+        from prometheus_client.parser import text_string_to_metric_families
+
         conn = self.https(self.d.metrics_ports[0])
         conn.request("GET", "/metrics")
         text = conn.getresponse().read().decode()
-        (line,) = [x for x in text.splitlines() if x.startswith("pdserve_router_active_requests")]
-        return float(line.split()[-1])
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return sample.value
+        return 0.0
+
+    def active_gauge(self) -> float:
+        return self.metric("pdserve_router_active_requests")
 
     def wait_no_active(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -496,6 +505,7 @@ def test_the_http_api_speaks_tls_only(closed: Closed):
 
 @pytest.mark.cluster
 def test_a_request_past_max_queue_time_is_refused_429_and_resource_exhausted(closed: Closed):
+    rejected_before = closed.metric("pdserve_requests_total", outcome="rejected")
     runners = [closed.https() for _ in range(RUNNERS)]
     try:
         for conn in runners:
@@ -510,6 +520,7 @@ def test_a_request_past_max_queue_time_is_refused_429_and_resource_exhausted(clo
             list(c.generate([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True)))
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queue_time_s" in e.value.details()
         assert closed.num_active() == RUNNERS  # the refused ones are gone
+        assert closed.metric("pdserve_requests_total", outcome="rejected") == rejected_before + 2
     finally:
         for conn in runners:
             conn.sock.shutdown(socket.SHUT_RDWR)

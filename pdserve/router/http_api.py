@@ -132,8 +132,8 @@ class FrontDoor:
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", ())}
         if self.auth_token is not None and scope["path"].startswith(PROTECTED_PREFIXES):
             if not has_bearer_token(headers.get("authorization", b""), self.auth_token):
-                message = "missing or wrong bearer token (Authorization header / api_key)"
-                await _send_error(send, ApiError(401, message, "invalid_request_error", None, "invalid_api_key"))
+                why = "missing or wrong bearer token (Authorization header / api_key)"
+                await _send_error(send, ApiError(401, why, "invalid_request_error", None, "invalid_api_key"))
                 return
         declared = headers.get("content-length")
         if declared is not None:
@@ -276,7 +276,7 @@ class _Endpoints:
         except RequestError as e:
             raise api_error(e, answer.prompt_param) from None
         except ClientGone:
-            await stream.aclose()
+            await stream.aclose()  # type: ignore[attr-defined]  # an async generator
             return Response(status_code=499)
         base = {
             "id": request_id,
