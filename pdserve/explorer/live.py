@@ -155,9 +155,9 @@ class Bursts:
         Raises ValueError for a bad spec, BurstBusy while the previous burst still runs."""
         limits = self.router.limits
         spec.check(limits.max_model_len)
-        if self._tasks:
-            running = next((b.id for b in reversed(self.recent) if b.ended is None), "the last burst")
-            raise BurstBusy(f"{running} is still running: one burst at a time, send the next once it has ended")
+        running = [b.id for b in self.recent if b.ended is None]
+        if running:
+            raise BurstBusy(f"{running[-1]} is still running: one burst at a time, send the next once it has ended")
         status = BurstStatus(
             f"burst-{next(self._serial)}",
             spec.mode or self.router.config.default_mode,
