@@ -544,7 +544,7 @@ def test_the_explorer_needs_the_token_and_sends_one_burst_at_a_time(closed: Clos
         response = conn.getresponse()
         assert response.status == 401, (path, response.read())
         response.read()
-    burst = {"streams": 2, "long_prompts": 0, "stream_output_tokens": 200}
+    burst = {"streams": 2, "long_prompts": 0, "stream_output_tokens": 200, "long_prompt_tokens": 100}
     status, first = post(conn, "/explorer/api/burst", burst, AUTH)
     assert status == 202, first
     status, refused = post(conn, "/explorer/api/burst", burst, AUTH)
@@ -558,7 +558,7 @@ def test_the_explorer_needs_the_token_and_sends_one_burst_at_a_time(closed: Clos
         assert time.monotonic() < deadline, live["bursts"]
         time.sleep(0.2)
     assert live["bursts"][-1]["done"] == 2
-    status, _ = post(conn, "/explorer/api/burst", {"streams": 1, "long_prompts": 0}, AUTH)
+    status, _ = post(conn, "/explorer/api/burst", {**burst, "streams": 1}, AUTH)
     assert status == 202  # the next one, once the first has ended
     closed.wait_no_active(30)
     assert_idle(closed.d)
