@@ -244,25 +244,35 @@ class Deployment:
     def check_integrity(self) -> None:
         ray.get([w.actor.check_integrity.remote() for w in self.workers], timeout=60)
 
-    def stop(self) -> None:
-        """Stop the server, the workers and (if started here) Ray. Safe to call twice."""
-        for router in self.routers:
-            try:
-                ray.get(router.stop.remote(), timeout=30)
-            except Exception as e:
-                log.warning("router stop: %s", e)
-            ray.kill(router)
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the server, the workers and (if started here) Ray. Safe to call twice.
+
+        The routers stop together, then the workers shut down together, each group given ``timeout_s``;
+        whatever has not finished by then is killed, so a stop takes at most about twice ``timeout_s``.
+        """
+        self._stop_group("router", [(f"router-{i}", r, r.stop) for i, r in enumerate(self.routers)], timeout_s)
         self.routers = []
-        for w in self.workers:
-            try:
-                ray.get(w.actor.shutdown.remote(), timeout=30)
-            except Exception as e:
-                log.warning("%s shutdown: %s", w.worker_id, e)
-            ray.kill(w.actor)
+        self._stop_group("worker", [(w.worker_id, w.actor, w.actor.shutdown) for w in self.workers], timeout_s)
         self.decode_workers, self.prefill_workers = [], []
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+
+    @staticmethod
+    def _stop_group(kind: str, actors: list[tuple[str, Any, Any]], timeout_s: float) -> None:
+        """Call each actor's stop method at once, wait up to ``timeout_s`` for all of them, then kill them."""
+        refs = {name: method.remote() for name, _, method in actors}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        for name, ref in refs.items():
+            if ref not in ready:
+                log.warning("%s %s did not stop within %.0f s: killed", kind, name, timeout_s)
+                continue
+            try:
+                ray.get(ref)
+            except Exception as e:
+                log.warning("%s %s stop: %s", kind, name, e)
+        for _, actor, _ in actors:
+            ray.kill(actor)
 
     def __enter__(self) -> Deployment:
         return self.start()
