@@ -244,7 +244,7 @@ class Deployment:
     def check_integrity(self) -> None:
         ray.get([w.actor.check_integrity.remote() for w in self.workers], timeout=60)
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the server, the workers and (if started here) Ray. Safe to call twice.
 
         The routers stop together, then the workers shut down together, each group given ``timeout_s``;
