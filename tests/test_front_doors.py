@@ -111,7 +111,7 @@ def test_sigint_stops_serve_with_http_streams_and_the_explorer_open():
         connections.append(explorer)
         explorer.request("GET", "/explorer/api/live")
         assert explorer.getresponse().read()  # a keep-alive connection stays open
-        server.send_signal(signal.SIGINT)
+        os.killpg(server.pid, signal.SIGINT)  # as Ctrl-C in a terminal: to the whole process group
         output, _ = server.communicate(timeout=15)
         assert server.returncode == 0 and "stopping" in output, output[-3000:]
     finally:
