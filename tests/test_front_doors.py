@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -39,6 +40,7 @@ from pdserve.proto import pdserve_pb2 as pb
 from pdserve.router.client import Client
 from pdserve.router.http_api import FrontDoor, HttpServer, _unless_disconnected, server_tls_context
 from pdserve.router.policy import RouterConfig
+from pdserve.router.router import GenerateInput, ModelLimits, RequestError, Router, WorkerHandle
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli.main"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -562,3 +564,76 @@ def test_the_explorer_needs_the_token_and_sends_one_burst_at_a_time(closed: Clos
     assert status == 202  # the next one, once the first has ended
     closed.wait_no_active(30)
     assert_idle(closed.d)
+
+
+# ---- the router's accounting and queue-time bound (workers faked: no Ray) -------------------------------
+
+
+class FakeWorker:
+    """A decode worker that accepts requests and never sends a token; its aborts take ``abort_s``."""
+
+    def __init__(self, abort_s: float = 0.0) -> None:
+        self.abort_s = abort_s
+        self.aborted: list[str] = []
+        self.generate = SimpleNamespace(remote=self._generate)
+        self.abort = SimpleNamespace(remote=self._abort)
+
+    async def _generate(self, key: str, *args: Any) -> None:
+        return None
+
+    async def _abort(self, key: str) -> None:
+        await asyncio.sleep(self.abort_s)
+        self.aborted.append(key)
+
+
+def fake_router(worker: FakeWorker, **config: Any) -> Router:
+    decode = WorkerHandle("decode-0", "decode", worker)
+    return Router(RouterConfig(**config), [decode], [], ModelLimits(100, 256), None)
+
+
+async def consume(router: Router, request_id: str) -> None:
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    async for _ in router.generate(GenerateInput(request_id, [1, 2, 3], params, None)):
+        pass
+
+
+def test_a_consumer_that_cancels_twice_leaves_no_active_request():
+    """What an HTTP server does to a stream whose client went away: cancel, and cancel again during cleanup."""
+
+    async def scenario() -> None:
+        worker = FakeWorker(abort_s=0.3)
+        router = fake_router(worker)
+        task = asyncio.ensure_future(consume(router, "gone"))
+        await asyncio.sleep(0.1)
+        assert list(router.active) == ["gone"]
+        task.cancel()
+        await asyncio.sleep(0.05)  # the stream now waits for its abort on the worker
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert router.active == {}
+        await asyncio.sleep(0.4)
+        assert len(worker.aborted) == 1  # the abort still reached the worker
+        again = asyncio.ensure_future(consume(router, "gone"))  # and the id is free for a new request
+        await asyncio.sleep(0.1)
+        assert list(router.active) == ["gone"] and not again.done()
+        again.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await again
+
+    asyncio.run(scenario())
+
+
+def test_a_request_without_its_first_token_in_max_queue_time_is_refused_and_aborted():
+    async def scenario() -> None:
+        worker = FakeWorker()
+        router = fake_router(worker, max_queue_time_s=0.3)
+        started = time.monotonic()
+        with pytest.raises(RequestError) as e:
+            await consume(router, "late")
+        assert 0.3 <= time.monotonic() - started < 2
+        assert e.value.code == "RESOURCE_EXHAUSTED" and "max_queue_time_s=0.3" in str(e.value)
+        assert router.active == {} and router.num_queued == 0 and len(worker.aborted) == 1
+        assert router.metrics.requests.labels(mode="colocated", outcome="rejected")._value.get() == 1
+
+    asyncio.run(scenario())
