@@ -50,7 +50,7 @@ class DeploymentConfig:
     http_port: int | None = None  # the OpenAI-compatible HTTP API, every router on it; None = off, 0 = any free
     metrics_port: int | None = None  # Prometheus /metrics of router i on metrics_port + i; None = off, 0 = any free
     explorer_port: int | None = None  # the explorer page, served by router 0; None = off, 0 = any free
-    explorer_host: str = "127.0.0.1"  # loopback by default: its bursts and playground need no token
+    explorer_host: str = "127.0.0.1"  # loopback by default; with auth_token its endpoints need the token too
     address: str | None = None  # a Ray cluster to join ("auto" or host:port); None = local, started here
     router: RouterConfig | None = None  # None = defaults with `mode` as default_mode
     reservation_ttl_s: float = 60.0  # a decode reservation whose KV has not all arrived by then is freed
@@ -80,11 +80,14 @@ class DeploymentConfig:
             raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
         if self.transport not in ("nixl", "grpc"):
             raise ValueError(f"transport must be nixl or grpc, got {self.transport!r}")
-        if self.explorer_port is not None and self.auth_token and not _is_loopback(self.explorer_host):
-            raise ValueError(
-                f"explorer_host {self.explorer_host!r}: with an auth token the explorer listens on loopback only "
-                "(its page sends bursts without a token); reach it through an SSH tunnel"
-            )
+        tls = self.tls_cert_file is not None and self.tls_key_file is not None
+        http_servers = (("http", self.http_port, self.host), ("explorer", self.explorer_port, self.explorer_host))
+        for name, port, host in http_servers:
+            if port is not None and self.auth_token and not tls and not _is_loopback(host):
+                raise ValueError(
+                    f"{name}_port on {host!r}: a token-protected HTTP server off loopback needs TLS "
+                    "(tls_cert_file and tls_key_file), or the token crosses the network in the clear"
+                )
 
     def security(self) -> ServerSecurity:
         """What the routers' gRPC servers require of clients; reads the TLS files (fails fast if unreadable)."""
@@ -245,25 +248,35 @@ class Deployment:
     def check_integrity(self) -> None:
         ray.get([w.actor.check_integrity.remote() for w in self.workers], timeout=60)
 
-    def stop(self) -> None:
-        """Stop the server, the workers and (if started here) Ray. Safe to call twice."""
-        for router in self.routers:
-            try:
-                ray.get(router.stop.remote(), timeout=30)
-            except Exception as e:
-                log.warning("router stop: %s", e)
-            ray.kill(router)
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the server, the workers and (if started here) Ray. Safe to call twice.
+
+        The routers stop together, then the workers shut down together, each group given ``timeout_s``;
+        whatever has not finished by then is killed, so a stop takes at most about twice ``timeout_s``.
+        """
+        self._stop_group("router", [(f"router-{i}", r, r.stop) for i, r in enumerate(self.routers)], timeout_s)
         self.routers = []
-        for w in self.workers:
-            try:
-                ray.get(w.actor.shutdown.remote(), timeout=30)
-            except Exception as e:
-                log.warning("%s shutdown: %s", w.worker_id, e)
-            ray.kill(w.actor)
+        self._stop_group("worker", [(w.worker_id, w.actor, w.actor.shutdown) for w in self.workers], timeout_s)
         self.decode_workers, self.prefill_workers = [], []
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+
+    @staticmethod
+    def _stop_group(kind: str, actors: list[tuple[str, Any, Any]], timeout_s: float) -> None:
+        """Call each actor's stop method at once, wait up to ``timeout_s`` for all of them, then kill them."""
+        refs = {name: method.remote() for name, _, method in actors}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        for name, ref in refs.items():
+            if ref not in ready:
+                log.warning("%s %s did not stop within %.0f s: killed", kind, name, timeout_s)
+                continue
+            try:
+                ray.get(ref)
+            except Exception as e:
+                log.warning("%s %s stop: %s", kind, name, e)
+        for _, actor, _ in actors:
+            ray.kill(actor)
 
     def __enter__(self) -> Deployment:
         return self.start()

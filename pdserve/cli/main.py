@@ -144,6 +144,13 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None, help="Ray cluster to join ('auto' or host:port); default: local")
     p.add_argument("--auto-min-remote-tokens", type=int, default=512)
     p.add_argument("--auto-max-prefill-queue-tokens", type=int, default=16384)
+    p.add_argument(
+        "--max-queue-time-s",
+        type=float,
+        default=None,
+        help="refuse (RESOURCE_EXHAUSTED / HTTP 429) a request still without its first token after this long; "
+        "default: no bound",
+    )
 
 
 def deployment_config_from_args(args: argparse.Namespace):
@@ -172,6 +179,7 @@ def deployment_config_from_args(args: argparse.Namespace):
         router=RouterConfig(
             auto_min_remote_tokens=args.auto_min_remote_tokens,
             auto_max_prefill_queue_tokens=args.auto_max_prefill_queue_tokens,
+            max_queue_time_s=args.max_queue_time_s,
         ),
     )
 

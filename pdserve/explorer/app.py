@@ -5,17 +5,24 @@
 - ``GET /explorer/api/options``: the profiles, the controls' defaults and limits, whether a deployment
   is attached (the live view).
 - ``POST /explorer/api/playground``: a JSON object of ``PlaygroundSettings`` → ``run_playground``'s
-  result. One run at a time, in a thread (the simulator is CPU work; the router's loop keeps serving).
+  result. Runs go one at a time to a worker process (``PlaygroundRunner``: the simulator is CPU work and
+  never holds the router's GIL), each bounded in time; each client has at most one run waiting (a newer
+  one replaces it: 409 for the older), and at most ``MAX_WAITING_RUNS`` clients wait (else 429).
 - ``GET /explorer/api/live``: ``LiveView.snapshot`` and the recent bursts (409 without a deployment).
-- ``POST /explorer/api/burst``: a JSON object of ``BurstSpec`` fields → the burst's status (202).
+- ``POST /explorer/api/burst``: a JSON object of ``BurstSpec`` fields → the burst's status (202); one
+  burst at a time per deployment (429 while one runs).
 
-A bad value answers 400 with ``{"error": {"message", "field"}}``; the page shows the message.
+Behind ``pdserve serve``, the ``/explorer/api/`` endpoints need the deployment's bearer token when it has
+one (the page asks for it). A bad value answers 400 with ``{"error": {"message", "field"}}``; the page
+shows the message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
@@ -24,11 +31,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from pdserve.explorer.live import Bursts, BurstSpec, LiveView
+from pdserve.explorer.live import BurstBusy, Bursts, BurstSpec, LiveView
 from pdserve.explorer.playground import MAX_CHUNKS, MAX_DECODES, MAX_INSTANCES, MODES, PlaygroundSettings, SettingError
 from pdserve.router.router import Router
 
 STATIC = Path(__file__).parent / "static"
+MAX_WAITING_RUNS = 8  # playground runs waiting for the worker process (one per client)
+RUN_TIMEOUT_S = 60.0  # a playground run taking longer is stopped (its worker process killed)
 
 
 def build_explorer_app(router: Router | None = None) -> FastAPI:
@@ -68,7 +77,7 @@ class ExplorerApi:
         self.router = router
         self.bursts = Bursts(router) if router is not None else None
         self.live_view = LiveView(router) if router is not None else None
-        self._sim_lock = asyncio.Lock()
+        self.runner = PlaygroundRunner()
 
     async def page(self) -> FileResponse:
         return FileResponse(STATIC / "index.html", media_type="text/html")
@@ -92,14 +101,13 @@ class ExplorerApi:
         }
 
     async def playground(self, request: Request) -> JSONResponse:
-        from pdserve.explorer.playground import run_playground
-
         try:
             settings = PlaygroundSettings.parse(await _json_body(request))
-            async with self._sim_lock:
-                result = await asyncio.to_thread(run_playground, settings)
+            result = await self.runner.run(request.client.host if request.client else "", settings)
         except SettingError as e:
             return _error(400, str(e), e.field)
+        except PlaygroundRefused as e:
+            return _error(e.status, str(e))
         return JSONResponse(result)
 
     async def live(self) -> JSONResponse:
@@ -121,6 +129,8 @@ class ExplorerApi:
             if unknown:
                 raise SettingError(unknown[0], f"unknown field (known: {', '.join(sorted(known))})")
             status = self.bursts.start(BurstSpec(**body))
+        except BurstBusy as e:
+            return _error(429, str(e))
         except SettingError as e:
             return _error(400, str(e), e.field)
         except ValueError as e:
@@ -131,3 +141,94 @@ class ExplorerApi:
     async def close(self) -> None:
         if self.bursts is not None:
             await self.bursts.close()
+        self.runner.close()
+
+
+class PlaygroundRefused(Exception):
+    """A playground run that was not run: ``status`` 409 (replaced by a newer one), 429 (busy), 503 (too long)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _run_in_worker(settings: PlaygroundSettings) -> tuple[bool, Any]:
+    """In the worker process: ``(True, result)``, or ``(False, (field, message))`` for a SettingError."""
+    from pdserve.explorer.playground import run_playground
+
+    try:
+        return True, run_playground(settings)
+    except SettingError as e:
+        return False, (e.field, str(e).removeprefix(f"{e.field}: "))
+
+
+class PlaygroundRunner:
+    """Runs ``run_playground`` in one worker process (started on first use), one run at a time.
+
+    Each client (by address) has at most one run waiting: a newer one replaces it, and the older is
+    answered 409. At most ``max_waiting`` runs wait (429 beyond). A run over ``timeout_s`` is stopped by
+    killing the worker process (503); the next run starts a fresh one.
+    """
+
+    def __init__(self, max_waiting: int = MAX_WAITING_RUNS, timeout_s: float = RUN_TIMEOUT_S) -> None:
+        self.max_waiting = max_waiting
+        self.timeout_s = timeout_s
+        self._waiting: dict[str, tuple[PlaygroundSettings, asyncio.Future[dict[str, Any]]]] = {}
+        self._drainer: asyncio.Task[None] | None = None
+        self._pool: ProcessPoolExecutor | None = None
+
+    async def run(self, client: str, settings: PlaygroundSettings) -> dict[str, Any]:
+        """The run's result; raises SettingError (the profile cannot take it) or PlaygroundRefused."""
+        older = self._waiting.pop(client, None)
+        if older is not None:
+            older[1].set_exception(PlaygroundRefused(409, "replaced by a newer playground run from the same client"))
+        elif len(self._waiting) >= self.max_waiting:
+            raise PlaygroundRefused(429, f"{len(self._waiting)} playground runs are waiting; try again shortly")
+        answer: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._waiting[client] = (settings, answer)
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.create_task(self._drain())
+        try:
+            return await answer
+        finally:
+            if self._waiting.get(client, (None, None))[1] is answer:  # its client went away while it waited
+                del self._waiting[client]
+
+    async def _drain(self) -> None:
+        while self._waiting:
+            client = next(iter(self._waiting))
+            settings, answer = self._waiting.pop(client)
+            if answer.done():
+                continue
+            try:
+                result = await self._in_worker(settings)
+            except Exception as e:
+                if not answer.done():
+                    answer.set_exception(e)
+            else:
+                if not answer.done():
+                    answer.set_result(result)
+
+    async def _in_worker(self, settings: PlaygroundSettings) -> dict[str, Any]:
+        if self._pool is None:  # spawned: a fork of a process with Ray's and gRPC's threads is unsafe
+            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        future = asyncio.get_running_loop().run_in_executor(self._pool, _run_in_worker, settings)
+        try:
+            ok, value = await asyncio.wait_for(future, self.timeout_s)
+        except TimeoutError:
+            self.close()
+            raise PlaygroundRefused(
+                503, f"the playground run took over {self.timeout_s:g} s and was stopped: try smaller settings"
+            ) from None
+        if not ok:
+            raise SettingError(*value)
+        return value
+
+    def close(self) -> None:
+        """Stop the worker process (a run in it is killed)."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        for process in list(getattr(pool, "_processes", {}).values()):  # shutdown() alone waits for a run
+            process.kill()
+        pool.shutdown(wait=False, cancel_futures=True)

@@ -122,6 +122,10 @@ class BurstSpec:
             raise ValueError(f"stream_output_tokens: a stream must fit the model's {max_model_len} tokens")
 
 
+class BurstBusy(RuntimeError):
+    """A burst is still running: one at a time per deployment."""
+
+
 @dataclass
 class BurstStatus:
     id: str
@@ -135,7 +139,7 @@ class BurstStatus:
 
 
 class Bursts:
-    """Sends bursts through ``router`` in the background and remembers the last few."""
+    """Sends bursts through ``router`` in the background, one at a time, and remembers the last few."""
 
     KEEP = 8
 
@@ -146,9 +150,14 @@ class Bursts:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def start(self, spec: BurstSpec) -> BurstStatus:
-        """Start one burst (raises ValueError for a bad spec); returns its status, updated as it runs."""
+        """Start one burst; returns its status, updated as it runs.
+
+        Raises ValueError for a bad spec, BurstBusy while the previous burst still runs."""
         limits = self.router.limits
         spec.check(limits.max_model_len)
+        running = [b.id for b in self.recent if b.ended is None]
+        if running:
+            raise BurstBusy(f"{running[-1]} is still running: one burst at a time, send the next once it has ended")
         status = BurstStatus(
             f"burst-{next(self._serial)}",
             spec.mode or self.router.config.default_mode,

@@ -24,7 +24,9 @@ if TYPE_CHECKING:  # the simulator is imported when a run is asked for, not with
 
 MODES = ("colocated", "disaggregated", "auto")
 MAX_CHUNKS = 1024  # prompt_len / chunk_size: more steps than this would keep the page waiting
-MAX_WORK = 40_000  # (decodes + 1) x chunks: the requests the scheduler places over the window (~2 s here)
+# (decodes + 1) x chunks, the requests the scheduler places over the window, times 1 + (instances - 1) / 16
+# (every instance steps; 8 colocated instances cost 1.4x one, 16 disaggregated 2x): ~2 s here at most
+MAX_WORK = 40_000
 MAX_INSTANCES = 8
 MAX_DECODES = 127  # the long prompt needs a place in a step of at most max_num_seqs (128) requests
 
@@ -93,14 +95,20 @@ class PlaygroundSettings:
                 f"{-(-self.prompt_len // self.chunk_size)} steps; the playground takes at most {MAX_CHUNKS} "
                 f"(use at least {-(-self.prompt_len // MAX_CHUNKS)}, or run pdserve sim --demo)",
             )
-        work = (self.num_decodes + 1) * -(-self.prompt_len // self.chunk_size)
+        work = (self.num_decodes + 1) * -(-self.prompt_len // self.chunk_size) * (1 + (self.num_instances - 1) / 16)
         if work > MAX_WORK:
             raise SettingError(
                 "chunk_size",
-                f"{self.num_decodes} decodes over {-(-self.prompt_len // self.chunk_size)} chunks is too long a "
-                f"run for the page (at most {MAX_WORK} request-steps): a larger chunk or fewer decodes, or run "
+                f"{self.num_decodes} decodes over {-(-self.prompt_len // self.chunk_size)} chunks on "
+                f"{self.num_instances} instance(s) is too long a run for the page (at most {MAX_WORK} request-steps, "
+                "each instance past the first adding 1/16): a larger chunk, fewer decodes or instances, or run "
                 "pdserve sim --demo",
             )
+
+    @property
+    def num_instances(self) -> int:
+        """The instances the run simulates (each one steps, so each one costs)."""
+        return self.instances if self.mode == "colocated" else self.prefill + self.decode
 
     def sim_argv(self) -> list[str]:
         """The ``pdserve sim`` arguments that run this demo (chunking on and off both: ``--demo``)."""

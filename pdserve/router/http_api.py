@@ -12,11 +12,19 @@ own: request field ``pdserve_mode`` (colocated, disaggregated, auto) and respons
 ``X-Request-Id`` header becomes the request id the router and workers log (else ``cmpl-…`` /
 ``chatcmpl-…``); the response echoes it.
 
+Chat requests without ``max_tokens`` / ``max_completion_tokens`` get at most
+``RouterConfig.default_chat_max_tokens`` (completions: 16, as OpenAI's).
+
+Limits: a request body over ``RouterConfig.max_request_bytes`` is answered 413 before it is parsed; a
+client that disconnects before its answer is complete has its request aborted on the workers (streamed
+or not). With a bearer token, ``/v1/`` and the explorer's ``/explorer/api/`` need it. With a certificate
+and key (``ServerSecurity``) the server speaks HTTPS only.
+
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: a bad parameter
-400, an unknown model 404, a request id in use 409, overload (RESOURCE_EXHAUSTED) 429, no worker
-(UNAVAILABLE) 503. A failure after a stream has started arrives as a last ``data: {"error": …}``
-event. ``code`` is the router's gRPC status name in lower case (``invalid_argument``, …) or
-``model_not_found``.
+400, a missing token 401, an unknown model 404, a request id in use 409, a body too large 413, overload
+(RESOURCE_EXHAUSTED, also a request that waited past ``max_queue_time_s``) 429, no worker (UNAVAILABLE)
+503. A failure after a stream has started arrives as a last ``data: {"error": …}`` event. ``code`` is the
+router's gRPC status name in lower case (``invalid_argument``, …) or ``model_not_found``.
 """
 
 from __future__ import annotations
@@ -24,9 +32,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
+import ssl
+import tempfile
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import uvicorn
@@ -57,14 +69,18 @@ from pdserve.router.server import has_bearer_token
 log = logging.getLogger(__name__)
 
 
+PROTECTED_PREFIXES = ("/v1/", "/explorer/api/")  # behind the bearer token, when one is set
+
+
 def build_app(router: Router, model_name: str, auth_token: str | None = None) -> FastAPI:
     """The HTTP app serving ``router``'s model under ``model_name`` (the ``model`` clients must send).
 
-    With ``auth_token``, every ``/v1/`` call needs ``Authorization: Bearer <token>`` (an OpenAI client's
-    ``api_key``); ``/health`` and ``/metrics`` stay open for probes and scrapers.
+    With ``auth_token``, every ``/v1/`` (and explorer ``/explorer/api/``) call needs ``Authorization:
+    Bearer <token>`` (an OpenAI client's ``api_key``); ``/health`` and ``/metrics`` stay open for probes
+    and scrapers. A body over ``router.config.max_request_bytes`` is refused (413) before it is parsed.
     """
     app = FastAPI(title="pdserve", description=__doc__, docs_url="/docs", redoc_url=None)
-    app.middleware("http")(_bearer_token(auth_token))
+    app.add_middleware(FrontDoor, auth_token=auth_token, max_body_bytes=router.config.max_request_bytes)
     app.add_exception_handler(ApiError, _api_error)  # type: ignore[arg-type]  # Starlette types handlers by Exception
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected)
@@ -91,17 +107,83 @@ def _add_metrics(app: FastAPI, router: Router) -> None:
         return Response(await router.metrics.scrape(router), media_type=CONTENT_TYPE_LATEST)
 
 
-def _bearer_token(token: str | None) -> Any:
-    """The middleware that refuses a ``/v1/`` call without ``Authorization: Bearer <token>`` (if a token is set)."""
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-    async def check(request: Request, call_next: Any) -> Any:
-        if token is not None and request.url.path.startswith("/v1/"):
-            if not has_bearer_token(request.headers.get("authorization", ""), token):
-                message = "missing or wrong bearer token (Authorization header / api_key)"
-                return ApiError(401, message, "invalid_request_error", None, "invalid_api_key").response()
-        return await call_next(request)
 
-    return check
+class FrontDoor:
+    """ASGI middleware: the bearer token on ``PROTECTED_PREFIXES`` (when set), and the request body limit.
+
+    A body whose ``Content-Length`` is over ``max_body_bytes`` is answered 413 unread; a body without one
+    (chunked) is read up to the limit first, then handed on (413 once it passes the limit). A plain ASGI
+    middleware, so streamed answers and client disconnects pass through untouched.
+    """
+
+    def __init__(self, app: Any, auth_token: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.auth_token = auth_token
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", ())}
+        if self.auth_token is not None and scope["path"].startswith(PROTECTED_PREFIXES):
+            if not has_bearer_token(headers.get("authorization", b""), self.auth_token):
+                why = "missing or wrong bearer token (Authorization header / api_key)"
+                await _send_error(send, ApiError(401, why, "invalid_request_error", None, "invalid_api_key"))
+                return
+        declared = headers.get("content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                await _send_error(send, bad_request("Content-Length: not a number", None))
+                return
+            if size > self.max_body_bytes:
+                await _send_error(send, self._too_large(size))
+                return
+            await self.app(scope, receive, send)
+            return
+        if scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        messages: list[dict[str, Any]] = []
+        size = 0
+        while True:  # a chunked body: read it under the limit before anything parses it
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:
+                await _send_error(send, self._too_large(size, at_least=True))
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> dict[str, Any]:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self, size: int, at_least: bool = False) -> ApiError:
+        over = f"over {size - 1}" if at_least else str(size)
+        return ApiError(
+            413,
+            f"request body: {over} bytes is over the limit of {self.max_body_bytes} bytes (max_request_bytes)",
+            "invalid_request_error",
+            None,
+            "request_too_large",
+        )
+
+
+async def _send_error(send: Send, error: ApiError) -> None:
+    response = error.response()
+    await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body})
 
 
 async def _api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -156,7 +238,8 @@ class _Endpoints:
         if tokenizer is None:
             raise bad_request("messages: this model has no tokenizer, so it cannot chat", "messages")
         prompt = render_chat(tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
-        max_tokens = body.max_completion_tokens or body.max_tokens or self.router.limits.max_model_len
+        default = min(self.router.config.default_chat_max_tokens, self.router.limits.max_model_len)
+        max_tokens = body.max_completion_tokens or body.max_tokens or default
         return await self._serve(request, body, prompt, max_tokens, "chatcmpl", CHAT)
 
     def _check_model(self, name: str) -> None:
@@ -178,17 +261,23 @@ class _Endpoints:
         prefix: str,
         answer: Answer,
     ) -> Response:
-        """Route the request and wait for its first event (so that a refusal gets its HTTP status), then answer."""
+        """Route the request and wait for its first event (so that a refusal gets its HTTP status), then answer.
+
+        A client that disconnects before that (or before a whole answer is ready) has its request aborted.
+        """
         request_id = request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
         params = body.sampling_params(max_tokens)
         stream = self.router.generate(GenerateInput(request_id, prompt, params, body.pdserve_mode))
         job = Job(self.router, request_id, body, stream)
         try:
-            first = await anext(stream)
+            first = await _unless_disconnected(request, anext(stream))
         except StopAsyncIteration:
             first = None
         except RequestError as e:
             raise api_error(e, answer.prompt_param) from None
+        except ClientGone:
+            await stream.aclose()  # type: ignore[attr-defined]  # an async generator
+            return Response(status_code=499)
         base = {
             "id": request_id,
             "object": answer.chunk_object if body.stream else answer.object,
@@ -199,7 +288,37 @@ class _Endpoints:
         if body.stream:
             events = stream_reply(job, first, base, body, answer)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        return JSONResponse(await reply(job, first, base, body, answer), headers=headers)
+        try:
+            whole = await _unless_disconnected(request, reply(job, first, base, body, answer))
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; the request was aborted on the workers
+        return JSONResponse(whole, headers=headers)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """``work``'s result, or ClientGone (``work`` cancelled) once the client has disconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        watcher.cancel()
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body is already read: the server's next message says so)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 # ---- serving -------------------------------------------------------------------------------------------
@@ -228,13 +347,31 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-class HttpServer:
-    """An ASGI app served by uvicorn on a socket bound here; ``await start()``, then ``await stop()``."""
+def server_tls_context(cert_chain: bytes, private_key: bytes) -> ssl.SSLContext:
+    """A TLS server context from PEM bytes (the same certificate and key the gRPC server takes)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    with tempfile.TemporaryDirectory(prefix="pdserve-tls-") as folder:  # ssl loads key files only
+        cert_path, key_path = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
+        for path, data in ((cert_path, cert_chain), (key_path, private_key)):
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                f.write(data)
+        context.load_cert_chain(cert_path, key_path)
+    return context
 
-    def __init__(self, app: Any, host: str, port: int) -> None:
+
+class HttpServer:
+    """An ASGI app served by uvicorn on a socket bound here; ``await start()``, then ``await stop()``.
+
+    With ``tls`` (an ``ssl.SSLContext``) it serves HTTPS only.
+    """
+
+    def __init__(self, app: Any, host: str, port: int, tls: ssl.SSLContext | None = None) -> None:
         self.sock = reuse_port_socket(host, port)
         self.port: int = self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=2)
+        config.load()
+        config.ssl = tls  # uvicorn takes key files only; the context is built from the PEM bytes instead
         self._server = _Server(config)
         self._task: Any = None
 
@@ -262,9 +399,11 @@ __all__ = [
     "ApiError",
     "ChatCompletionRequest",
     "CompletionRequest",
+    "FrontDoor",
     "HttpServer",
     "StopMatcher",
     "build_app",
     "metrics_app",
     "render_chat",
+    "server_tls_context",
 ]

@@ -26,10 +26,14 @@ class RouterConfig:
     max_active_requests: int = 4096  # requests in flight through one router; beyond this, RESOURCE_EXHAUSTED
     max_queued_requests: int = 512  # requests waiting for their first token; beyond this, RESOURCE_EXHAUSTED
     max_queued_prompt_tokens: int = 262144  # their prompt tokens; beyond this, RESOURCE_EXHAUSTED
-    max_request_bytes: int = 8 << 20  # a larger request body is refused before it is parsed
+    max_request_bytes: int = 8 << 20  # a larger request body is refused before it is parsed (gRPC and HTTP)
+    default_chat_max_tokens: int = 1024  # HTTP chat requests that name no max_tokens get at most this many
     reserve_timeout_s: float = 60.0  # how long a prefill may wait for its decode worker to have room
     abort_fence_s: float = 60.0  # how long an abort waits for the prefill worker to confirm its pushes are over
     stream_idle_timeout_s: float = 600.0  # a stream with no token for this long fails with UNAVAILABLE
+    # a request still without its first token this long after it arrived is refused with RESOURCE_EXHAUSTED
+    # (HTTP 429) and aborted on its workers, rather than served late; None = wait as long as it takes
+    max_queue_time_s: float | None = None
     prefix_index_blocks: int = 65536  # per decode worker
     prefix_caching: bool = True  # the workers cache prefixes; if not, the view remembers nothing
 
@@ -42,6 +46,7 @@ class RouterConfig:
             "max_queued_requests",
             "max_queued_prompt_tokens",
             "max_request_bytes",
+            "default_chat_max_tokens",
             "prefix_index_blocks",
         ):
             if getattr(self, name) < 1:
@@ -51,6 +56,8 @@ class RouterConfig:
         for name in ("reserve_timeout_s", "abort_fence_s", "stream_idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.max_queue_time_s is not None and not self.max_queue_time_s > 0:
+            raise ValueError(f"max_queue_time_s must be > 0 (or None), got {self.max_queue_time_s!r}")
 
 
 @dataclass

@@ -11,10 +11,13 @@ own Prometheus ``/metrics`` on ``metrics_port + i`` (each router has its own reg
 its own port to be scraped; the HTTP API's ``/metrics`` answers for whichever router took the connection).
 With ``explorer``, router 0 also serves the explorer page (``pdserve.explorer``) on that address: the
 same app as the HTTP API plus the page and its JSON endpoints, on a port of its own (loopback by default).
+With a TLS certificate and key (``ServerSecurity``) every one of these HTTP servers speaks HTTPS, as gRPC
+speaks TLS.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import resource
 from typing import Any
@@ -22,7 +25,7 @@ from typing import Any
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.explorer.app import ExplorerApi, add_explorer
-from pdserve.router.http_api import HttpServer, build_app, metrics_app
+from pdserve.router.http_api import HttpServer, build_app, metrics_app, server_tls_context
 from pdserve.router.policy import RouterConfig
 from pdserve.router.router import ModelLimits, Router, WorkerHandle
 from pdserve.router.server import GrpcServer, ServerSecurity, start_server
@@ -66,6 +69,10 @@ class RouterProcess:
         await self.router.start()
         self._server = await start_server(self.router, host, port, self._security)
         ports: dict[str, Any] = {"grpc": self._server.port, "http": None, "metrics": None, "explorer": None}
+        security = self._security or ServerSecurity()
+        tls = None
+        if security.tls_cert_chain is not None and security.tls_private_key is not None:
+            tls = server_tls_context(security.tls_cert_chain, security.tls_private_key)
         for name, address, app in (
             ("http", (host, http_port), self._http_app),
             ("metrics", (host, metrics_port), lambda: metrics_app(self.router)),
@@ -73,7 +80,7 @@ class RouterProcess:
         ):
             bind_host, bind_port = address
             if bind_port is not None:
-                server = HttpServer(app(), bind_host, bind_port)
+                server = HttpServer(app(), bind_host, bind_port, tls=tls)
                 self._http.append(server)
                 ports[name] = await server.start()
         return ports
@@ -89,8 +96,7 @@ class RouterProcess:
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._explorer is not None:
             await self._explorer.close()
-        for http in self._http:
-            await http.stop()
+        await asyncio.gather(*(http.stop() for http in self._http))  # each waits up to 2 s for its streams
         self._http = []
         if self._server is not None:
             await self._server.stop(grace_s)

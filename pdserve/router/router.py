@@ -43,6 +43,17 @@ class RequestError(Exception):
         self.code = code  # INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ALREADY_EXISTS, UNAVAILABLE, INTERNAL
 
 
+class QueueTimeExceeded(RequestError):
+    """A request that waited longer than ``RouterConfig.max_queue_time_s`` for its first token: refused."""
+
+    def __init__(self, waited_s: float, limit_s: float) -> None:
+        super().__init__(
+            "RESOURCE_EXHAUSTED",
+            f"request waited {waited_s:.1f} s without its first token, over max_queue_time_s={limit_s:g}: "
+            "the server is overloaded, retry later",
+        )
+
+
 class GenerateInput(NamedTuple):
     request_id: str | None
     prompt: str | list[int]
@@ -226,7 +237,7 @@ class Router:
         finished = False
         try:
             if route.mode == "disaggregated":
-                first = await self._prefill_remotely(request, prompt, params)
+                first = await self._within_queue_time(request, self._prefill_remotely(request, prompt, params))
                 if first is not None:  # the first token goes out before the decode worker is even told
                     finished = first.finished
                     yield first
@@ -235,7 +246,10 @@ class Router:
             else:
                 await self._start_colocated(request, prompt, params)
             while not finished:
-                updates = await request.next_updates()
+                if request.ttft_s is None and self.config.max_queue_time_s is not None:
+                    updates = await self._within_queue_time(request, request.next_updates())
+                else:
+                    updates = await request.next_updates()
                 last = updates[-1]
                 token_ids = updates[0].token_ids if len(updates) == 1 else [t for u in updates for t in u.token_ids]
                 if last.error:
@@ -250,11 +264,26 @@ class Router:
             self._dequeue(request)
             self._prefill_finished(request, prompt)
             self.policy.finish(route, prompt, params.max_tokens)
-            if not finished:  # cancelled or failed: make sure no worker keeps working on it
-                await asyncio.shield(self._abort_on_workers(request.key, request.served))
+            # Forget the request before awaiting anything: a consumer that went away (an HTTP client that
+            # disconnected) may cancel this generator again while it waits, and the count must not leak.
+            # The worker key is unique per incarnation, so the id may be reused while the abort runs.
             self.active.pop(request_id, None)
             self._by_key.pop(request.key, None)
-            request.done.set()
+            try:
+                if not finished:  # cancelled or failed: make sure no worker keeps working on it
+                    await asyncio.shield(self._abort_on_workers(request.key, request.served))
+            finally:
+                request.done.set()
+
+    async def _within_queue_time(self, request: InFlight, waiting: Any) -> Any:
+        """Await ``waiting`` (a step towards the first token) until ``max_queue_time_s`` after arrival."""
+        limit = self.config.max_queue_time_s
+        if limit is None:
+            return await waiting
+        try:
+            return await asyncio.wait_for(waiting, max(0.0, request.received + limit - time.time()))
+        except TimeoutError:
+            raise QueueTimeExceeded(time.time() - request.received, limit) from None
 
     def _route(self, prompt: list[int], params: SamplingParams, mode: str | None) -> Route:
         try:
@@ -268,6 +297,9 @@ class Router:
         """Count (and log, when it failed) a request whose stream ends without its last event."""
         metrics = self._metrics(request, WorkerRequestStats(), time.time())
         code = error.code if isinstance(error, RequestError) else "INTERNAL"
+        if isinstance(error, QueueTimeExceeded):  # refused under load: counted, not logged per request
+            self.metrics.request_finished(metrics, "rejected", code, str(error))
+            return
         if isinstance(error, (GeneratorExit, asyncio.CancelledError)) or code == "CANCELLED":
             self.metrics.request_finished(metrics, "finished" if request.stopped else "aborted")
             return

@@ -75,6 +75,30 @@ function schedulePlayground() {
   pgTimer = setTimeout(runPlayground, 150);
 }
 
+// ---- the server's API, behind its bearer token when it has one --------------------------------------
+
+let tokenAsked = null; // one prompt at a time, however many calls got 401
+
+async function api(path, init = {}) {
+  const withToken = () => {
+    const token = sessionStorage.getItem("pdserve-token");
+    const headers = { ...(init.headers || {}) };
+    if (token) headers.authorization = `Bearer ${token}`;
+    return fetch(path, { ...init, headers });
+  };
+  let response = await withToken();
+  if (response.status === 401) {
+    tokenAsked ??= Promise.resolve(window.prompt("This server needs its API token (the --auth-token of pdserve serve):"));
+    const token = await tokenAsked;
+    tokenAsked = null;
+    if (token) {
+      sessionStorage.setItem("pdserve-token", token.trim());
+      response = await withToken();
+    }
+  }
+  return response;
+}
+
 async function runPlayground() {
   const seq = ++pgSeq;
   const section = $("playground");
@@ -83,7 +107,7 @@ async function runPlayground() {
   let response;
   let body;
   try {
-    response = await fetch("/explorer/api/playground", {
+    response = await api("/explorer/api/playground", {
       method: "POST",
       headers: { "content-type": "application/json" },
       body: JSON.stringify(playgroundSettings()),
@@ -259,7 +283,7 @@ async function pollLive() {
   if (liveBusy) return; // the previous answer has not come yet: skip a beat rather than pile up
   liveBusy = true;
   try {
-    const response = await fetch("/explorer/api/live");
+    const response = await api("/explorer/api/live");
     const body = await response.json();
     if (!response.ok) throw new Error(body.error ? body.error.message : `HTTP ${response.status}`);
     drawLive(body);
@@ -340,7 +364,7 @@ async function sendBurst(event) {
     long_prompt_tokens: Number($("burst-long-tokens").value),
   };
   try {
-    const response = await fetch("/explorer/api/burst", {
+    const response = await api("/explorer/api/burst", {
       method: "POST",
       headers: { "content-type": "application/json" },
       body: JSON.stringify(body),
@@ -362,7 +386,7 @@ async function sendBurst(event) {
 // ---- start -----------------------------------------------------------------------------------------
 
 async function init() {
-  options = await (await fetch("/explorer/api/options")).json();
+  options = await (await api("/explorer/api/options")).json();
   const fill = (select, names) => select.replaceChildren(...names.map((n) => new Option(n, n)));
   fill($("hardware"), options.hardware);
   fill($("model"), Object.keys(options.models));
