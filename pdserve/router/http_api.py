@@ -276,7 +276,7 @@ class _Endpoints:
         except RequestError as e:
             raise api_error(e, answer.prompt_param) from None
         except ClientGone:
-            await stream.aclose()  # type: ignore[attr-defined]  # an async generator
+            await stream.aclose()
             return Response(status_code=499)
         base = {
             "id": request_id,
