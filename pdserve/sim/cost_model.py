@@ -213,6 +213,20 @@ def linear_features(shape: StepShape) -> tuple[float, ...]:
     )
 
 
+class ModelInfo(Protocol):
+    """What the simulator and its callers read of a cost model's model: a ``ModelProfile``, or a cost
+    profile file's (``sim.cost_profile.ProfileModel``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def kv_bytes_per_token(self) -> int: ...
+
+    @property
+    def max_context(self) -> int: ...
+
+
 class CostModel(Protocol):
     """Anything that prices a step. ``kv_bytes_per_token`` sizes KV transfers (whole model, all ranks).
 
@@ -222,7 +236,7 @@ class CostModel(Protocol):
 
     name: str
     kv_bytes_per_token: int
-    model: ModelProfile
+    model: ModelInfo
 
     def step_time(self, shape: StepShape, role: str = "colocated") -> float: ...
 
