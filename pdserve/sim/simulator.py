@@ -96,8 +96,9 @@ class SimResult:
 
 
 class _Instance:
-    def __init__(self, name: str, cost_role: str, scheduler: Scheduler) -> None:
+    def __init__(self, name: str, cost_role: str, scheduler: Scheduler, index: int = 0) -> None:
         self.name = name
+        self.index = index  # its place in the deployment's order (prefill instances first)
         self.cost_role = cost_role  # how the cost model prices its steps (cost_model.ROLES)
         self.scheduler = scheduler
         self.busy = False
@@ -205,7 +206,10 @@ class Simulator:
             )
             sched.clock = self._clock
             role = "prefill" if name in prefills else ("decode" if prefills else "colocated")
-            self.instances[name] = _Instance(name, role, sched)
+            self.instances[name] = _Instance(name, role, sched, len(self.instances))
+        self._prefills = [inst for inst in self.instances.values() if inst.cost_role == "prefill"]
+        self._ready = dict.fromkeys(self.instances.values())  # idle instances that may have work (ordered set)
+        self._stalled: dict[_Instance, None] = {}  # idle instances with work that could not schedule (blocks)
         router = RouterConfig(
             default_mode=self.mode,
             block_size=c.block_size,
@@ -255,17 +259,30 @@ class Simulator:
                 handler(*args)
                 self._start_woken()
                 if not self._events or self._events[0][0] != t:  # admissions may add events at t
-                    for inst in self.instances.values():
-                        self._admit_prefills(inst)
-            for inst in self.instances.values():
-                if not inst.busy and inst.has_work():
-                    self._start_step(inst)
+                    for inst in self._prefills:
+                        if inst.fifo and not inst.reserving:
+                            self._admit_prefills(inst)
+            self._start_ready()
         if stop is not None:
             self.now = max(self.now, stop)
         return self._result()
 
+    def _start_ready(self) -> None:
+        """Every idle instance with work starts a step, in the deployment's order. Only instances that
+        became idle or got work since the last call, and those that could not schedule (no blocks), can."""
+        ready = self._ready
+        if self._stalled:
+            ready.update(self._stalled)
+        self._ready = {}
+        for inst in sorted(ready, key=lambda i: i.index) if len(ready) > 1 else ready:
+            if not inst.busy and inst.has_work():
+                self._start_step(inst)
+            else:
+                self._stalled.pop(inst, None)
+
     def _woken(self, inst: _Instance) -> None:
         """Work reached ``inst``: if its loop is idle (no step, no gap), it starts a step at once."""
+        self._ready[inst] = None
         if not inst.busy:
             self._wake.append(inst)
 
@@ -338,7 +355,9 @@ class Simulator:
             inst.admitted_since_tick = 0
         output = inst.scheduler.schedule()
         if not output.chunks:
-            return  # waiting for blocks; retried after the next event
+            self._stalled[inst] = None  # waiting for blocks; retried after the next event
+            return
+        self._stalled.pop(inst, None)
         shape = StepShape.from_output(output, self.config.block_size)
         work = self._price(inst, shape)
         inst.busy, inst.output = True, output
@@ -448,9 +467,12 @@ class Simulator:
         if self.config.step_gap_s > 0:  # the engine loop's own time before its next step
             inst.busy = True
             self._at(self.now + self.config.step_gap_s, self._on_gap_done, inst)
+        else:
+            self._ready[inst] = None
 
     def _on_gap_done(self, inst: _Instance) -> None:
         inst.busy = False
+        self._ready[inst] = None
 
     def _after_step_chunks(self, inst: _Instance, output: SchedulerOutput) -> None:
         sched = inst.scheduler
