@@ -97,3 +97,15 @@ def test_cli_goodput_and_pd_search_as_json(tmp_path, capsys):
     assert all(0 <= r["ttft_attainment"] <= 1 for r in doc["runs"])
     assert main(["--goodput", "--out", str(tmp_path / "x"), "--quiet"]) == 2
     assert "--goodput: give SLOs" in capsys.readouterr().err
+
+
+def test_published_setups_use_the_papers_models_and_length_distributions():
+    from pdserve.sim.profiles import get_model
+    from pdserve.sim.published import lognormal_from_median_p90
+
+    assert get_model("OPT-13B").num_params == pytest.approx(12.85e9, rel=0.01)  # OPT-13B's 12.85B parameters
+    assert get_model("OPT-13B").kv_bytes_per_token == 2 * 40 * 5120 * 2  # multi-head attention, fp16
+    assert get_model("Mistral-7B").num_params == pytest.approx(7.24e9, rel=0.01)
+    mean, sigma = lognormal_from_median_p90(1730, 5696)
+    assert math.exp(math.log(mean) - sigma**2 / 2) == pytest.approx(1730)  # the median back
+    assert math.exp(math.log(1730) + 1.2815515655446004 * sigma) == pytest.approx(5696)  # and the P90

@@ -114,6 +114,10 @@ class ModelProfile:
 MODELS: dict[str, ModelProfile] = {
     "Llama-3-8B": ModelProfile("Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256),
     "Llama-3-70B": ModelProfile("Llama-3-70B", 80, 8192, 64, 8, 128, 28672, 128256),
+    "Mistral-7B": ModelProfile("Mistral-7B", 32, 4096, 32, 8, 128, 14336, 32000, max_context=32768),
+    # OPT-13B: multi-head attention and a two-matrix GELU MLP (5120 x 20480); the SwiGLU intermediate size
+    # that counts the same parameters (2 x 20480 / 3) stands in for it
+    "OPT-13B": ModelProfile("OPT-13B", 40, 5120, 40, 40, 128, 13653, 50272, tie_word_embeddings=True, max_context=2048),
     "tiny": ModelProfile("tiny", 4, 256, 8, 4, 32, 768, 260, 4, tie_word_embeddings=True, max_context=4096),
     "bench": ModelProfile("bench", 8, 512, 8, 4, 64, 1536, 260, 4, tie_word_embeddings=True, max_context=8192),
 }
