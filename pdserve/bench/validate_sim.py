@@ -356,8 +356,18 @@ def check_replay(args: argparse.Namespace, runs: Sequence[Run], profile: Any) ->
         if run.purpose != "validation":
             continue
         requests = workloads(args, args.seed, repeat=run.repeat)[run.workload]
-        counts = {"num_instances": 2} if run.architecture == "colocated" else {"num_prefill": 1, "num_decode": 1}
-        report = replay(requests, run.records, run.steps, cost, config, mode=run.architecture, **counts)
+        instances = 2 if run.architecture == "colocated" else 1
+        report = replay(
+            requests,
+            run.records,
+            run.steps,
+            cost,
+            config,
+            mode=run.architecture,
+            num_instances=instances,
+            num_prefill=1,
+            num_decode=1,
+        )
         rows.append(ReplayRow(run.workload, run.architecture, run.repeat, report))
     return rows
 

@@ -236,7 +236,9 @@ class CostModel(Protocol):
 
     name: str
     kv_bytes_per_token: int
-    model: ModelInfo
+
+    @property
+    def model(self) -> ModelInfo: ...
 
     def step_time(self, shape: StepShape, role: str = "colocated") -> float: ...
 
