@@ -2,9 +2,10 @@
 
 What it checks is the *protocol*: the scheduler, the routing, the prefill admission and the KV
 handoff, with the cost model taken out. The requests are sent at the run's recorded send times and
-instance ``w``'s ``k``-th step lasts as long as the run's ``k``-th step on ``w`` (the durations
-already hold the machine's slowdown and the co-run slowdown, so the replay adds neither; the
-deployment's latencies around the steps stay the config's medians). Then:
+instance ``w``'s ``k``-th step lasts as long as the run's ``k``-th step on ``w``, followed by the
+loop's recorded time before its next step when that came at once (the durations already hold the
+machine's slowdown and the co-run slowdown, so the replay adds neither; the other latencies around the
+steps stay the config's medians). Then:
 
 - **step agreement**: the share of steps, position by position on each instance, whose composition
   matches the run's. A real worker's step record (``StepStats``) carries the step's prompt and decode
@@ -20,6 +21,7 @@ Replaying a simulated run reproduces it exactly (``tests/test_sim_replay.py``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +35,7 @@ from pdserve.sim.simulator import SimResult, Simulator
 
 FIGURES = ("TTFT p50", "TTFT p99", "ITL p50", "ITL p99")
 AGREEMENT_TARGET = 0.95
+BUSY_GAP_S = 0.05  # a pause between two steps shorter than this is the loop's own work, not idle time
 P50_TOLERANCE = 0.10
 
 Composition = tuple[tuple[str, int], ...]
@@ -69,15 +72,33 @@ def arrivals_from_records(
     return [dataclasses.replace(r, arrival_offset_s=sent[r.request_id] - t0) for r in requests]
 
 
-def durations_by_worker(steps: Sequence[StepStats]) -> dict[str, list[float]]:
-    """Each worker's recorded step durations in the order it ran them. Raises ValueError for a step
-    without a worker name."""
+def _by_worker(steps: Sequence[StepStats]) -> dict[str, list[StepStats]]:
     by_worker: dict[str, list[StepStats]] = {}
     for step in steps:
         if not step.worker:
             raise ValueError("replay: every recorded step needs its worker's name")
         by_worker.setdefault(step.worker, []).append(step)
-    return {w: [s.duration_s for s in sorted(ss, key=lambda s: s.started)] for w, ss in by_worker.items()}
+    return {w: sorted(ss, key=lambda s: s.started) for w, ss in by_worker.items()}
+
+
+def durations_by_worker(steps: Sequence[StepStats]) -> dict[str, list[float]]:
+    """Each worker's recorded step durations in the order it ran them. Raises ValueError for a step
+    without a worker name."""
+    return {w: [s.duration_s for s in ss] for w, ss in _by_worker(steps).items()}
+
+
+def gaps_by_worker(steps: Sequence[StepStats], busy_within_s: float = BUSY_GAP_S) -> dict[str, list[float | None]]:
+    """After each recorded step, the loop's time before the worker's next one when that came within
+    ``busy_within_s`` (the loop's own work between steps); None after a longer pause (the worker was idle)
+    and after the last step."""
+    out: dict[str, list[float | None]] = {}
+    for w, ss in _by_worker(steps).items():
+        gaps: list[float | None] = []
+        for a, b in itertools.pairwise(ss):
+            gap = b.started - a.ended
+            gaps.append(max(gap, 0.0) if gap < busy_within_s else None)
+        out[w] = [*gaps, None]
+    return out
 
 
 @dataclass(frozen=True)
@@ -151,7 +172,10 @@ def replay(
     if cfg.kv_link_bw is None or cfg.kv_link_latency_s is None:
         raise ValueError("replay: the config must set kv_link_bw and kv_link_latency_s")
     durations = durations_by_worker(steps)
-    sim = Simulator(cost_model, cfg, mode, num_instances, num_prefill, num_decode, step_durations=durations)
+    gaps = gaps_by_worker(steps)
+    sim = Simulator(
+        cost_model, cfg, mode, num_instances, num_prefill, num_decode, step_durations=durations, step_gaps=gaps
+    )
     result = sim.run(arrivals_from_records(requests, records, time_origin))
     unknown = sorted(set(durations) - set(result.instances))
     if unknown:

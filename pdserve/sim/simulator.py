@@ -37,7 +37,8 @@ admission rule reads the waiting prompt tokens as the loop last saw them: while 
 just before it (the prompts it is computing included) plus the prompts admitted since.
 
 ``step_durations`` (trace replay, ``sim.replay``) replaces the cost model: an instance's ``k``-th step
-lasts the ``k``-th recorded duration of that instance. The simulator is deterministic for a given seed.
+lasts the ``k``-th recorded duration of that instance; ``step_gaps``, the loop's time after it.
+The simulator is deterministic for a given seed.
 """
 
 from __future__ import annotations
@@ -165,6 +166,7 @@ class Simulator:
         num_decode: int = 1,
         tp: int = 1,
         step_durations: Mapping[str, Sequence[float]] | None = None,
+        step_gaps: Mapping[str, Sequence[float | None]] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"sim: mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -185,6 +187,7 @@ class Simulator:
         self.steps: list[StepStats] = []
         self.step_chunks: list[tuple[tuple[str, int], ...]] = []
         self.step_durations = step_durations
+        self.step_gaps = step_gaps  # replay: the loop's recorded time after each step (None: the config's)
         self.unreplayed_steps = 0  # replay: steps beyond an instance's recorded ones (priced by the cost model)
         self._wake: list[_Instance] = []  # idle instances that work just reached
         self.kv_bytes_moved = 0
@@ -464,11 +467,21 @@ class Simulator:
         waiting, inst.waiting_for_room = inst.waiting_for_room, set()
         for prefill in waiting:  # requests finished in this step may have freed blocks: try again
             prefill.reserving = False
-        if self.config.step_gap_s > 0:  # the engine loop's own time before its next step
+        gap = self._gap_after(inst)
+        if gap > 0:  # the engine loop's own time before its next step
             inst.busy = True
-            self._at(self.now + self.config.step_gap_s, self._on_gap_done, inst)
+            self._at(self.now + gap, self._on_gap_done, inst)
         else:
             self._ready[inst] = None
+
+    def _gap_after(self, inst: _Instance) -> float:
+        """The engine loop's time after the step just ended: recorded under replay, else ``step_gap_s``."""
+        if self.step_gaps is not None:
+            recorded = self.step_gaps.get(inst.name, ())
+            k = inst.num_steps_started - 1
+            if k < len(recorded) and recorded[k] is not None:
+                return float(recorded[k])  # type: ignore[arg-type]
+        return self.config.step_gap_s
 
     def _on_gap_done(self, inst: _Instance) -> None:
         inst.busy = False
