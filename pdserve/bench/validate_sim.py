@@ -308,7 +308,9 @@ def check_steps(runs: Sequence[Run], profile: Any, block_size: int) -> list[Step
             predicted = fit.predict(linear_features(shape)) * (1 + profile.co_run_slowdown * co_run)
             ratios.setdefault((role, step_kind(shape)), []).append(step.duration_s / max(predicted, 1e-12))
     rows = []
-    for role in ("colocated", "prefill", "decode"):
+    from pdserve.sim.cost_model import ROLES
+
+    for role in ROLES:
         for kind in STEP_KINDS:
             values = np.asarray(ratios.get((role, kind), []))
             if not len(values):

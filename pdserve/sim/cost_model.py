@@ -49,7 +49,7 @@ from pdserve.sim.profiles import HardwareProfile, LinearProfile, ModelProfile
 if TYPE_CHECKING:
     from pdserve.engine.scheduler import SchedulerOutput
 
-ROLES = ("colocated", "prefill", "decode")
+ROLES = ("colocated", "prefill", "decode", "auto-decode")  # auto-decode: a decode instance under auto
 DECODE_GROUP_SIZE = 16  # engine.model_runner.DECODE_GROUP_SIZE (a test keeps them equal; that module needs torch)
 DEFAULT_BLOCK_SIZE = 16  # engine.EngineConfig().block_size
 

@@ -148,7 +148,10 @@ LINEAR_TERMS = (
     "per_decode_key_s",  # per key a decode token's attention reads, padded as the engine pads (its KV read included)
     "per_prefill_kv_read_token_s",  # per cached token a prefill chunk reads (gathers) before its own keys
 )
-RATIO_PERCENTILES = tuple(range(101))  # where RoleFit.ratio_percentiles samples measured/predicted
+RATIO_PERCENTILES = tuple(range(101))
+# A role without a fit of its own takes this one's (then ``all``'s): an auto deployment's decode
+# instance is a decode instance that also runs the prompts the router keeps local.
+ROLE_FALLBACK = {"auto-decode": "decode"}  # where RoleFit.ratio_percentiles samples measured/predicted
 
 
 def quantile_at(percentiles: tuple[float, ...], u: float, default: float = 0.0) -> float:
@@ -244,7 +247,9 @@ class LinearProfile:
             raise ValueError("LinearProfile: roles must include 'all' (the fit over every record)")
 
     def fit_for(self, role: str) -> RoleFit:
-        return self.roles.get(role) or self.roles["all"]
+        """``role``'s fit, else its fallback role's (``auto-decode``: ``decode``), else ``all``."""
+        fallback = ROLE_FALLBACK.get(role, "all")
+        return self.roles.get(role) or self.roles.get(fallback) or self.roles["all"]
 
     def sim_settings(self) -> dict[str, Any]:
         """``SimConfig`` fields this profile sets: the KV link, the deployment's latencies, the machine's slowdown."""

@@ -208,7 +208,8 @@ class Simulator:
                 BlockManager(self.num_blocks, c.block_size, c.enable_prefix_caching),
             )
             sched.clock = self._clock
-            role = "prefill" if name in prefills else ("decode" if prefills else "colocated")
+            decode_role = "auto-decode" if self.mode == "auto" else "decode"
+            role = "prefill" if name in prefills else (decode_role if prefills else "colocated")
             self.instances[name] = _Instance(name, role, sched, len(self.instances))
         self._prefills = [inst for inst in self.instances.values() if inst.cost_role == "prefill"]
         self._ready = dict.fromkeys(self.instances.values())  # idle instances that may have work (ordered set)
