@@ -309,3 +309,34 @@ def test_check_one_judges_each_role_and_step_kind_out_of_sample(tmp_path):
     assert not slow_rows[("decode", "decode-only")].ok
     summary = check_summary(rows, [], [])
     assert summary["check 1 (cost model per step)"]["ok"] and not summary["check 2 (trace replay)"]["ok"]
+
+
+def test_auto_decode_workers_are_fitted_apart_and_fall_back_to_decode():
+    from pdserve.sim.calibrate import step_role
+
+    assert [step_role("decode-0", a) for a in ("colocated", "disaggregated", "auto")] == [
+        "colocated",
+        "decode",
+        "auto-decode",
+    ]
+    slower = tuple(1.2 * c for c in TRUTH)
+    runs = [
+        ("disaggregated", _synthetic_steps(worker="decode-0"), []),
+        ("auto", _synthetic_steps(slower, worker="decode-0", seed=1), []),
+    ]
+    profile = calibrate_from_runs(runs, model="tiny")
+    assert profile.roles["decode"].coefficients[0] == pytest.approx(TRUTH[0], rel=0.05)
+    assert profile.roles["auto-decode"].coefficients[0] == pytest.approx(slower[0], rel=0.05)
+    only_decode = LinearProfile("tiny", {"all": profile.roles["all"], "decode": profile.roles["decode"]})
+    assert only_decode.fit_for("auto-decode") is profile.roles["decode"]  # no auto records: decode's fit
+    # the simulator prices an auto deployment's decode instances with the auto-decode fit
+    cost = LinearCostModel(profile, get_model("tiny"))
+    reqs = random_workload(6, prompt_len_mean=40, output_len_mean=12, rate=20.0, seed=1)
+    config = SimConfig(kv_link_bw=2e9, kv_link_latency_s=1e-4, step_tail=False)
+    auto = simulate(reqs, cost, config, mode="auto", num_prefill=1, num_decode=1)
+    decode_only = [s for s in auto.steps_of("decode-0") if s.num_prefill_tokens == 0]
+    assert decode_only
+    step = decode_only[0]
+    shape = StepShape.from_stats(step)
+    assert step.duration_s == pytest.approx(cost.step_time(shape, "auto-decode"), rel=1e-6)
+    assert step.duration_s > 1.1 * cost.step_time(shape, "decode")
