@@ -283,3 +283,60 @@ def test_validation_compares_the_median_of_simulated_runs():
     median = simulated_figures(reqs, cost, config, "colocated", 5)
     assert set(median) == set(FIGURES)
     assert median["ITL p99"] == pytest.approx(sorted(e["ITL p99"] for e in each)[2])
+
+
+def test_check_one_judges_each_role_and_step_kind_out_of_sample(tmp_path):
+    from pdserve.bench.validate_sim import MIN_STEPS, Run, check_steps, check_summary
+
+    truth = _profile(TRUTH)
+    cost = LinearCostModel(truth, get_model("tiny"))
+    reqs = random_workload(40, prompt_len_mean=300, output_len_mean=30, rate=40.0, seed=2)
+    config = SimConfig(max_num_batched_tokens=256, kv_link_bw=2e9, kv_link_latency_s=1e-4)
+    runs = []
+    for arch, counts in (("colocated", {"num_instances": 2}), ("disaggregated", {"num_prefill": 1, "num_decode": 1})):
+        res = simulate(reqs, cost, config, mode=arch, **counts)
+        runs.append(Run("validation", "random", arch, 0, list(res.records), list(res.steps), 0.0))
+    runs.append(Run("calibration", "random", "colocated", 0, [], [s._replace(duration_s=1.0) for s in res.steps], 0.0))
+    rows = check_steps(runs, truth, block_size=config.block_size)
+    kinds = {(r.role, r.kind) for r in rows if r.judged}
+    assert {("colocated", "mixed"), ("prefill", "prefill-only"), ("decode", "decode-only")} <= kinds
+    assert all(r.num_steps >= MIN_STEPS and r.ok for r in rows if r.judged)  # the runs' own model: ratio 1
+    assert all(r.median_ratio == pytest.approx(1.0) and r.p90_error == pytest.approx(0.0, abs=1e-9) for r in rows)
+    # a profile that prices every step 10% low: measured/predicted 1.1, outside the ±5% band
+    low = _profile(tuple(c / 1.1 for c in TRUTH))
+    slow_rows = {(r.role, r.kind): r for r in check_steps(runs, low, config.block_size)}
+    assert slow_rows[("decode", "decode-only")].median_ratio == pytest.approx(1.1)
+    assert not slow_rows[("decode", "decode-only")].ok
+    summary = check_summary(rows, [], [])
+    assert summary["check 1 (cost model per step)"]["ok"] and not summary["check 2 (trace replay)"]["ok"]
+
+
+def test_auto_decode_workers_are_fitted_apart_and_fall_back_to_decode():
+    from pdserve.sim.calibrate import step_role
+
+    assert [step_role("decode-0", a) for a in ("colocated", "disaggregated", "auto")] == [
+        "colocated",
+        "decode",
+        "auto-decode",
+    ]
+    slower = tuple(1.2 * c for c in TRUTH)
+    runs = [
+        ("disaggregated", _synthetic_steps(worker="decode-0"), []),
+        ("auto", _synthetic_steps(slower, worker="decode-0", seed=1), []),
+    ]
+    profile = calibrate_from_runs(runs, model="tiny")
+    assert profile.roles["decode"].coefficients[0] == pytest.approx(TRUTH[0], rel=0.05)
+    assert profile.roles["auto-decode"].coefficients[0] == pytest.approx(slower[0], rel=0.05)
+    only_decode = LinearProfile("tiny", {"all": profile.roles["all"], "decode": profile.roles["decode"]})
+    assert only_decode.fit_for("auto-decode") is profile.roles["decode"]  # no auto records: decode's fit
+    # the simulator prices an auto deployment's decode instances with the auto-decode fit
+    cost = LinearCostModel(profile, get_model("tiny"))
+    reqs = random_workload(6, prompt_len_mean=40, output_len_mean=12, rate=20.0, seed=1)
+    config = SimConfig(kv_link_bw=2e9, kv_link_latency_s=1e-4, step_tail=False)
+    auto = simulate(reqs, cost, config, mode="auto", num_prefill=1, num_decode=1)
+    decode_only = [s for s in auto.steps_of("decode-0") if s.num_prefill_tokens == 0]
+    assert decode_only
+    step = decode_only[0]
+    shape = StepShape.from_stats(step)
+    assert step.duration_s == pytest.approx(cost.step_time(shape, "auto-decode"), rel=1e-6)
+    assert step.duration_s > 1.1 * cost.step_time(shape, "decode")

@@ -84,6 +84,9 @@ def test_hand_worked_throughput_and_goodput():
     assert m.good_completed == 1
     assert m.request_goodput == pytest.approx(1 / 1.25)
     assert m.slo_attainment == pytest.approx(1 / 4)  # the failed request counts as missing the SLO
+    # per SLO alone: TTFT met by A (100) and C (50), not B (200); TPOT met by B (50) and C (0), not A (150)
+    assert m.ttft_attainment == pytest.approx(2 / 4) and m.tpot_attainment == pytest.approx(2 / 4)
+    assert m.to_dict()["ttft_attainment"] == pytest.approx(0.5) and m.attainment_of("e2el") is None
     # the bound is inclusive (metric <= slo): with ttft=200 all three succeed
     m2 = compute_metrics(recs, {"ttft": 200.0})
     assert m2.good_completed == 3

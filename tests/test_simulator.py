@@ -19,7 +19,7 @@ from pdserve.bench.workloads import (
 from pdserve.sim.cli import main
 from pdserve.sim.cost_model import RooflineCostModel, StepShape, chunk_context_tokens
 from pdserve.sim.demo import compare_chunking, run_chunked_prefill_demo
-from pdserve.sim.experiments import chunk_sweep, find_knee, max_rate_meeting_slo, pd_search
+from pdserve.sim.experiments import best_row, chunk_sweep, find_knee, max_rate_meeting_slo, pd_search, rank_rows
 from pdserve.sim.profiles import (
     MODELS,
     get_hardware,
@@ -347,11 +347,17 @@ def test_chunk_sweep_knee_and_rate_search():
 def test_pd_search_small():
     spec = WorkloadSpec(num_requests=30, rate=8.0, prompt_len_mean=1500, output_len_mean=60, seed=2)
     rows = pd_search(spec, H100_8B, 3, {"ttft": 300, "tpot": 25}, SimConfig(chunk_size=1024), iterations=2)
-    assert [r.name for r in rows] == ["colocated x3", "1P:2D", "2P:1D", "auto 1P:2D", "auto 2P:1D"]
-    assert all(r.num_gpus == 3 and r.max_rate is not None and r.max_rate > 0 for r in rows)
-    assert rows[0].kv_bytes_moved == 0 < rows[1].kv_bytes_moved
+    names = ["colocated x3", "colocated x3 unchunked", "1P:2D", "2P:1D", "auto 1P:2D", "auto 2P:1D"]
+    assert [r.name for r in rows] == names
+    assert [r.chunked for r in rows] == [True, False, True, True, True, True]
+    assert all(r.num_gpus == 3 and r.goodput is not None and r.goodput > 0 for r in rows)
+    assert all(r.goodput_per_gpu == pytest.approx(r.goodput / 3) for r in rows)
+    assert rows[0].kv_bytes_moved == 0 < rows[2].kv_bytes_moved
     # prompts average 1500 tokens, above the auto threshold (512): auto sends most, not all, remote
-    assert 0 < rows[3].kv_bytes_moved < rows[1].kv_bytes_moved
+    assert 0 < rows[4].kv_bytes_moved < rows[2].kv_bytes_moved
+    ranked = rank_rows(rows)
+    assert sorted(r.name for r in ranked) == sorted(names) and ranked[0] == best_row(rows)
+    assert [r.goodput_per_gpu for r in ranked] == sorted((r.goodput_per_gpu for r in rows), reverse=True)
     with pytest.raises(ValueError):
         pd_search(spec, H100_8B, 3, {})
 

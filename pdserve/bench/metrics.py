@@ -16,6 +16,10 @@ Definitions (all latencies from the client's clock; one record per request):
 - **Goodput** (DistServe, as vLLM computes it): successful requests whose TTFT, TPOT and E2E meet every
   given SLO (``metric <= slo``), per second of duration. SLOs are given in milliseconds as
   ``"ttft=200,tpot=50"`` (keys ``ttft``, ``tpot``, ``e2el``).
+- **SLO attainment** (DistServe, Sarathi-Serve): the share of *all* requests (a failed one misses)
+  meeting every given SLO (``slo_attainment``), and per SLO the share meeting that one alone
+  (``ttft_attainment``, ``tpot_attainment``, ``e2el_attainment``). The papers' goodput, the highest
+  request rate at which at least 90 % of requests attain, needs a rate search: see ``pdserve.sim.experiments``.
 
 A record with ``ok=True`` but no token timestamps cannot have a TTFT; it counts as failed.
 """
@@ -197,6 +201,22 @@ class BenchmarkMetrics:
     slo_ms: Mapping[str, float] = field(default_factory=dict)
     good_completed: int | None = None  # None when no SLO was given
     request_goodput: float | None = None  # good requests / s; None when no SLO was given
+    attained: Mapping[str, int] = field(default_factory=dict)  # per SLO key: requests meeting that SLO
+
+    def attainment_of(self, key: str) -> float | None:
+        """Share of all requests meeting the ``key`` SLO (``ttft``, ``tpot``, ``e2el``); None when not given."""
+        if key not in self.attained:
+            return None
+        total = self.completed + self.failed
+        return self.attained[key] / total if total else 0.0
+
+    @property
+    def ttft_attainment(self) -> float | None:
+        return self.attainment_of("ttft")
+
+    @property
+    def tpot_attainment(self) -> float | None:
+        return self.attainment_of("tpot")
 
     @property
     def slo_attainment(self) -> float | None:
@@ -224,6 +244,9 @@ class BenchmarkMetrics:
             "good_completed": self.good_completed,
             "request_goodput": self.request_goodput,
             "slo_attainment": self.slo_attainment,
+            "ttft_attainment": self.ttft_attainment,
+            "tpot_attainment": self.tpot_attainment,
+            "e2el_attainment": self.attainment_of("e2el"),
         }
 
 
@@ -295,6 +318,7 @@ def compute_metrics(
         return x / duration if duration > 0 else 0.0
 
     good = sum(1 for r in ok if meets_slo(r, slo)) if slo else None
+    attained = {key: sum(1 for r in ok if meets_slo(r, {key: ms})) for key, ms in slo.items()}
     return BenchmarkMetrics(
         completed=len(ok),
         failed=len(records) - len(ok),
@@ -311,6 +335,7 @@ def compute_metrics(
         slo_ms=slo,
         good_completed=good,
         request_goodput=None if good is None else per_s(good),
+        attained=attained,
     )
 
 

@@ -162,26 +162,26 @@ def plot_chunk_sweep(points: Sequence[SweepPoint], path: str, itl_target_ms: flo
 
 
 def plot_pd_search(rows: Sequence[Any], path: str) -> str:
-    """Per-GPU figure of merit per architecture (rows with ``name``, ``goodput_per_gpu`` and optional
-    ``max_rate_per_gpu``, e.g. ``sim.experiments.PDRow``)."""
+    """Per-GPU figures of merit per architecture (rows with ``name``, ``request_goodput_per_gpu`` and
+    ``goodput_per_gpu``, None when not searched, e.g. ``sim.experiments.PDRow``)."""
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows) + 2), 4))
     names = [r.name for r in rows]
     x = np.arange(len(rows))
-    searched = any(getattr(r, "max_rate_per_gpu", None) is not None for r in rows)
+    searched = any(getattr(r, "goodput_per_gpu", None) is not None for r in rows)
     width = 0.4 if searched else 0.6
     ax.bar(
         x - (width / 2 if searched else 0),
-        [r.goodput_per_gpu for r in rows],
+        [r.request_goodput_per_gpu for r in rows],
         width,
-        label="goodput per GPU at the workload's rate",
+        label="SLO-attaining req/s per GPU at the workload's rate",
         color=DECODE_COLOR,
     )
     if searched:
         ax.bar(
             x + width / 2,
-            [r.max_rate_per_gpu or 0.0 for r in rows],
+            [r.goodput_per_gpu or 0.0 for r in rows],
             width,
-            label="max SLO-meeting rate per GPU",
+            label="goodput per GPU (rate search)",
             color=PREFILL_COLOR,
         )
     ax.set_xticks(x, names, rotation=20)

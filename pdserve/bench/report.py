@@ -133,6 +133,10 @@ def _bytes(n: int | None) -> str:
     return f"{n} B"
 
 
+def _pct(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.0f}%"
+
+
 def markdown_table(rows: Sequence[tuple[str, BenchmarkMetrics, int | None]]) -> str:
     """One Markdown table: a row per run ``(name, metrics, kv_bytes_moved or None)``; latencies in ms."""
     head = [
@@ -155,6 +159,8 @@ def markdown_table(rows: Sequence[tuple[str, BenchmarkMetrics, int | None]]) -> 
         "total tok/s",
         "goodput req/s",
         "SLO met",
+        "TTFT met",
+        "TPOT met",
         "KV moved",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
@@ -167,7 +173,9 @@ def markdown_table(rows: Sequence[tuple[str, BenchmarkMetrics, int | None]]) -> 
             _fmt(m.output_throughput, 0),
             _fmt(m.total_token_throughput, 0),
             _fmt(m.request_goodput, 2),
-            "-" if m.slo_attainment is None else f"{100 * m.slo_attainment:.0f}%",
+            _pct(m.slo_attainment),
+            _pct(m.ttft_attainment),
+            _pct(m.tpot_attainment),
             _bytes(kv),
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -407,14 +415,15 @@ def sweep_table(sweep: Sequence[SweepPoint]) -> str:
 
 
 def pd_search_table(pd_rows: Sequence[Any]) -> str:
-    """One Markdown row per configuration of a P:D search (``sim.experiments.PDRow``)."""
+    """One Markdown row per configuration of a P:D search (``sim.experiments.PDRow``), in the given order."""
     head = [
         "config",
         "GPUs",
         "goodput req/s",
         "goodput/GPU",
         "SLO met",
-        "max rate/GPU",
+        "TTFT met",
+        "TPOT met",
         "P99 TTFT ms",
         "P99 TPOT ms",
         "KV moved",
@@ -425,8 +434,9 @@ def pd_search_table(pd_rows: Sequence[Any]) -> str:
             str(r.num_gpus),
             _fmt(r.goodput, 2),
             _fmt(r.goodput_per_gpu, 3),
-            f"{100 * r.slo_attainment:.0f}%",
-            _fmt(r.max_rate_per_gpu, 3),
+            _pct(r.slo_attainment),
+            _pct(r.ttft_attainment),
+            _pct(r.tpot_attainment),
             _fmt(r.p99_ttft_ms),
             _fmt(r.p99_tpot_ms),
             _bytes(r.kv_bytes_moved),

@@ -113,6 +113,7 @@ class BlockManager:
                 del self.cached_free[block_id]
             self.ref_counts[block_id] += 1
         request.block_ids = list(hit.block_ids)
+        request.num_registered_blocks = 0
         request.num_computed_tokens = hit.num_tokens
         request.num_cached_tokens = hit.num_tokens
 
@@ -140,21 +141,33 @@ class BlockManager:
                 else:
                     self.free_blocks.append(block_id)
         request.block_ids = []
+        request.num_registered_blocks = 0
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register the hashes of the request's blocks that are now full and computed."""
+        """Register the hashes of the request's blocks that are now full and computed.
+
+        The leading blocks found registered stay so while the request holds them (only a free block is
+        evicted), so each call starts after them (``request.num_registered_blocks``): a decode's call
+        costs its new blocks, not its whole context."""
         if not self.enable_prefix_caching:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
-        request.block_hashes = compute_block_hashes(
-            request.all_token_ids[: num_full * self.block_size], self.block_size, request.block_hashes[:num_full]
-        )
-        for i in range(num_full):
+        known = request.block_hashes
+        if len(known) > num_full:
+            request.block_hashes = known[:num_full]
+        elif len(known) < num_full:
+            request.block_hashes = compute_block_hashes(
+                request.all_token_ids[: num_full * self.block_size], self.block_size, known
+            )
+        leading = min(request.num_registered_blocks, num_full)
+        for i in range(leading, num_full):
             block_id, block_hash = request.block_ids[i], request.block_hashes[i]
-            if self.block_hash[block_id] is not None or block_hash in self.hash_to_block:
-                continue  # already registered, or another block holds the same content
-            self.block_hash[block_id] = block_hash
-            self.hash_to_block[block_hash] = block_id
+            if self.block_hash[block_id] is None and block_hash not in self.hash_to_block:
+                self.block_hash[block_id] = block_hash
+                self.hash_to_block[block_hash] = block_id
+            if self.block_hash[block_id] is not None and leading == i:
+                leading = i + 1  # registered (by this request or the one it shares the block with)
+        request.num_registered_blocks = leading
 
     def _pop_free_block(self) -> int:
         if self.free_blocks:

@@ -63,6 +63,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first schedule
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of all_token_ids
+        self.num_registered_blocks = 0  # leading blocks known to be in the prefix cache's map (block manager)
         self.num_preemptions = 0
         self.times = RequestTimes() if arrival_time is None else RequestTimes(arrival=arrival_time)
 

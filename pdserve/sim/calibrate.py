@@ -7,8 +7,11 @@ Model per role (seconds; the regressors are ``cost_model.linear_features``)::
                + cd * decode_keys + r * prefill_kv_read
 
 Roles (``cost_model.ROLES``) are where a step ran: ``colocated`` (a decode worker of a deployment
-without prefill workers: mixed steps), ``prefill`` (a prefill worker: prompts only) and ``decode`` (a
-decode worker next to prefill workers: decode-only steps, plus local prefills under ``auto``). The
+without prefill workers: mixed steps), ``prefill`` (a prefill worker: prompts only), ``decode`` (a
+decode worker of a disaggregated deployment: decode-only steps, every prompt's KV received) and
+``auto-decode`` (a decode worker under ``auto``: local prefills too, fewer KV transfers; measured
+decode-only steps there ran 12 % slower relative to the pooled fit than on disaggregated decode
+workers, so the two are fitted apart; without records of its own it takes ``decode``'s fit). The
 same engine does the same arithmetic everywhere; the roles differ in what else the 2 shared cores run
 at the time, which is what a per-role fit captures. ``all`` fits every record; a role that never
 exercises a term (a prefill worker never decodes) takes that coefficient from ``all``.
@@ -64,7 +67,7 @@ def step_role(worker: str, architecture: str) -> str:
     """The role of a step run by ``worker`` in a deployment of ``architecture``."""
     if worker.startswith("prefill"):
         return "prefill"
-    return "colocated" if architecture == "colocated" else "decode"
+    return {"colocated": "colocated", "auto": "auto-decode"}.get(architecture, "decode")
 
 
 def _nonneg_lstsq(x: np.ndarray, y: np.ndarray, free: list[int], scale: np.ndarray) -> np.ndarray:

@@ -21,6 +21,8 @@ Exit status: 0 on success, 2 on bad arguments or configuration (message on stder
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -100,7 +102,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", default=DEFAULT_OUT, help="results directory")
 
     _add_action_arguments(p)
+    _add_goodput_arguments(p)
     return p
+
+
+def _add_goodput_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("goodput, cost profile file, JSON")
+    g.add_argument(
+        "--goodput",
+        action="store_true",
+        help="per architecture of --mode: SLO attainment and goodput per GPU (the highest rate at which "
+        "--attainment of the requests meet every --slo), found by a rate search",
+    )
+    g.add_argument(
+        "--cost-profile",
+        default=None,
+        metavar="FILE.json",
+        help="step costs from per-phase polynomials in a file (replaces --hardware and --model-profile; "
+        "see docs/simulator.md for the format)",
+    )
+    g.add_argument("--json", action="store_true", help="print the result as JSON on stdout (nothing else)")
 
 
 def _add_action_arguments(p: argparse.ArgumentParser) -> None:
@@ -210,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     Raises ValueError on bad arguments or configuration."""
     from pdserve.bench.report import write_report
 
-    say = (lambda *a: None) if args.quiet else print
+    say = (lambda *a: None) if args.quiet or args.json else print
     if args.serve:
         return serve_explorer(args.serve_host, args.serve_port)
     if args.calibrate:
@@ -220,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
     setup = make_setup(args, say)
     os.makedirs(args.out, exist_ok=True)
     actions = [(args.demo, run_demo), (args.sweep, run_sweep), (args.pd_search, run_pd_search)]
+    actions.append((args.goodput, run_goodput))
     findings = [action(args, setup) for wanted, action in actions if wanted]
     if not findings:
         findings = [run_architectures(args, setup)]
@@ -247,6 +269,8 @@ def run(args: argparse.Namespace) -> int:
         extra_plots=_merged(*(f.plots for f in findings)),
     )
     say(f"wrote {files.report_md} and {len(files.all_paths()) - 1} other files in {args.out}")
+    if args.json:
+        print(json.dumps(json_document(args, setup, findings), indent=2, default=_json_default))
     return 0
 
 
@@ -302,7 +326,7 @@ def make_setup(args: argparse.Namespace, say: Callable[..., None]) -> SimSetup:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     slo = parse_slo(args.slo)
-    cost_model, settings = make_cost_model(args.hardware, args.model_profile, args.tp, args.calibration, args.combine)
+    cost_model, settings = cost_model_from_args(args)
     if args.kv_bandwidth is not None:
         settings["kv_link_bw"] = args.kv_bandwidth * 1e9
     if args.kv_latency_us is not None:
@@ -402,7 +426,7 @@ def run_sweep(args: argparse.Namespace, setup: SimSetup) -> Findings:
 
 def run_pd_search(args: argparse.Namespace, setup: SimSetup) -> Findings:
     """``--pd-search N``: colocated against every P:D split of N GPUs, goodput per GPU under the SLOs."""
-    from pdserve.sim.experiments import best_row, pd_search
+    from pdserve.sim.experiments import pd_search
 
     spec = _spec(args, args.workload or "random", default_requests=400)
     pd_rows = pd_search(
@@ -416,11 +440,7 @@ def run_pd_search(args: argparse.Namespace, setup: SimSetup) -> Findings:
         search_rate=not args.no_rate_search,
         min_duration_s=args.pd_min_duration,
     )
-    setup.say(f"{'config':<16} goodput/GPU  SLO met  max rate/GPU")
-    for r in pd_rows:
-        rate = "-" if r.max_rate_per_gpu is None else f"{r.max_rate_per_gpu:.3f}"
-        setup.say(f"{r.name:<16} {r.goodput_per_gpu:11.3f}  {100 * r.slo_attainment:6.0f}%  {rate:>12}")
-    setup.say(f"best per GPU: {best_row(pd_rows).name}")
+    pd_rows = rank_pd_rows(setup, pd_rows, args.attainment)
     return Findings(
         config={"pd_search_workload": spec.to_dict()},
         notes=[
@@ -429,6 +449,134 @@ def run_pd_search(args: argparse.Namespace, setup: SimSetup) -> Findings:
         ],
         pd_rows=pd_rows,
     )
+
+
+def cost_model_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """``--cost-profile`` when given (it sets the model's KV size and the KV link; ``--kv-bandwidth``
+    and ``--kv-latency-us`` still override the link), else ``make_cost_model`` of the named profiles."""
+    if not args.cost_profile:
+        return make_cost_model(args.hardware, args.model_profile, args.tp, args.calibration, args.combine)
+    from pdserve.sim.cost_profile import PolynomialCostModel, load_cost_profile
+
+    if args.model_profile is not None:
+        raise ValueError("--cost-profile gives the model's sizes: drop --model-profile")
+    profile = load_cost_profile(args.cost_profile)
+    return PolynomialCostModel(profile), profile.sim_settings()
+
+
+def _architectures(args: argparse.Namespace, chunked: bool) -> list[Any]:
+    """The architectures ``--mode``, ``--instances``, ``--prefill`` and ``--decode`` name (as the
+    default action runs them)."""
+    from pdserve.sim.experiments import Architecture
+    from pdserve.sim.simulator import MODES
+
+    modes = {"both": ["colocated", "disaggregated"], "all": list(MODES)}.get(args.mode, [args.mode])
+    archs = []
+    for mode in modes:
+        if mode == "colocated":
+            n = args.instances or (args.prefill + args.decode if len(modes) > 1 else 1)
+            archs.append(Architecture(f"colocated x{n}", mode, 0, 0, n, chunked))
+        else:
+            n = args.prefill + args.decode
+            archs.append(
+                Architecture(f"{mode} {args.prefill}P:{args.decode}D", mode, args.prefill, args.decode, n, chunked)
+            )
+    return archs
+
+
+def run_goodput(args: argparse.Namespace, setup: SimSetup) -> Findings:
+    """``--goodput``: per architecture, the SLO attainments at the workload's rate and the goodput per
+    GPU (rate search), best first."""
+    from pdserve.sim.experiments import rank_rows, search_goodput
+
+    if not setup.slo_ms:
+        raise ValueError("--goodput: give SLOs, e.g. --slo ttft=200,tpot=50")
+    spec = _spec(args, args.workload or "random", default_requests=200)
+    rows = [
+        search_goodput(
+            arch,
+            spec,
+            setup.cost_model,
+            setup.slo_ms,
+            setup.config,
+            tp=args.tp,
+            attainment=args.attainment,
+            search_rate=not args.no_rate_search,
+            min_duration_s=args.pd_min_duration,
+        )
+        for arch in _architectures(args, setup.config.enable_chunked_prefill)
+    ]
+    rows = rank_rows(rows)
+    _say_goodput_rows(setup, rows, args.attainment)
+    return Findings(
+        config={"goodput_workload": spec.to_dict(), "attainment_target": args.attainment},
+        notes=[_goodput_note(args, spec.num_requests)],
+        pd_rows=rows,
+    )
+
+
+def _goodput_note(args: argparse.Namespace, num_requests: int) -> str:
+    return (
+        f"Goodput: the highest request rate at which {100 * args.attainment:.0f}% of requests meet every SLO "
+        f"(TTFT and TPOT), per GPU; rate-search runs use at least {num_requests} requests and "
+        f"{args.pd_min_duration:g} s of arrivals. Attainments at the workload's own rate."
+    )
+
+
+def _say_goodput_rows(setup: SimSetup, rows: list[Any], attainment: float) -> None:
+    setup.say(f"{'rank':>4}  {'config':<26} goodput/GPU  SLO met  TTFT met  TPOT met  (at the workload's rate)")
+    for i, r in enumerate(rows, 1):
+        goodput = "-" if r.goodput_per_gpu is None else f"{r.goodput_per_gpu:.3f}"
+        setup.say(
+            f"{i:>4}  {r.name:<26} {goodput:>11}  {100 * r.slo_attainment:6.0f}%  {100 * r.ttft_attainment:7.0f}%  "
+            f"{100 * r.tpot_attainment:7.0f}%"
+        )
+    setup.say(f"goodput: req/s per GPU at which {100 * attainment:.0f}% of requests meet every SLO")
+
+
+def json_document(args: argparse.Namespace, setup: SimSetup, findings: list[Findings]) -> dict[str, Any]:
+    """``--json``: the result of every action run. ``architectures``: the goodput or P:D search rows,
+    best first (``goodput_per_gpu``, ``ttft_attainment``, ``tpot_attainment``, ...); ``runs``: each
+    simulated architecture's metrics; ``sweep``: the chunk sweep's points; plus the demo's figures."""
+    doc: dict[str, Any] = {
+        "cost_model": setup.cost_model.name,
+        "model": setup.cost_model.model.name,
+        "slo_ms": dict(setup.slo_ms),
+        "out": args.out,
+    }
+    runs = [r for f in findings for r in f.runs]
+    if runs:
+        doc["runs"] = [
+            {"name": r.name, "num_gpus": r.meta.get("num_gpus"), **r.metrics(setup.slo_ms).to_dict()} for r in runs
+        ]
+    rows = [row for f in findings for row in (f.pd_rows or [])]
+    if rows:
+        doc["architectures"] = [row.to_dict() for row in rows]
+        doc["attainment_target"] = args.attainment
+    sweeps = [f.sweep for f in findings if f.sweep]
+    if sweeps:
+        doc["sweep"] = [p.to_dict() for p in sweeps[0]]
+    for f in findings:
+        doc.update(f.extra)
+    return doc
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return str(value)
+
+
+def rank_pd_rows(setup: SimSetup, rows: list[Any], attainment: float) -> list[Any]:
+    """The P:D search's rows best first (goodput per GPU), printed."""
+    from pdserve.sim.experiments import rank_rows
+
+    ranked = rank_rows(rows)
+    _say_goodput_rows(setup, ranked, attainment)
+    setup.say(f"best per GPU: {ranked[0].name}")
+    return ranked
 
 
 def run_architectures(args: argparse.Namespace, setup: SimSetup) -> Findings:

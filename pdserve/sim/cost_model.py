@@ -49,7 +49,7 @@ from pdserve.sim.profiles import HardwareProfile, LinearProfile, ModelProfile
 if TYPE_CHECKING:
     from pdserve.engine.scheduler import SchedulerOutput
 
-ROLES = ("colocated", "prefill", "decode")
+ROLES = ("colocated", "prefill", "decode", "auto-decode")  # auto-decode: a decode instance under auto
 DECODE_GROUP_SIZE = 16  # engine.model_runner.DECODE_GROUP_SIZE (a test keeps them equal; that module needs torch)
 DEFAULT_BLOCK_SIZE = 16  # engine.EngineConfig().block_size
 
@@ -213,6 +213,20 @@ def linear_features(shape: StepShape) -> tuple[float, ...]:
     )
 
 
+class ModelInfo(Protocol):
+    """What the simulator and its callers read of a cost model's model: a ``ModelProfile``, or a cost
+    profile file's (``sim.cost_profile.ProfileModel``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def kv_bytes_per_token(self) -> int: ...
+
+    @property
+    def max_context(self) -> int: ...
+
+
 class CostModel(Protocol):
     """Anything that prices a step. ``kv_bytes_per_token`` sizes KV transfers (whole model, all ranks).
 
@@ -222,7 +236,9 @@ class CostModel(Protocol):
 
     name: str
     kv_bytes_per_token: int
-    model: ModelProfile
+
+    @property
+    def model(self) -> ModelInfo: ...
 
     def step_time(self, shape: StepShape, role: str = "colocated") -> float: ...
 

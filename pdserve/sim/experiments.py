@@ -8,12 +8,14 @@ and the decode share are amortised). The *knee* for an ITL target is the chunk w
 prefill throughput whose P99 ITL still meets the target.
 
 **P:D search**: for ``num_gpus`` GPUs (``tp`` per instance), compare colocated (all instances
-chunked prefill + decode) with every split into P prefill + D decode instances, disaggregated (every
-prompt prefilled remotely) and auto (the router's ``RoutingPolicy`` decides per request). Per config:
-goodput (requests/s meeting every SLO, vLLM's definition) at the workload's own rate, and —
-DistServe's figure of merit — the highest request rate at which at least ``attainment`` of the
-requests meet the SLOs, found by doubling then bisecting the rate (same seed, so the same requests
-with arrival gaps scaled by 1/rate), both divided by the number of GPUs.
+chunked prefill + decode, and the same with chunking the other way) with every split into P prefill +
+D decode instances, disaggregated (every prompt prefilled remotely) and auto (the router's
+``RoutingPolicy`` decides per request). Per config, as DistServe and Sarathi-Serve define it: a
+request *attains* when its TTFT and its TPOT (``(e2e - ttft) / (output tokens - 1)``) are within their
+SLOs; *goodput* is the highest request rate at which at least ``attainment`` (90 %) of the requests
+attain, found by doubling then bisecting the rate (same seed, so the same requests with arrival gaps
+scaled by 1/rate), divided by the number of GPUs. The attainments (all SLOs, TTFT alone, TPOT alone)
+and vLLM's goodput (attaining requests per second) are also given at the workload's own rate.
 """
 
 from __future__ import annotations
@@ -30,15 +32,20 @@ from pdserve.sim.cost_model import CostModel
 from pdserve.sim.simulator import SimResult, simulate
 
 __all__ = [
+    "Architecture",
     "PDRow",
     "SweepPoint",
     "best_row",
     "chunk_sweep",
+    "config_for",
     "find_knee",
     "max_rate_meeting_slo",
+    "pd_architectures",
     "pd_configs",
     "pd_search",
     "prefill_throughput",
+    "rank_rows",
+    "search_goodput",
     "sweep_point",
 ]
 
@@ -63,25 +70,46 @@ def chunk_sweep(
 
 @dataclass(frozen=True)
 class PDRow:
-    """One architecture in the P:D search."""
+    """One architecture in the P:D search (or one ``--goodput`` architecture).
 
-    name: str  # "colocated x4", "1P:3D" or "auto 1P:3D"
+    ``goodput`` is the papers' (DistServe's): the highest request rate at which at least the target
+    share of requests attain every SLO, found by a rate search; ``None`` when not searched. The
+    attainments and ``request_goodput`` (vLLM's: requests meeting every SLO per second) are at the
+    workload's own rate."""
+
+    name: str  # "colocated x4", "colocated x4 unchunked", "1P:3D" or "auto 1P:3D"
     mode: str
     num_prefill: int
     num_decode: int
     num_instances: int
     num_gpus: int
-    goodput: float  # req/s meeting the SLOs at the workload's rate
-    goodput_per_gpu: float
+    chunked: bool
+    goodput: float | None  # req/s: highest rate with attainment >= target (None when not searched)
+    goodput_per_gpu: float | None
     slo_attainment: float
-    max_rate: float | None  # highest rate with attainment >= target (None when not searched)
-    max_rate_per_gpu: float | None
+    ttft_attainment: float
+    tpot_attainment: float
+    request_goodput: float  # req/s meeting the SLOs at the workload's rate
+    request_goodput_per_gpu: float
     p99_ttft_ms: float
     p99_tpot_ms: float
     kv_bytes_moved: int
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One deployment to search: ``mode`` over ``num_instances`` (``num_prefill`` + ``num_decode`` when
+    disaggregated or auto), chunked prefill on or off on its instances."""
+
+    name: str
+    mode: str
+    num_prefill: int
+    num_decode: int
+    num_instances: int
+    chunked: bool
 
 
 def pd_configs(num_instances: int, auto: bool = True) -> list[tuple[str, str, int, int]]:
@@ -93,6 +121,26 @@ def pd_configs(num_instances: int, auto: bool = True) -> list[tuple[str, str, in
         prefix = "" if mode == "disaggregated" else "auto "
         rows += [(f"{prefix}{p}P:{num_instances - p}D", mode, p, num_instances - p) for p in range(1, num_instances)]
     return rows
+
+
+def pd_architectures(num_instances: int, chunked: bool = True, auto: bool = True) -> list[Architecture]:
+    """Every ``pd_configs`` entry with the engine's chunking setting (``chunked``), plus colocated with
+    chunking the other way (named ``"colocated xN unchunked"`` or ``"colocated xN chunked"``)."""
+    archs = [
+        Architecture(name, mode, p, d, num_instances, chunked) for name, mode, p, d in pd_configs(num_instances, auto)
+    ]
+    other = "chunked" if not chunked else "unchunked"
+    archs.insert(1, Architecture(f"colocated x{num_instances} {other}", "colocated", 0, 0, num_instances, not chunked))
+    return archs
+
+
+def config_for(arch: Architecture, config: SimConfig) -> SimConfig:
+    """``config`` with ``arch``'s chunking: turning it off drops the chunk cap (a whole prompt per step)."""
+    if arch.chunked == config.enable_chunked_prefill:
+        return config
+    if arch.chunked:
+        return replace(config, enable_chunked_prefill=True)
+    return replace(config, enable_chunked_prefill=False, chunk_size=None)
 
 
 def _run(
@@ -156,6 +204,71 @@ def max_rate_meeting_slo(
     return lo
 
 
+def search_goodput(
+    arch: Architecture,
+    spec: WorkloadSpec,
+    cost_model: CostModel,
+    slo_ms: Mapping[str, float],
+    config: SimConfig | None = None,
+    tp: int = 1,
+    attainment: float = 0.9,
+    search_rate: bool = True,
+    iterations: int = 6,
+    requests: Sequence[WorkloadRequest] | None = None,
+    min_duration_s: float = 0.0,
+) -> PDRow:
+    """``arch`` on ``spec``'s workload: the attainments at the workload's rate and, with ``search_rate``
+    (ignored for the interference workload, which has no rate), its goodput: the highest rate at which
+    at least ``attainment`` of the requests attain every SLO (``max_rate_meeting_slo``; the same seed at
+    every rate, so the same requests with arrival gaps scaled). A short trace at a high rate is a burst
+    the system absorbs and drains, which overstates the sustainable rate: each search run therefore uses
+    ``max(spec.num_requests, rate * min_duration_s)`` requests. ``requests`` overrides the generated
+    workload at the base rate. Raises ValueError without SLOs."""
+    if not slo_ms:
+        raise ValueError("goodput: give SLOs, e.g. --slo ttft=200,tpot=50")
+    if not 0 < attainment <= 1:
+        raise ValueError(f"goodput: the attainment target must be in (0, 1], got {attainment}")
+    cfg = config_for(arch, config or SimConfig())
+    base = list(requests) if requests is not None else build_workload(spec).requests
+    n, p, d = arch.num_instances, arch.num_prefill, arch.num_decode
+    result = _run(arch.mode, p, d, n, base, cost_model, cfg, tp, spec.max_concurrency)
+    m = result.metrics(dict(slo_ms))
+    goodput = None
+    if search_rate and spec.kind != "interference":
+        cache: dict[float, float] = {}
+
+        def attain(rate: float) -> float:
+            if rate not in cache:
+                num = max(spec.num_requests, math.ceil(rate * min_duration_s))
+                reqs = build_workload(replace(spec, rate=rate, num_requests=num)).requests
+                res = _run(arch.mode, p, d, n, reqs, cost_model, cfg, tp, spec.max_concurrency)
+                cache[rate] = res.metrics(dict(slo_ms)).slo_attainment or 0.0
+            return cache[rate]
+
+        start = spec.rate if math.isfinite(spec.rate) else 1.0
+        goodput = max_rate_meeting_slo(attain, attainment, start, iterations)
+    gpus = n * tp
+    return PDRow(
+        name=arch.name,
+        mode=arch.mode,
+        num_prefill=p,
+        num_decode=d,
+        num_instances=n,
+        num_gpus=gpus,
+        chunked=arch.chunked,
+        goodput=goodput,
+        goodput_per_gpu=None if goodput is None else goodput / gpus,
+        slo_attainment=m.slo_attainment or 0.0,
+        ttft_attainment=m.ttft_attainment if m.ttft_attainment is not None else 1.0,
+        tpot_attainment=m.tpot_attainment if m.tpot_attainment is not None else 1.0,
+        request_goodput=m.request_goodput or 0.0,
+        request_goodput_per_gpu=(m.request_goodput or 0.0) / gpus,
+        p99_ttft_ms=m.ttft.p99_ms,
+        p99_tpot_ms=m.tpot.p99_ms,
+        kv_bytes_moved=result.kv_bytes_moved,
+    )
+
+
 def pd_search(
     spec: WorkloadSpec,
     cost_model: CostModel,
@@ -170,15 +283,10 @@ def pd_search(
     min_duration_s: float = 0.0,
     auto: bool = True,
 ) -> list[PDRow]:
-    """Colocated vs every P:D split of ``num_gpus // tp`` instances, on ``spec``'s workload and SLOs.
-
-    ``search_rate`` (ignored for the interference workload, which has no rate) also finds each
-    config's highest SLO-meeting rate. A short trace at a high rate is a burst the system can absorb
-    and then drain, which overstates the sustainable rate: each search run therefore uses
-    ``max(spec.num_requests, rate * min_duration_s)`` requests. ``requests`` overrides the generated
-    workload at the base rate. ``auto`` adds each split under the auto rule. Raises ValueError without
-    SLOs or with fewer than 2 instances.
-    """
+    """Colocated (chunked and unchunked) vs every P:D split of ``num_gpus // tp`` instances, on
+    ``spec``'s workload and SLOs, in ``pd_architectures`` order (``rank_rows`` sorts them); each row
+    as ``search_goodput`` makes it. ``auto`` adds each split under the auto rule. Raises ValueError
+    without SLOs or with fewer than 2 instances."""
     if not slo_ms:
         raise ValueError("pd search: give SLOs, e.g. --slo ttft=200,tpot=50")
     n = num_gpus // tp
@@ -186,54 +294,27 @@ def pd_search(
         raise ValueError(f"pd search: need at least 2 instances, got {num_gpus} GPUs at tp={tp}")
     cfg = config or SimConfig()
     base = list(requests) if requests is not None else build_workload(spec).requests
-    rate_search = search_rate and spec.kind != "interference"
-    rows = []
-    for name, mode, p, d in pd_configs(n, auto):
-        result = _run(mode, p, d, n, base, cost_model, cfg, tp, spec.max_concurrency)
-        m = result.metrics(dict(slo_ms))
-        max_rate = None
-        if rate_search:
-            cache: dict[float, float] = {}
-
-            def attain(
-                rate: float, mode: str = mode, p: int = p, d: int = d, cache: dict[float, float] = cache
-            ) -> float:
-                if rate not in cache:
-                    num = max(spec.num_requests, math.ceil(rate * min_duration_s))
-                    reqs = build_workload(replace(spec, rate=rate, num_requests=num)).requests
-                    res = _run(mode, p, d, n, reqs, cost_model, cfg, tp, spec.max_concurrency)
-                    cache[rate] = res.metrics(dict(slo_ms)).slo_attainment or 0.0
-                return cache[rate]
-
-            start = spec.rate if math.isfinite(spec.rate) else 1.0
-            max_rate = max_rate_meeting_slo(attain, attainment, start, iterations)
-        rows.append(
-            PDRow(
-                name=name,
-                mode=mode,
-                num_prefill=p,
-                num_decode=d,
-                num_instances=n,
-                num_gpus=n * tp,
-                goodput=m.request_goodput or 0.0,
-                goodput_per_gpu=(m.request_goodput or 0.0) / (n * tp),
-                slo_attainment=m.slo_attainment or 0.0,
-                max_rate=max_rate,
-                max_rate_per_gpu=None if max_rate is None else max_rate / (n * tp),
-                p99_ttft_ms=m.ttft.p99_ms,
-                p99_tpot_ms=m.tpot.p99_ms,
-                kv_bytes_moved=result.kv_bytes_moved,
-            )
+    return [
+        search_goodput(
+            arch, spec, cost_model, slo_ms, cfg, tp, attainment, search_rate, iterations, base, min_duration_s
         )
-    return rows
+        for arch in pd_architectures(n, cfg.enable_chunked_prefill, auto)
+    ]
+
+
+def _merit(row: PDRow) -> tuple[float, float]:
+    return (
+        row.goodput_per_gpu if row.goodput_per_gpu is not None else row.request_goodput_per_gpu,
+        row.request_goodput_per_gpu,
+    )
+
+
+def rank_rows(rows: Sequence[PDRow]) -> list[PDRow]:
+    """Best first: by goodput per GPU (the papers' figure; vLLM's goodput per GPU at the workload's rate
+    when not searched), ties by vLLM's goodput per GPU; stable otherwise."""
+    return sorted(rows, key=_merit, reverse=True)
 
 
 def best_row(rows: Sequence[PDRow]) -> PDRow:
-    """The config with the highest per-GPU figure of merit (max SLO rate when searched, else goodput)."""
-    return max(
-        rows,
-        key=lambda r: (
-            r.max_rate_per_gpu if r.max_rate_per_gpu is not None else r.goodput_per_gpu,
-            r.goodput_per_gpu,
-        ),
-    )
+    """The config with the highest per-GPU figure of merit (``rank_rows``' first)."""
+    return rank_rows(rows)[0]

@@ -114,6 +114,10 @@ class ModelProfile:
 MODELS: dict[str, ModelProfile] = {
     "Llama-3-8B": ModelProfile("Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256),
     "Llama-3-70B": ModelProfile("Llama-3-70B", 80, 8192, 64, 8, 128, 28672, 128256),
+    "Mistral-7B": ModelProfile("Mistral-7B", 32, 4096, 32, 8, 128, 14336, 32000, max_context=32768),
+    # OPT-13B: multi-head attention and a two-matrix GELU MLP (5120 x 20480); the SwiGLU intermediate size
+    # that counts the same parameters (2 x 20480 / 3) stands in for it
+    "OPT-13B": ModelProfile("OPT-13B", 40, 5120, 40, 40, 128, 13653, 50272, tie_word_embeddings=True, max_context=2048),
     "tiny": ModelProfile("tiny", 4, 256, 8, 4, 32, 768, 260, 4, tie_word_embeddings=True, max_context=4096),
     "bench": ModelProfile("bench", 8, 512, 8, 4, 64, 1536, 260, 4, tie_word_embeddings=True, max_context=8192),
 }
@@ -144,7 +148,10 @@ LINEAR_TERMS = (
     "per_decode_key_s",  # per key a decode token's attention reads, padded as the engine pads (its KV read included)
     "per_prefill_kv_read_token_s",  # per cached token a prefill chunk reads (gathers) before its own keys
 )
-RATIO_PERCENTILES = tuple(range(101))  # where RoleFit.ratio_percentiles samples measured/predicted
+RATIO_PERCENTILES = tuple(range(101))
+# A role without a fit of its own takes this one's (then ``all``'s): an auto deployment's decode
+# instance is a decode instance that also runs the prompts the router keeps local.
+ROLE_FALLBACK = {"auto-decode": "decode"}  # where RoleFit.ratio_percentiles samples measured/predicted
 
 
 def quantile_at(percentiles: tuple[float, ...], u: float, default: float = 0.0) -> float:
@@ -240,7 +247,9 @@ class LinearProfile:
             raise ValueError("LinearProfile: roles must include 'all' (the fit over every record)")
 
     def fit_for(self, role: str) -> RoleFit:
-        return self.roles.get(role) or self.roles["all"]
+        """``role``'s fit, else its fallback role's (``auto-decode``: ``decode``), else ``all``."""
+        fallback = ROLE_FALLBACK.get(role, "all")
+        return self.roles.get(role) or self.roles.get(fallback) or self.roles["all"]
 
     def sim_settings(self) -> dict[str, Any]:
         """``SimConfig`` fields this profile sets: the KV link, the deployment's latencies, the machine's slowdown."""

@@ -28,8 +28,17 @@ slowdown: one factor per window of virtual time, shared by all instances, stretc
 With a ``co_run_slowdown`` (instances sharing one machine's cores), a step also runs slower while
 other instances run steps: every step's end is re-timed when another instance starts or ends one.
 
-Events at the same virtual time are all applied before any idle instance starts its next step, so
-requests sent together are batched together. The simulator is deterministic for a given seed.
+The engine loop's timing, as ``engine.engine_loop`` runs it: an idle instance starts a step on the
+first work that reaches it (a request, an admitted prompt, a decode handed over): work reaching it
+later at the same virtual instant joins its next step, as the real loop, woken by the first command,
+steps before the next call arrives. When a step ends, everything that arrived meanwhile or arrives
+at that instant joins the next one (the loop drains its commands between steps). A prefill instance's
+admission rule reads the waiting prompt tokens as the loop last saw them: while a step runs, those of
+just before it (the prompts it is computing included) plus the prompts admitted since.
+
+``step_durations`` (trace replay, ``sim.replay``) replaces the cost model: an instance's ``k``-th step
+lasts the ``k``-th recorded duration of that instance; ``step_gaps``, the loop's time after it.
+The simulator is deterministic for a given seed.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ import itertools
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +81,7 @@ class SimResult:
     kv_bytes_moved: int = 0
     num_gpus: int = 1
     config: dict[str, Any] = field(default_factory=dict)
+    step_chunks: tuple[tuple[tuple[str, int], ...], ...] = ()  # per step (as ``steps``): (request id, tokens)
 
     def metrics(self, slo_ms: dict[str, float] | str | None = None) -> BenchmarkMetrics:
         return compute_metrics(self.records, slo_ms)
@@ -87,8 +97,9 @@ class SimResult:
 
 
 class _Instance:
-    def __init__(self, name: str, cost_role: str, scheduler: Scheduler) -> None:
+    def __init__(self, name: str, cost_role: str, scheduler: Scheduler, index: int = 0) -> None:
         self.name = name
+        self.index = index  # its place in the deployment's order (prefill instances first)
         self.cost_role = cost_role  # how the cost model prices its steps (cost_model.ROLES)
         self.scheduler = scheduler
         self.busy = False
@@ -99,6 +110,9 @@ class _Instance:
         self.reserving = False  # a prefill instance waits for the reservation of its FIFO's head
         self.waiting_for_room: set[_Instance] = set()  # a decode instance: prefill instances whose head found no room
         self.commands: list[tuple[Callable[..., None], tuple]] = []  # calls that arrived during a step
+        self.num_steps_started = 0
+        self.tick_waiting_tokens = 0  # a prefill instance: waiting prompt tokens just before the running step
+        self.admitted_since_tick = 0  # ... and prompt tokens admitted since it started
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -151,6 +165,8 @@ class Simulator:
         num_prefill: int = 1,
         num_decode: int = 1,
         tp: int = 1,
+        step_durations: Mapping[str, Sequence[float]] | None = None,
+        step_gaps: Mapping[str, Sequence[float | None]] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"sim: mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -169,6 +185,11 @@ class Simulator:
         self._counts = (num_instances, num_prefill, num_decode)
         self.instances: dict[str, _Instance] = {}
         self.steps: list[StepStats] = []
+        self.step_chunks: list[tuple[tuple[str, int], ...]] = []
+        self.step_durations = step_durations
+        self.step_gaps = step_gaps  # replay: the loop's recorded time after each step (None: the config's)
+        self.unreplayed_steps = 0  # replay: steps beyond an instance's recorded ones (priced by the cost model)
+        self._wake: list[_Instance] = []  # idle instances that work just reached
         self.kv_bytes_moved = 0
         self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._seq = itertools.count()
@@ -187,8 +208,12 @@ class Simulator:
                 BlockManager(self.num_blocks, c.block_size, c.enable_prefix_caching),
             )
             sched.clock = self._clock
-            role = "prefill" if name in prefills else ("decode" if prefills else "colocated")
-            self.instances[name] = _Instance(name, role, sched)
+            decode_role = "auto-decode" if self.mode == "auto" else "decode"
+            role = "prefill" if name in prefills else (decode_role if prefills else "colocated")
+            self.instances[name] = _Instance(name, role, sched, len(self.instances))
+        self._prefills = [inst for inst in self.instances.values() if inst.cost_role == "prefill"]
+        self._ready = dict.fromkeys(self.instances.values())  # idle instances that may have work (ordered set)
+        self._stalled: dict[_Instance, None] = {}  # idle instances with work that could not schedule (blocks)
         router = RouterConfig(
             default_mode=self.mode,
             block_size=c.block_size,
@@ -236,15 +261,40 @@ class Simulator:
             while self._events and self._events[0][0] == t:
                 _, _, handler, args = heapq.heappop(self._events)
                 handler(*args)
+                self._start_woken()
                 if not self._events or self._events[0][0] != t:  # admissions may add events at t
-                    for inst in self.instances.values():
-                        self._admit_prefills(inst)
-            for inst in self.instances.values():
-                if not inst.busy and inst.has_work():
-                    self._start_step(inst)
+                    for inst in self._prefills:
+                        if inst.fifo and not inst.reserving:
+                            self._admit_prefills(inst)
+            self._start_ready()
         if stop is not None:
             self.now = max(self.now, stop)
         return self._result()
+
+    def _start_ready(self) -> None:
+        """Every idle instance with work starts a step, in the deployment's order. Only instances that
+        became idle or got work since the last call, and those that could not schedule (no blocks), can."""
+        ready = self._ready
+        if self._stalled:
+            ready.update(self._stalled)
+        self._ready = {}
+        for inst in sorted(ready, key=lambda i: i.index) if len(ready) > 1 else ready:
+            if not inst.busy and inst.has_work():
+                self._start_step(inst)
+            else:
+                self._stalled.pop(inst, None)
+
+    def _woken(self, inst: _Instance) -> None:
+        """Work reached ``inst``: if its loop is idle (no step, no gap), it starts a step at once."""
+        self._ready[inst] = None
+        if not inst.busy:
+            self._wake.append(inst)
+
+    def _start_woken(self) -> None:
+        woken, self._wake = self._wake, []
+        for inst in woken:
+            if not inst.busy and inst.has_work():
+                self._start_step(inst)
 
     # ---- the client and the router -------------------------------------------------------------
     def _on_arrival(self, client: _Client) -> None:
@@ -274,6 +324,7 @@ class Simulator:
         assert route is not None and client.decode is not None
         if route.prefill_worker is None:
             client.decode.scheduler.add(self._new_request(client.wreq, client.wreq.max_tokens))
+            self._woken(client.decode)
         else:
             client.prefill = self.instances[route.prefill_worker]
             client.prefill.fifo.append(client)
@@ -303,14 +354,30 @@ class Simulator:
 
     # ---- steps ---------------------------------------------------------------------------------
     def _start_step(self, inst: _Instance) -> None:
+        if inst.cost_role == "prefill":  # the loop's tick before the step: what the admission rule reads
+            inst.tick_waiting_tokens = remote_kv.waiting_prompt_tokens(inst.scheduler)
+            inst.admitted_since_tick = 0
         output = inst.scheduler.schedule()
         if not output.chunks:
-            return  # waiting for blocks; retried after the next event
+            self._stalled[inst] = None  # waiting for blocks; retried after the next event
+            return
+        self._stalled.pop(inst, None)
         shape = StepShape.from_output(output, self.config.block_size)
-        work = max(self.cost_model.step_time(shape, inst.cost_role), 1e-9)
+        work = self._price(inst, shape)
         inst.busy, inst.output = True, output
         inst.step = _Step(shape, self.now, work, self.now)
         self._retime(inst)
+
+    def _price(self, inst: _Instance, shape: StepShape) -> float:
+        """The step's priced time: the next recorded duration of ``inst`` under replay, else the cost model's."""
+        k = inst.num_steps_started
+        inst.num_steps_started += 1
+        if self.step_durations is not None:
+            recorded = self.step_durations.get(inst.name, ())
+            if k < len(recorded):
+                return max(float(recorded[k]), 1e-9)
+            self.unreplayed_steps += 1
+        return max(self.cost_model.step_time(shape, inst.cost_role), 1e-9)
 
     def _co_run_multiplier(self, inst: _Instance) -> float:
         """``1 + co_run_slowdown`` x the fraction of the other instances running a step now."""
@@ -345,6 +412,8 @@ class Simulator:
             return  # re-timed since: a later event ends it
         inst.step = None
         self.steps.append(step.shape.to_stats(inst.name, step.started, self.now - step.started, self._preempted(inst)))
+        assert inst.output is not None
+        self.step_chunks.append(tuple((c.request_id, len(c.token_ids)) for c in inst.output.chunks))
         self._on_step_done(inst)
         if self.config.co_run_slowdown:
             self._retime(inst)
@@ -399,12 +468,25 @@ class Simulator:
         waiting, inst.waiting_for_room = inst.waiting_for_room, set()
         for prefill in waiting:  # requests finished in this step may have freed blocks: try again
             prefill.reserving = False
-        if self.config.step_gap_s > 0:  # the engine loop's own time before its next step
+        gap = self._gap_after(inst)
+        if gap > 0:  # the engine loop's own time before its next step
             inst.busy = True
-            self._at(self.now + self.config.step_gap_s, self._on_gap_done, inst)
+            self._at(self.now + gap, self._on_gap_done, inst)
+        else:
+            self._ready[inst] = None
+
+    def _gap_after(self, inst: _Instance) -> float:
+        """The engine loop's time after the step just ended: recorded under replay, else ``step_gap_s``."""
+        if self.step_gaps is not None:
+            recorded = self.step_gaps.get(inst.name, ())
+            k = inst.num_steps_started - 1
+            if k < len(recorded) and recorded[k] is not None:
+                return float(recorded[k])  # type: ignore[arg-type]
+        return self.config.step_gap_s
 
     def _on_gap_done(self, inst: _Instance) -> None:
         inst.busy = False
+        self._ready[inst] = None
 
     def _after_step_chunks(self, inst: _Instance, output: SchedulerOutput) -> None:
         sched = inst.scheduler
@@ -432,12 +514,22 @@ class Simulator:
         decode instance (a call applied there between steps, and its reply), then add it to the engine.
         One reservation at a time, in order; a head that found no room waits for that decode instance's
         next step (which may free blocks)."""
-        if inst.reserving or not inst.fifo or not remote_kv.prefill_admission_open(inst.scheduler):
+        if inst.reserving or not inst.fifo or not self._prefill_admission_open(inst):
             return
         client = inst.fifo[0]
         assert client.decode is not None
         inst.reserving = True
         self._at(self.now + self._control_latency(), self._call, client.decode, self._reserve, inst, client)
+
+    @staticmethod
+    def _prefill_admission_open(inst: _Instance) -> bool:
+        """``remote_kv.admission_open`` as the prefill worker applies it: between steps on the waiting
+        prompt tokens now; while a step runs on those of the loop's last tick (just before the step, so
+        the prompts the step is computing still count) plus the prompts admitted since."""
+        if inst.output is None:
+            return remote_kv.prefill_admission_open(inst.scheduler)
+        waiting = inst.tick_waiting_tokens + inst.admitted_since_tick
+        return remote_kv.admission_open(waiting, inst.scheduler.config.max_num_batched_tokens)
 
     def _call(self, target: _Instance, handler: Callable[..., None], *args: Any) -> None:
         """A call reaching ``target``'s engine loop: applied now unless a step runs, else after that step."""
@@ -463,6 +555,8 @@ class Simulator:
         client.meta.update(decode_cached_tokens=cached, kv_bytes=0, reserved_at=self.now)
         client.prefill_req = self._new_request(client.wreq, 1)
         inst.scheduler.add(client.prefill_req)
+        inst.admitted_since_tick += client.wreq.num_prompt_tokens
+        self._woken(inst)
 
     def _after_prefill_chunk(self, inst: _Instance, client: _Client, computed: int) -> None:
         """Queue the chunk's new KV on the prefill instance's link; the last push marks the prompt done."""
@@ -503,6 +597,7 @@ class Simulator:
         assert client.decode is not None and client.decode_req is not None
         sched = client.decode.scheduler
         reason = remote_kv.admit_remote(sched, client.decode_req, DUMMY_TOKEN, self.now, self._max_model_len)
+        self._woken(client.decode)
         if reason is not None:  # the first token already ended it: only the end of the stream is left
             self._at(self.now + self.config.token_latency_s, self._complete, client)
 
@@ -522,14 +617,18 @@ class Simulator:
             config["num_instances"] = n
         else:
             config.update(num_prefill=p, num_decode=d)
+        order = sorted(range(len(self.steps)), key=lambda i: self.steps[i].started)
+        if self.step_durations is not None:
+            config["unreplayed_steps"] = self.unreplayed_steps
         return SimResult(
             self.mode,
             tuple(records),
-            tuple(sorted(self.steps, key=lambda s: s.started)),
+            tuple(self.steps[i] for i in order),
             tuple(self.instances),
             self.kv_bytes_moved,
             len(self.instances) * self.tp,
             config,
+            tuple(self.step_chunks[i] for i in order),
         )
 
     def _record(self, client: _Client) -> RequestRecord:

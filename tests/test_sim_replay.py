@@ -1,0 +1,99 @@
+"""The simulator's engine-loop timing (what trace replay found) and trace replay itself (``pdserve.sim.replay``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pdserve.bench.workloads import WorkloadRequest, WorkloadSpec, build_workload
+from pdserve.sim.cost_model import RooflineCostModel
+from pdserve.sim.profiles import get_hardware, get_model
+from pdserve.sim.replay import replay, replay_simulated
+from pdserve.sim.simulator import SimConfig, simulate
+
+H100_8B = RooflineCostModel(get_hardware("H100"), get_model("Llama-3-8B"))
+
+
+def _req(rid: str, prompt_len: int, max_tokens: int, at: float) -> WorkloadRequest:
+    return WorkloadRequest(rid, [(7 * i + 31 * ord(rid[0])) % 250 + 1 for i in range(prompt_len)], max_tokens, at)
+
+
+def _chunks_of(result, worker):
+    return [chunks for step, chunks in zip(result.steps, result.step_chunks, strict=True) if step.worker == worker]
+
+
+def test_an_idle_instance_starts_on_the_first_request_of_a_simultaneous_pair():
+    # the engine loop wakes on the first command and steps before the second call arrives
+    reqs = [_req("a", 300, 3, 0.0), _req("b", 200, 3, 0.0)]
+    res = simulate(reqs, H100_8B, SimConfig(control_latency_s=1e-3))
+    steps = _chunks_of(res, "decode-0")
+    assert steps[0] == (("a", 300),)
+    assert steps[1] == (("a", 1), ("b", 200))  # b joins the next step, next to a's first decode
+
+
+def test_prefill_admission_reads_the_waiting_tokens_of_the_loops_last_tick():
+    # a 1024-token prompt waits when step 1 begins (budget 512, chunks of 256): while that step runs the worker's
+    # admission rule still counts it, so a short prompt arriving meanwhile is admitted only after the
+    # step, and its reservation round trip makes it miss step 2 as well
+    cfg = SimConfig(max_num_batched_tokens=512, chunk_size=256, control_latency_s=0.5e-3)
+    reqs = [_req("long", 1024, 2, 0.0), _req("short", 64, 2, 0.003)]
+    res = simulate(reqs, H100_8B, cfg, mode="disaggregated")
+    steps = _chunks_of(res, "prefill-0")
+    assert steps[0] == (("long", 256),) and steps[1] == (("long", 256),)
+    first_step_end = res.steps_of("prefill-0")[0].ended
+    assert reqs[1].arrival_offset_s < first_step_end
+    assert ("short", 64) in steps[2]
+
+
+@pytest.mark.parametrize(
+    ("mode", "counts"),
+    [("colocated", {"num_instances": 2}), ("disaggregated", {"num_prefill": 1, "num_decode": 2})],
+)
+def test_replaying_a_simulated_run_reproduces_it_exactly(mode, counts):
+    # latencies around the steps and a co-run slowdown: the recorded durations carry the slowdown, the
+    # replay must not add it again
+    cfg = SimConfig(
+        max_num_batched_tokens=512,
+        chunk_size=256,
+        control_latency_s=0.4e-3,
+        token_latency_s=0.2e-3,
+        step_gap_s=0.1e-3,
+        co_run_slowdown=0.3,
+        step_tail=False,
+        kv_link_bw=5e9,
+        kv_link_latency_s=50e-6,
+    )
+    reqs = build_workload(WorkloadSpec(num_requests=60, rate=30.0, prompt_len_mean=400, output_len_mean=24, seed=5))
+    original = simulate(reqs.requests, H100_8B, cfg, mode=mode, **counts)
+    # the replay's config knows no loop gap: the recorded gaps between back-to-back steps stand in for it
+    report = replay_simulated(original, reqs.requests, H100_8B, dataclasses.replace(cfg, step_gap_s=0.0), counts)
+    replayed = report.result
+    assert report.step_agreement == 1.0 and report.num_steps == len(original.steps) > 100
+    assert report.unreplayed_steps == 0
+    assert replayed.step_chunks == original.step_chunks
+    for a, b in zip(replayed.steps, original.steps, strict=True):
+        assert (a.worker, a.num_prefill_tokens, a.num_decode_tokens) == (
+            b.worker,
+            b.num_prefill_tokens,
+            b.num_decode_tokens,
+        )
+        assert a.started == pytest.approx(b.started, abs=1e-9) and a.duration_s == pytest.approx(b.duration_s, abs=1e-9)
+    for a, b in zip(replayed.records, original.records, strict=True):
+        assert a.request_id == b.request_id and a.token_times == pytest.approx(b.token_times, abs=1e-9)
+    assert report.passed and all(abs(report.error(f)) < 1e-9 for f in ("TTFT p50", "ITL p50", "TTFT p99"))
+
+
+def test_replay_reports_disagreement_and_bad_traces():
+    cfg = SimConfig(chunk_size=256, kv_link_bw=5e9, kv_link_latency_s=50e-6, step_tail=False)
+    reqs = build_workload(WorkloadSpec(num_requests=20, rate=20.0, prompt_len_mean=600, output_len_mean=10, seed=1))
+    original = simulate(reqs.requests, H100_8B, cfg)
+    # the same trace with every step twice as long: requests pile up differently, so steps diverge
+    slow = [s._replace(duration_s=2 * s.duration_s) for s in original.steps]
+    report = replay(reqs.requests, original.records, slow, H100_8B, cfg, time_origin=0.0)
+    assert report.step_agreement < 1.0 and report.mismatches
+    assert report.replayed["TTFT p50"] > report.recorded["TTFT p50"]
+    with pytest.raises(ValueError, match="workers decode-1"):
+        replay(reqs.requests, original.records, [s._replace(worker="decode-1") for s in original.steps], H100_8B, cfg)
+    with pytest.raises(ValueError, match="no record of request"):
+        replay([*reqs.requests, _req("z", 10, 2, 0.0)], original.records, original.steps, H100_8B, cfg)
