@@ -269,10 +269,13 @@ class Router:
         metrics = self._metrics(request, WorkerRequestStats(), time.time())
         code = error.code if isinstance(error, RequestError) else "INTERNAL"
         if isinstance(error, (GeneratorExit, asyncio.CancelledError)) or code == "CANCELLED":
-            self.metrics.request_finished(metrics, "finished" if request.stopped else "aborted")
+            stopped = request.stopped  # a stop string matched in the front door
+            self.metrics.request_finished(
+                metrics, "finished" if stopped else "aborted", reason="stop" if stopped else "abort"
+            )
             return
         log.warning("%s: request %s failed: %s: %s", self.router_id, request.key, code, error)
-        self.metrics.request_finished(metrics, "failed", code, str(error))
+        self.metrics.request_finished(metrics, "failed", code, str(error), reason="error")
 
     def stopped(self, request_id: str) -> RequestMetrics | None:
         """Its consumer has what it wanted (a stop string matched) and closes the stream next: a finish.
@@ -362,7 +365,8 @@ class Router:
         if detok is not None:
             text += detok.flush()
         metrics = self._metrics(request, stats or WorkerRequestStats(), now)
-        self.metrics.request_finished(metrics, "aborted" if finish_reason == "abort" else "finished")
+        outcome = "aborted" if finish_reason == "abort" else "finished"
+        self.metrics.request_finished(metrics, outcome, reason=finish_reason)
         return RouterEvent(token_ids, text, finish_reason, metrics)
 
     def _metrics(self, request: InFlight, stats: WorkerRequestStats, now: float) -> RequestMetrics:
