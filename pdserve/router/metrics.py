@@ -37,7 +37,14 @@ from pdserve.messages import RequestMetrics
 if TYPE_CHECKING:
     from pdserve.router.router import Router
 
-__all__ = ["CONTENT_TYPE_LATEST", "FINISH_REASONS", "OUTCOMES", "RecentLatencies", "RouterMetrics", "is_kv_transfer_failure"]
+__all__ = [
+    "CONTENT_TYPE_LATEST",
+    "FINISH_REASONS",
+    "OUTCOMES",
+    "RecentLatencies",
+    "RouterMetrics",
+    "is_kv_transfer_failure",
+]
 
 OUTCOMES = ("finished", "aborted", "failed", "rejected")
 
