@@ -33,6 +33,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.router.metrics import CONTENT_TYPE_LATEST
 from pdserve.router.openai_protocol import (
@@ -43,15 +44,19 @@ from pdserve.router.openai_protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    Job,
+    DetokenizeRequest,
     StopMatcher,
-    api_error,
+    TokenizeRequest,
     bad_request,
+    detokenize,
+    http_error,
     render_chat,
     reply,
+    start_jobs,
     stream_reply,
+    tokenize,
 )
-from pdserve.router.router import GenerateInput, RequestError, Router
+from pdserve.router.router import Router
 from pdserve.router.server import has_bearer_token
 
 log = logging.getLogger(__name__)
@@ -63,10 +68,12 @@ def build_app(router: Router, model_name: str, auth_token: str | None = None) ->
     With ``auth_token``, every ``/v1/`` call needs ``Authorization: Bearer <token>`` (an OpenAI client's
     ``api_key``); ``/health`` and ``/metrics`` stay open for probes and scrapers.
     """
-    app = FastAPI(title="pdserve", description=__doc__, docs_url="/docs", redoc_url=None)
+    # No /docs page: FastAPI's loads its scripts from a CDN (blank offline); the schema is at /openapi.json.
+    app = FastAPI(title="pdserve", description=__doc__, docs_url=None, redoc_url=None)
     app.middleware("http")(_bearer_token(auth_token))
     app.add_exception_handler(ApiError, _api_error)  # type: ignore[arg-type]  # Starlette types handlers by Exception
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_exception)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected)
     api = _Endpoints(router, model_name)
     app.get("/health")(api.health)
@@ -75,7 +82,26 @@ def build_app(router: Router, model_name: str, auth_token: str | None = None) ->
     app.get("/v1/models/{model_id:path}")(api.model)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
+    _add_tokenizer_routes(app, api)
     return app
+
+
+def _add_tokenizer_routes(app: FastAPI, api: _Endpoints) -> None:
+    """vLLM's ``POST /tokenize`` and ``POST /detokenize`` (also under ``/v1/``)."""
+
+    async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            api._check_model(body.model)
+        return tokenize(api.router, body)
+
+    async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            api._check_model(body.model)
+        return detokenize(api.router, body)
+
+    for prefix in ("", "/v1"):
+        app.post(f"{prefix}/tokenize")(tokenize_route)
+        app.post(f"{prefix}/detokenize")(detokenize_route)
 
 
 def metrics_app(router: Router) -> FastAPI:
@@ -98,7 +124,8 @@ def _bearer_token(token: str | None) -> Any:
         if token is not None and request.url.path.startswith("/v1/"):
             if not has_bearer_token(request.headers.get("authorization", ""), token):
                 message = "missing or wrong bearer token (Authorization header / api_key)"
-                return ApiError(401, message, "invalid_request_error", None, "invalid_api_key").response()
+                challenge = {"WWW-Authenticate": 'Bearer realm="pdserve"'}
+                return ApiError(401, message, "invalid_request_error", None, "invalid_api_key", challenge).response()
         return await call_next(request)
 
     return check
@@ -106,6 +133,18 @@ def _bearer_token(token: str | None) -> Any:
 
 async def _api_error(request: Request, e: ApiError) -> JSONResponse:
     return e.response()
+
+
+async def _http_exception(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's own refusals (no such route 404, method not allowed 405, …) in OpenAI's error shape."""
+    detail = e.detail if isinstance(e.detail, str) else str(e.detail)
+    if e.status_code == 404:
+        detail = f"{request.method} {request.url.path}: no such route"
+    elif e.status_code == 405:
+        detail = (
+            f"{request.method} {request.url.path}: method not allowed (allowed: {(e.headers or {}).get('allow', '')})"
+        )
+    return http_error(e.status_code, detail, dict(e.headers) if e.headers else None).response()
 
 
 async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -146,8 +185,8 @@ class _Endpoints:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         body.check()
-        prompt = body.single_prompt()
-        return await self._serve(request, body, prompt, body.max_tokens or 16, "cmpl", COMPLETION)
+        prompts = body.prompts()
+        return await self._serve(request, body, prompts, body.max_tokens or 16, "cmpl", COMPLETION)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
@@ -156,8 +195,11 @@ class _Endpoints:
         if tokenizer is None:
             raise bad_request("messages: this model has no tokenizer, so it cannot chat", "messages")
         prompt = render_chat(tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
-        max_tokens = body.max_completion_tokens or body.max_tokens or self.router.limits.max_model_len
-        return await self._serve(request, body, prompt, max_tokens, "chatcmpl", CHAT)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        fit = max_tokens is None  # as vLLM: the default is the room the prompt leaves
+        return await self._serve(
+            request, body, [prompt], max_tokens or self.router.limits.max_model_len, "chatcmpl", CHAT, fit
+        )
 
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -173,22 +215,19 @@ class _Endpoints:
         self,
         request: Request,
         body: CompletionRequest | ChatCompletionRequest,
-        prompt: str | list[int],
+        prompts: list[str | list[int]],
         max_tokens: int,
         prefix: str,
         answer: Answer,
+        fit_max_tokens: bool = False,
     ) -> Response:
-        """Route the request and wait for its first event (so that a refusal gets its HTTP status), then answer."""
+        """Route the request's choices and wait for their first events (so that a refusal gets its HTTP status),
+        then answer."""
         request_id = request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
-        params = body.sampling_params(max_tokens)
-        stream = self.router.generate(GenerateInput(request_id, prompt, params, body.pdserve_mode))
-        job = Job(self.router, request_id, body, stream)
-        try:
-            first = await anext(stream)
-        except StopAsyncIteration:
-            first = None
-        except RequestError as e:
-            raise api_error(e, answer.prompt_param) from None
+        echo = bool(getattr(body, "echo", False))
+        jobs = await start_jobs(
+            self.router, request_id, body, prompts, max_tokens, answer.prompt_param, fit_max_tokens, echo
+        )
         base = {
             "id": request_id,
             "object": answer.chunk_object if body.stream else answer.object,
@@ -197,9 +236,9 @@ class _Endpoints:
         }
         headers = {"X-Request-Id": request_id}
         if body.stream:
-            events = stream_reply(job, first, base, body, answer)
+            events = stream_reply(jobs, base, body, answer)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        return JSONResponse(await reply(job, first, base, body, answer), headers=headers)
+        return JSONResponse(await reply(jobs, base, body, answer), headers=headers)
 
 
 # ---- serving -------------------------------------------------------------------------------------------

@@ -48,6 +48,9 @@ class GenerateInput(NamedTuple):
     prompt: str | list[int]
     params: SamplingParams
     mode: str | None  # None = the deployment's default
+    # True: params.max_tokens is a default, cut to the room the prompt leaves (a chat without max_tokens);
+    # False: a prompt plus max_tokens over max_model_len is refused (INVALID_ARGUMENT)
+    fit_max_tokens: bool = False
 
 
 class RouterEvent(NamedTuple):
@@ -153,6 +156,16 @@ class Router:
             raise RequestError(
                 "INVALID_ARGUMENT", f"max_tokens: must be <= max_model_len={max_len}, got {params.max_tokens}"
             )
+        room = max_len - len(prompt)
+        if params.max_tokens > room:
+            if not req.fit_max_tokens:
+                raise RequestError(
+                    "INVALID_ARGUMENT",
+                    f"max_tokens: this model's maximum context length is {max_len} tokens, but {len(prompt)} prompt "
+                    f"tokens + max_tokens={params.max_tokens} is {len(prompt) + params.max_tokens}; "
+                    f"ask for at most {room} tokens or shorten the prompt",
+                )
+            params = replace(params, max_tokens=room)
         if params.seed is None:  # prefill and decode workers must draw from the same seed
             params = replace(params, seed=self._seeds.getrandbits(63))
         request_id = req.request_id or f"{self.router_id}-{next(self._ids)}-{random.getrandbits(32):08x}"
