@@ -14,6 +14,7 @@ from idle import assert_idle
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.router.client import Client
+from pdserve.router.policy import RouterConfig
 
 pytestmark = pytest.mark.cluster
 
@@ -124,3 +125,33 @@ def test_tokenize_matches_the_served_prompt_tokens(deployment, oai):
     assert body["count"] == out.usage.prompt_tokens and body["max_model_len"] == MAX_MODEL_LEN
     back = oai.post("/detokenize", body={"tokens": body["tokens"]}, cast_to=object)
     assert back == {"prompt": PROMPT}
+
+
+@pytest.mark.parametrize("interval", [2, 4])
+def test_a_stream_interval_sends_the_first_token_at_once_then_one_message_per_interval(deployment, oai, interval):
+    greedy = SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True)
+    with Client(deployment.address) as c:
+        every = list(c.generate(PROMPT, greedy))
+        grouped = list(c.generate(PROMPT, greedy, stream_interval=interval))
+    sizes = [len(ch.token_ids) for ch in grouped]
+    assert [t for ch in grouped for t in ch.token_ids] == [t for ch in every for t in ch.token_ids]
+    assert "".join(ch.text for ch in grouped) == "".join(ch.text for ch in every)
+    assert sizes[0] == 1 and all(n >= interval for n in sizes[1:-1]) and sum(sizes) == 17
+    assert len(grouped) <= 1 + -(-16 // interval) < len(every)
+    assert grouped[-1].finished and grouped[-1].metrics.num_output_tokens == 17
+    stream = oai.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=17, temperature=0.0, stream=True,
+        extra_body={"ignore_eos": True, "stream_interval": interval, "return_token_ids": True},
+    )  # fmt: skip
+    chunks = [ch.choices[0] for ch in stream if ch.choices]
+    assert "".join(ch.text for ch in chunks) == "".join(ch.text for ch in every)
+    http_sizes = [len(ch.model_extra["token_ids"]) for ch in chunks]
+    assert http_sizes[0] == 1 and sum(http_sizes) == 17 and len(http_sizes) <= 1 + -(-16 // interval)
+
+
+def test_a_bad_stream_interval_is_refused(deployment, oai):
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, extra_body={"stream_interval": 0})
+    assert err.value.body["param"] == "stream_interval"
+    with pytest.raises(ValueError, match="stream_interval"):
+        RouterConfig(stream_interval=0)

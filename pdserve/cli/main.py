@@ -144,6 +144,12 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None, help="Ray cluster to join ('auto' or host:port); default: local")
     p.add_argument("--auto-min-remote-tokens", type=int, default=512)
     p.add_argument("--auto-max-prefill-queue-tokens", type=int, default=16384)
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="tokens per streamed message after the first (a request may ask for its own); 1: every token",
+    )
 
 
 def deployment_config_from_args(args: argparse.Namespace):
@@ -172,6 +178,7 @@ def deployment_config_from_args(args: argparse.Namespace):
         router=RouterConfig(
             auto_min_remote_tokens=args.auto_min_remote_tokens,
             auto_max_prefill_queue_tokens=args.auto_max_prefill_queue_tokens,
+            stream_interval=args.stream_interval,
         ),
     )
 

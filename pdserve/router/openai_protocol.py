@@ -125,7 +125,8 @@ class _Sampling(BaseModel):
     ignore_eos: StrictBool = False
     stop_token_ids: list[Annotated[int, Field(strict=True, ge=0)]] | None = None
     return_token_ids: StrictBool = False
-    # pdserve's extension
+    # pdserve's extensions
+    stream_interval: StrictInt | None = Field(None, ge=1)  # tokens per streamed chunk after the first
     pdserve_mode: Literal["colocated", "disaggregated", "auto"] | None = None
 
     def check_common(self) -> None:
@@ -371,7 +372,9 @@ async def start_jobs(
             index = p * n + c
             rid = f"{request_id}-{index}" if many else request_id
             params = body.sampling_params(max_tokens, c)
-            stream = router.generate(GenerateInput(rid, prompt, params, body.pdserve_mode, fit_max_tokens))
+            stream = router.generate(
+                GenerateInput(rid, prompt, params, body.pdserve_mode, fit_max_tokens, body.stream_interval or 0)
+            )
             jobs.append(Job(router, rid, body, stream, index, echoed))
     started = await asyncio.gather(*(job.start() for job in jobs), return_exceptions=True)
     failed = [e for e in started if isinstance(e, BaseException)]

@@ -32,6 +32,7 @@ class RouterConfig:
     stream_idle_timeout_s: float = 600.0  # a stream with no token for this long fails with UNAVAILABLE
     prefix_index_blocks: int = 65536  # per decode worker
     prefix_caching: bool = True  # the workers cache prefixes; if not, the view remembers nothing
+    stream_interval: int = 1  # tokens per streamed message after the first; a request may ask for its own
 
     def __post_init__(self) -> None:
         if self.default_mode not in MODES:
@@ -43,6 +44,7 @@ class RouterConfig:
             "max_queued_prompt_tokens",
             "max_request_bytes",
             "prefix_index_blocks",
+            "stream_interval",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")

@@ -51,6 +51,7 @@ class GenerateInput(NamedTuple):
     # True: params.max_tokens is a default, cut to the room the prompt leaves (a chat without max_tokens);
     # False: a prompt plus max_tokens over max_model_len is refused (INVALID_ARGUMENT)
     fit_max_tokens: bool = False
+    stream_interval: int = 0  # tokens per message after the first; 0 = the deployment's (RouterConfig)
 
 
 class RouterEvent(NamedTuple):
@@ -152,6 +153,8 @@ class Router:
                 "INVALID_ARGUMENT", f"prompt: token ids must be in [0, {self.limits.vocab_size}), got {bad[:5]}"
             )
         params = req.params
+        if req.stream_interval < 0:
+            raise RequestError("INVALID_ARGUMENT", f"stream_interval: must be >= 0, got {req.stream_interval}")
         if params.max_tokens > max_len:
             raise RequestError(
                 "INVALID_ARGUMENT", f"max_tokens: must be <= max_model_len={max_len}, got {params.max_tokens}"
@@ -208,7 +211,8 @@ class Router:
         """Stream a request's tokens. Raises RequestError before the first event for bad input.
 
         The hot path is this one loop: one wake-up per batch of the request's updates, coalesced into
-        one event when the client lags behind.
+        one event when the client lags behind. With a stream interval k > 1, tokens after the first are
+        held until k have gathered (or the request ends): one event per k tokens.
         """
         received = time.time()
         try:
@@ -237,6 +241,8 @@ class Router:
         self.policy.start(route, prompt, params.max_tokens)
         log.debug("%s: request %s starts as %s: %s", self.router_id, request_id, request.key, route)
         finished = False
+        interval = req.stream_interval or self.config.stream_interval
+        held: list[int] = []
         try:
             if route.mode == "disaggregated":
                 first = await self._prefill_remotely(request, prompt, params)
@@ -254,6 +260,11 @@ class Router:
                 if last.error:
                     raise RequestError("UNAVAILABLE", last.error)
                 finished = last.finish_reason is not None
+                if interval > 1 and request.ttft_s is not None:
+                    held.extend(token_ids)
+                    if len(held) < interval and not finished:
+                        continue
+                    token_ids, held = held, []
                 yield self._event(request, token_ids, last.finish_reason, last.stats)
         except BaseException as e:
             if not finished:

@@ -98,7 +98,13 @@ class PDServeServicer(pb_grpc.PDServeServicer):
         prompt = request.text if which == "text" else request.token_ids.ids
         if request.mode not in MODE_NAMES:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"mode: unknown value {request.mode}")
-        req = GenerateInput(request.request_id or None, prompt, params, MODE_NAMES[request.mode])
+        req = GenerateInput(
+            request.request_id or None,
+            prompt,
+            params,
+            MODE_NAMES[request.mode],
+            stream_interval=request.stream_interval,
+        )
         try:
             async for event in self.router.generate(req):
                 if event.metrics is None:
