@@ -1,20 +1,25 @@
 """The OpenAI-compatible HTTP front door (FastAPI on uvicorn), in the router process, on the same ``Router``.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming as server-sent
-events, or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). One choice per
-request (``n=1``) and one prompt per request. Sampling: ``max_tokens`` (chat: also
-``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop`` (up to 4 strings; the text
-is cut before the first match and the request ends with ``finish_reason="stop"``),
+events, or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``POST /tokenize``
+and ``POST /detokenize`` (vLLM's shapes). ``n`` choices per prompt and lists of prompts (each choice its
+own routed request; a seeded request's choice i draws from ``seed + i``), ``echo``. Sampling:
+``max_tokens`` (chat: also ``max_completion_tokens``; a prompt plus max_tokens over the context is a
+400; chat's default is the room the prompt leaves), ``temperature``, ``top_p``, ``seed``, ``stop`` (up to
+4 strings; the text is cut before the first match and the request ends with ``finish_reason="stop"``),
 ``stream_options.include_usage``. Extensions, as in vLLM: ``top_k``, ``ignore_eos``,
 ``stop_token_ids``, ``return_token_ids`` (each choice carries the ``token_ids`` it adds); pdserve's
-own: request field ``pdserve_mode`` (colocated, disaggregated, auto) and response field
-``pdserve_metrics`` (the ``RequestMetrics``; on the last chunk of a stream). A client's
+own: request fields ``pdserve_mode`` (colocated, disaggregated, auto) and ``stream_interval`` (tokens per
+streamed chunk after the first), response field ``pdserve_metrics`` (the ``RequestMetrics``, a list by
+choice index with several choices; on the last chunk of a stream). A client's
 ``X-Request-Id`` header becomes the request id the router and workers log (else ``cmpl-…`` /
 ``chatcmpl-…``); the response echoes it.
 
-Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: a bad parameter
-400, an unknown model 404, a request id in use 409, overload (RESOURCE_EXHAUSTED) 429, no worker
-(UNAVAILABLE) 503. A failure after a stream has started arrives as a last ``data: {"error": …}``
+Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, whatever the status: a
+bad parameter 400, a missing token 401 (with ``WWW-Authenticate``), an unknown model or route 404, a
+wrong method 405, a request id in use 409, overload (RESOURCE_EXHAUSTED) 429, no worker (UNAVAILABLE)
+503. There is no ``/docs`` page (it would load its scripts from a CDN); the schema is ``/openapi.json``.
+A failure after a stream has started arrives as a last ``data: {"error": …}``
 event. ``code`` is the router's gRPC status name in lower case (``invalid_argument``, …) or
 ``model_not_found``.
 """
