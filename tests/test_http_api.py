@@ -310,7 +310,7 @@ BAD_COMPLETIONS = [
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_argument"),
     ({"stream_options": {"include_usage": True}}, 400, "stream_options", "invalid_argument"),
     ({"presence_penalty": 0.5}, 400, "presence_penalty", "invalid_argument"),
-    ({"logprobs": 2}, 400, "logprobs", "invalid_argument"),
+    ({"logprobs": 21}, 400, "logprobs", "invalid_argument"),
     ({"prompt": [1] * 500, "max_tokens": 600}, 400, "max_tokens", "invalid_argument"),  # over the context
     ({"extra_body": {"pdserve_mode": "sideways"}}, 400, "pdserve_mode", "invalid_argument"),
     ({"prompt": "x" * (MAX_QUEUED_PROMPT_TOKENS + 100)}, 429, None, "resource_exhausted"),  # load shed

@@ -155,3 +155,25 @@ def test_a_bad_stream_interval_is_refused(deployment, oai):
     assert err.value.body["param"] == "stream_interval"
     with pytest.raises(ValueError, match="stream_interval"):
         RouterConfig(stream_interval=0)
+
+
+def test_logprobs_of_greedy_tokens_are_the_most_likely(deployment, oai):
+    out = oai.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=6, temperature=0.0, logprobs=3, extra_body={"ignore_eos": True}
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    for value, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 3 and value <= 0.0  # texts of byte tokens may coincide (U+FFFD)
+        assert max(top.values()) == pytest.approx(value)  # greedy: the sampled token is the most likely
+    chat = oai.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0.0,
+        logprobs=True, top_logprobs=2, stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    entries = [e for c in chat if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert len(entries) == 4 and all(e.top_logprobs[0].logprob == pytest.approx(e.logprob) for e in entries)
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=2, logprobs=1, extra_body={"pdserve_mode": "disaggregated"}
+        )
+    assert err.value.body["param"] == "logprobs" and "colocated" in err.value.body["message"]

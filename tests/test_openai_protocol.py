@@ -56,16 +56,18 @@ class AlphabetRouter:
         if 999 in prompt or "refuse" in str(req.prompt):
             raise RequestError("INVALID_ARGUMENT", "prompt: refused by the stand-in")
         text = expected(req.params.seed, req.params.max_tokens)
+        k = req.params.logprobs
         for i, char in enumerate(text):
             await asyncio.sleep(0)
+            lps = None if k is None else [(-0.5, [(ord(char), -0.5), (ord("Z"), -2.0)][:k])]
             if i < len(text) - 1:
-                yield RouterEvent([ord(char)], char)
+                yield RouterEvent([ord(char)], char, logprobs=lps)
             else:
                 metrics = RequestMetrics(
                     req.request_id or "", "colocated", "decode-0", num_prompt_tokens=len(prompt),
                     num_output_tokens=len(text),
                 )  # fmt: skip
-                yield RouterEvent([ord(char)], char, "length", metrics)
+                yield RouterEvent([ord(char)], char, "length", metrics, lps)
 
 
 class AppThread:
@@ -204,6 +206,54 @@ def test_refused_choice_requests_say_why(oai, change, param, words):
     with pytest.raises(openai.BadRequestError) as err:
         oai.completions.create(**{"model": "stand-in", "prompt": "p", "max_tokens": 2, **change})
     assert err.value.body["param"] == param and words in err.value.body["message"], err.value.body
+
+
+# ---- log-probabilities ------------------------------------------------------------------------------------
+
+
+def test_completion_logprobs_have_the_legacy_shape_streamed_and_not(oai):
+    out = oai.completions.create(model="stand-in", prompt="p", max_tokens=3, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert lp.tokens == ["a", "b", "c"] and lp.token_logprobs == [-0.5] * 3
+    assert lp.top_logprobs == [{"a": -0.5, "Z": -2.0}, {"b": -0.5, "Z": -2.0}, {"c": -0.5, "Z": -2.0}]
+    assert lp.text_offset == [0, 1, 2]
+    stream = oai.completions.create(model="stand-in", prompt="p", max_tokens=3, logprobs=0, stream=True)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert [t for c in chunks for t in c.logprobs.tokens] == ["a", "b", "c"]
+    assert [o for c in chunks for o in c.logprobs.text_offset] == [0, 1, 2]
+    assert all(top == {} for c in chunks for top in c.logprobs.top_logprobs)
+    plain = oai.completions.create(model="stand-in", prompt="p", max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_chat_logprobs_and_top_logprobs(oai):
+    messages = [{"role": "user", "content": "hi"}]
+    out = oai.chat.completions.create(model="stand-in", messages=messages, max_tokens=2, logprobs=True, top_logprobs=1)
+    content = out.choices[0].logprobs.content
+    assert [c.token for c in content] == ["a", "b"] and [c.logprob for c in content] == [-0.5, -0.5]
+    assert [c.bytes for c in content] == [[97], [98]]
+    assert [[t.token for t in c.top_logprobs] for c in content] == [["a"], ["b"]]
+    stream = oai.chat.completions.create(model="stand-in", messages=messages, max_tokens=2, logprobs=True, stream=True)
+    streamed = [e.token for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "change", "param"),
+    [
+        ("completions", {"logprobs": 21}, "logprobs"),
+        ("completions", {"logprobs": 1, "echo": True}, "logprobs"),
+        ("chat", {"top_logprobs": 2}, "top_logprobs"),
+        ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ],
+)
+def test_logprobs_requests_that_cannot_be_served_are_refused(oai, endpoint, change, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        if endpoint == "completions":
+            oai.completions.create(model="stand-in", prompt="p", max_tokens=2, **change)
+        else:
+            oai.chat.completions.create(model="stand-in", messages=[{"role": "user", "content": "x"}], **change)
+    assert err.value.body["param"] == param
 
 
 # ---- numbers that are not numbers -------------------------------------------------------------------------

@@ -19,9 +19,9 @@ from typing import Annotated, Any, Literal, NamedTuple
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdserve.messages import RequestMetrics
-from pdserve.router.router import GenerateInput, RequestError, Router, RouterEvent
+from pdserve.router.router import GenerateInput, Logprob, RequestError, Router, RouterEvent
 
 MODES = ("colocated", "disaggregated", "auto")
 MAX_STOP_STRINGS = 4
@@ -141,6 +141,10 @@ class _Sampling(BaseModel):
         if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
             raise bad_request(f"stop: up to {MAX_STOP_STRINGS} non-empty strings", "stop")
 
+    def logprob_count(self) -> int | None:
+        """How many most-likely tokens to report beside each sampled one; None: no log-probabilities."""
+        return None
+
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
@@ -159,6 +163,7 @@ class _Sampling(BaseModel):
                 top_k=max(0, self.top_k or 0),
                 top_p=1.0 if self.top_p is None else self.top_p,
                 seed=seed,
+                logprobs=self.logprob_count(),
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
             )
@@ -174,7 +179,7 @@ class CompletionRequest(_Sampling):
         | list[list[Annotated[int, Field(strict=True)]]]
     )
     echo: StrictBool | None = False
-    logprobs: StrictInt | None = None
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
 
@@ -192,10 +197,15 @@ class CompletionRequest(_Sampling):
             )
         return batch
 
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
     def check(self) -> None:
         self.check_common()
-        if self.logprobs is not None:
-            raise bad_request("logprobs: not supported", "logprobs")
+        if self.logprobs is not None and self.echo:
+            raise bad_request(
+                "logprobs: not served with echo (the prompt's log-probabilities are not computed)", "logprobs"
+            )
         if self.best_of not in (None, 1):
             raise bad_request("best_of: not supported (only 1); for several completions use n", "best_of")
         if self.suffix:
@@ -226,14 +236,17 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool | None = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def check(self) -> None:
         self.check_common()
-        if self.logprobs or self.top_logprobs:
-            raise bad_request("logprobs: not supported", "logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs: needs logprobs to be true", "top_logprobs")
         if self.tools:
             raise bad_request("tools: not supported", "tools")
         if self.response_format not in (None, {"type": "text"}):
@@ -283,6 +296,9 @@ class StopMatcher:
 # ---- answers -------------------------------------------------------------------------------------------
 
 
+_JobEvent = tuple[str, list[int], str | None, Any, list[Logprob] | None]
+
+
 class Job:
     """One routed request (one choice of one prompt), as both endpoints serve it."""
 
@@ -312,8 +328,8 @@ class Job:
         except StopAsyncIteration:
             self.first = None
 
-    async def events(self) -> AsyncGenerator[tuple[str, list[int], str | None, Any], None]:
-        """(text, token ids, finish reason, metrics) per router event, with stop strings applied."""
+    async def events(self) -> AsyncGenerator[_JobEvent, None]:
+        """(text, token ids, finish reason, metrics, logprobs) per router event, with stop strings applied."""
         try:
             if self.first is not None:
                 out = self._apply(self.first)
@@ -328,23 +344,23 @@ class Job:
         finally:
             await self.stream.aclose()
 
-    def _apply(self, event: RouterEvent) -> tuple[str, list[int], str | None, Any]:
+    def _apply(self, event: RouterEvent) -> _JobEvent:
         self.num_tokens += len(event.token_ids)
         out = self._stopped(event)
         if out[3] is not None:
             self.metrics = out[3]
         return out
 
-    def _stopped(self, event: RouterEvent) -> tuple[str, list[int], str | None, Any]:
+    def _stopped(self, event: RouterEvent) -> _JobEvent:
         if self.stop is None:
-            return event.text, event.token_ids, event.finish_reason, event.metrics
+            return event.text, event.token_ids, event.finish_reason, event.metrics, event.logprobs
         text, matched = self.stop.push(event.text)
         if matched:
             metrics = event.metrics if event.metrics is not None else self.router.stopped(self.request_id)
-            return text, event.token_ids, "stop", metrics
+            return text, event.token_ids, "stop", metrics, event.logprobs
         if event.finish_reason is not None:
             text += self.stop.flush()
-        return text, event.token_ids, event.finish_reason, event.metrics
+        return text, event.token_ids, event.finish_reason, event.metrics, event.logprobs
 
 
 async def start_jobs(
@@ -403,6 +419,7 @@ class Answer(NamedTuple):
     prompt_param: str  # names the prompt in a refusal before the first event
     content: Callable[[str], dict[str, Any]]  # a whole answer's choice content
     deltas: Callable[[], Callable[[str, str | None], dict[str, Any]]]  # per stream: its chunks' choice content
+    logprobs: Callable[[Any, list[int], list[Logprob], int], dict[str, Any]]  # a choice's (or chunk's) logprobs
 
 
 def _text(text: str, reason: str | None = None) -> dict[str, Any]:
@@ -423,13 +440,48 @@ def _chat_deltas() -> Callable[[str, str | None], dict[str, Any]]:
     return delta
 
 
-COMPLETION = Answer("text_completion", "text_completion", "prompt", _text, lambda: _text)
+def _token_text(tokenizer: Any, token: int) -> str:
+    return tokenizer.decode([token]) if tokenizer is not None else ""
+
+
+def _completion_logprobs(tokenizer: Any, ids: list[int], logprobs: list[Logprob], offset: int) -> dict[str, Any]:
+    """The legacy completions shape: parallel lists, ``top_logprobs`` as {token text: logprob}, and each
+    token's character offset in the choice's text (from ``offset``)."""
+    tokens = [_token_text(tokenizer, t) for t in ids]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for lp, _ in logprobs],
+        "top_logprobs": [{_token_text(tokenizer, t): v for t, v in top} for _, top in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(tokenizer: Any, ids: list[int], logprobs: list[Logprob], offset: int) -> dict[str, Any]:
+    """The chat shape: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}``."""
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = [
+        {**entry(t, lp), "top_logprobs": [entry(alt, v) for alt, v in top]}
+        for t, (lp, top) in zip(ids, logprobs, strict=False)
+    ]
+    return {"content": content}
+
+
+COMPLETION = Answer("text_completion", "text_completion", "prompt", _text, lambda: _text, _completion_logprobs)
 CHAT = Answer(
     "chat.completion",
     "chat.completion.chunk",
     "messages",
     lambda text: {"message": {"role": "assistant", "content": text}},
     _chat_deltas,
+    _chat_logprobs,
 )
 
 
@@ -438,9 +490,14 @@ def _finish_reason(reason: str | None) -> str | None:
 
 
 def _choice(
-    index: int, content: dict[str, Any], token_ids: list[int], reason: str | None, body: _Sampling
+    index: int,
+    content: dict[str, Any],
+    token_ids: list[int],
+    reason: str | None,
+    body: _Sampling,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = {"index": index, **content, "logprobs": None, "finish_reason": _finish_reason(reason)}
+    choice = {"index": index, **content, "logprobs": logprobs, "finish_reason": _finish_reason(reason)}
     if body.return_token_ids:
         choice["token_ids"] = token_ids
     return choice
@@ -464,16 +521,19 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-async def _collect(job: Job) -> tuple[str, list[int], str | None]:
+async def _collect(job: Job) -> tuple[str, list[int], str | None, list[Logprob] | None]:
     texts: list[str] = [job.echo]
     token_ids: list[int] = []
     reason = None
+    logprobs: list[Logprob] | None = None
     async with contextlib.aclosing(job.events()) as events:
-        async for text, ids, finish, _ in events:
+        async for text, ids, finish, _, lps in events:
             texts.append(text)
             token_ids.extend(ids)
             reason = finish
-    return "".join(texts), token_ids, reason
+            if lps is not None:
+                logprobs = (logprobs or []) + lps
+    return "".join(texts), token_ids, reason, logprobs
 
 
 async def reply(jobs: list[Job], base: dict[str, Any], body: _Sampling, answer: Answer) -> dict[str, Any]:
@@ -487,30 +547,38 @@ async def reply(jobs: list[Job], base: dict[str, Any], body: _Sampling, answer: 
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+    tokenizer = jobs[0].router.tokenizer
     choices = [
-        _choice(job.index, answer.content(text), ids, reason, body)
-        for job, (text, ids, reason) in zip(jobs, results, strict=True)
+        _choice(
+            job.index,
+            answer.content(text),
+            ids,
+            reason,
+            body,
+            None if lps is None else answer.logprobs(tokenizer, ids, lps, len(job.echo)),
+        )
+        for job, (text, ids, reason, lps) in zip(jobs, results, strict=True)
     ]
     return {**base, "choices": choices, "usage": _usage(jobs, body.n or 1), **_ext(jobs)}
 
 
-_Event = tuple[Job, str, list[int], str | None]
+_Event = tuple[Job, str, list[int], str | None, list[Logprob] | None]
 
 
 async def _merged(jobs: list[Job]) -> AsyncGenerator[_Event, None]:
     """Every job's events as they come (one job: directly, without tasks)."""
     if len(jobs) == 1:
         async with contextlib.aclosing(jobs[0].events()) as events:
-            async for text, ids, reason, _ in events:
-                yield jobs[0], text, ids, reason
+            async for text, ids, reason, _, lps in events:
+                yield jobs[0], text, ids, reason, lps
         return
     queue: asyncio.Queue[_Event | BaseException | None] = asyncio.Queue()
 
     async def pump(job: Job) -> None:
         try:
             async with contextlib.aclosing(job.events()) as events:
-                async for text, ids, reason, _ in events:
-                    await queue.put((job, text, ids, reason))
+                async for text, ids, reason, _, lps in events:
+                    await queue.put((job, text, ids, reason, lps))
         except Exception as e:
             await queue.put(e)
         finally:
@@ -539,14 +607,18 @@ async def stream_reply(jobs: list[Job], base: dict[str, Any], body: _Sampling, a
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     deltas = {job.index: answer.deltas() for job in jobs}
     pending_echo = {job.index: job.echo for job in jobs if job.echo}
+    offsets = dict.fromkeys(deltas, 0)  # per choice: characters sent so far (the logprobs' text_offset)
+    tokenizer = jobs[0].router.tokenizer
     try:
         async with contextlib.aclosing(_merged(jobs)) as events:
-            async for job, text, ids, reason in events:
+            async for job, text, ids, reason, lps in events:
                 if pending_echo:
                     text = pending_echo.pop(job.index, "") + text
-                if not text and reason is None and not (body.return_token_ids and ids):
+                if not text and reason is None and not lps and not (body.return_token_ids and ids):
                     continue
-                choice = _choice(job.index, deltas[job.index](text, reason), ids, reason, body)
+                logprobs = None if lps is None else answer.logprobs(tokenizer, ids, lps, offsets[job.index])
+                offsets[job.index] += len(text)
+                choice = _choice(job.index, deltas[job.index](text, reason), ids, reason, body, logprobs)
                 last = reason is not None and len(jobs) == 1
                 yield _sse({**base, "choices": [choice], "usage": None, **(_ext(jobs) if last else {})})
         if len(jobs) > 1:

@@ -54,6 +54,9 @@ class GenerateInput(NamedTuple):
     stream_interval: int = 0  # tokens per message after the first; 0 = the deployment's (RouterConfig)
 
 
+Logprob = tuple[float, list[tuple[int, float]]]  # a token's log-probability, and the most likely (token, lp)
+
+
 class RouterEvent(NamedTuple):
     """What the client stream gets: new tokens and their text; on the last event how it ended."""
 
@@ -61,6 +64,7 @@ class RouterEvent(NamedTuple):
     text: str
     finish_reason: str | None = None
     metrics: RequestMetrics | None = None  # on the last event
+    logprobs: list[Logprob] | None = None  # per token, when the request asked (SamplingParams.logprobs)
 
     @property
     def finished(self) -> bool:
@@ -215,9 +219,16 @@ class Router:
         held until k have gathered (or the request ends): one event per k tokens.
         """
         received = time.time()
+        mode = req.mode
         try:
             request_id, prompt, params = await self._validate(req)
-            route = self._route(prompt, params, req.mode)
+            if params.logprobs is not None:  # the decode worker computes them: a prefill worker's first token has none
+                if mode == "disaggregated":
+                    raise RequestError(
+                        "INVALID_ARGUMENT", "logprobs: served colocated only; send mode colocated or auto"
+                    )
+                mode = "colocated"
+            route = self._route(prompt, params, mode)
         except RequestError as e:
             self.metrics.request_rejected(e.code, req.mode or self.config.default_mode)
             raise
@@ -243,6 +254,8 @@ class Router:
         finished = False
         interval = req.stream_interval or self.config.stream_interval
         held: list[int] = []
+        held_logprobs: list[Logprob] = []
+        with_logprobs = params.logprobs is not None
         try:
             if route.mode == "disaggregated":
                 first = await self._prefill_remotely(request, prompt, params)
@@ -260,12 +273,15 @@ class Router:
                 if last.error:
                     raise RequestError("UNAVAILABLE", last.error)
                 finished = last.finish_reason is not None
+                logprobs = [lp for u in updates for lp in (u.logprobs or ())] if with_logprobs else None
                 if interval > 1 and request.ttft_s is not None:
                     held.extend(token_ids)
+                    held_logprobs.extend(logprobs or ())
                     if len(held) < interval and not finished:
                         continue
                     token_ids, held = held, []
-                yield self._event(request, token_ids, last.finish_reason, last.stats)
+                    logprobs, held_logprobs = (held_logprobs if with_logprobs else None), []
+                yield self._event(request, token_ids, last.finish_reason, last.stats, logprobs)
         except BaseException as e:
             if not finished:
                 self._end_unfinished(request, e)
@@ -372,6 +388,7 @@ class Router:
         token_ids: list[int],
         finish_reason: str | None = None,
         stats: WorkerRequestStats | None = None,
+        logprobs: list[Logprob] | None = None,
     ) -> RouterEvent:
         detok = request.detokenizer
         text = detok.push(token_ids) if detok is not None and token_ids else ""
@@ -385,13 +402,13 @@ class Router:
                 self.metrics.token_gap(now - request.last_event, request.served.mode)
             request.last_event = now
         if finish_reason is None:
-            return RouterEvent(token_ids, text)
+            return RouterEvent(token_ids, text, logprobs=logprobs)
         if detok is not None:
             text += detok.flush()
         metrics = self._metrics(request, stats or WorkerRequestStats(), now)
         outcome = "aborted" if finish_reason == "abort" else "finished"
         self.metrics.request_finished(metrics, outcome, reason=finish_reason)
-        return RouterEvent(token_ids, text, finish_reason, metrics)
+        return RouterEvent(token_ids, text, finish_reason, metrics, logprobs)
 
     def _metrics(self, request: InFlight, stats: WorkerRequestStats, now: float) -> RequestMetrics:
         served, prefill = request.served, request.prefill
