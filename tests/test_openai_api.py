@@ -138,7 +138,7 @@ def test_a_stream_interval_sends_the_first_token_at_once_then_one_message_per_in
     assert "".join(ch.text for ch in grouped) == "".join(ch.text for ch in every)
     assert sizes[0] == 1 and all(n >= interval for n in sizes[1:-1]) and sum(sizes) == 17
     assert len(grouped) <= 1 + -(-16 // interval) < len(every)
-    assert grouped[-1].finished and grouped[-1].metrics.num_output_tokens == 17
+    assert grouped[-1].finished and grouped[-1].metadata.num_output_tokens == 17
     stream = oai.completions.create(
         model="tiny", prompt=PROMPT, max_tokens=17, temperature=0.0, stream=True,
         extra_body={"ignore_eos": True, "stream_interval": interval, "return_token_ids": True},
