@@ -164,8 +164,8 @@ def test_logprobs_of_greedy_tokens_are_the_most_likely(deployment, oai):
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
     for value, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
-        assert 1 <= len(top) <= 3 and value <= 0.0  # texts of byte tokens may coincide (U+FFFD)
-        assert max(top.values()) == pytest.approx(value)  # greedy: the sampled token is the most likely
+        assert 1 <= len(top) <= 3 and value <= 0.0  # byte tokens' texts may coincide (U+FFFD): a dict keeps one
+        assert all(v <= value + 1e-6 for v in top.values())  # greedy: the sampled token is the most likely
     chat = oai.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0.0,
         logprobs=True, top_logprobs=2, stream=True, extra_body={"ignore_eos": True},
