@@ -1,7 +1,8 @@
 """The gRPC front door (``grpc.aio``): proto messages in and out, the Router does the work.
 
 Besides the ``pdserve.PDServe`` service the server speaks the standard ``grpc.health.v1.Health``
-(Check and Watch) and server reflection, so grpc_health_probe, grpcurl and load balancers work.
+(Check and Watch) and server reflection in both versions (``grpc_reflection``), so grpc_health_probe,
+grpcurl and load balancers work; with a bearer token set, health and reflection stay open.
 """
 
 from __future__ import annotations
