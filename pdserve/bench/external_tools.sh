@@ -34,7 +34,12 @@ done
 rm -rf "$OUT"
 mkdir -p "$OUT"
 URL="http://127.0.0.1:$HTTP_PORT"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 NO_PROXY=127.0.0.1,localhost
+# No network: every connection but to 127.0.0.1 goes to a proxy that is not there, so a tool that tried to
+# download anything would fail. (HF_HUB_OFFLINE=1 is not set: aiperf then looks a local tokenizer folder up
+# in the hub's cache and fails.)
+export HTTP_PROXY=http://127.0.0.1:9 HTTPS_PROXY=http://127.0.0.1:9 ALL_PROXY=http://127.0.0.1:9
+export http_proxy=$HTTP_PROXY https_proxy=$HTTPS_PROXY all_proxy=$ALL_PROXY
+export NO_PROXY=127.0.0.1,localhost no_proxy=127.0.0.1,localhost HF_HUB_DISABLE_TELEMETRY=1 DO_NOT_TRACK=1
 
 "$PDSERVE" tokenizer export "$OUT/tokenizer" --model "$MODEL"
 
