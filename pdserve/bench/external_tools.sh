@@ -34,12 +34,12 @@ done
 rm -rf "$OUT"
 mkdir -p "$OUT"
 URL="http://127.0.0.1:$HTTP_PORT"
-# No network: every connection but to 127.0.0.1 goes to a proxy that is not there, so a tool that tried to
-# download anything would fail. (HF_HUB_OFFLINE=1 is not set: aiperf then looks a local tokenizer folder up
-# in the hub's cache and fails.)
-export HTTP_PROXY=http://127.0.0.1:9 HTTPS_PROXY=http://127.0.0.1:9 ALL_PROXY=http://127.0.0.1:9
-export http_proxy=$HTTP_PROXY https_proxy=$HTTPS_PROXY all_proxy=$ALL_PROXY
-export NO_PROXY=127.0.0.1,localhost no_proxy=127.0.0.1,localhost HF_HUB_DISABLE_TELEMETRY=1 DO_NOT_TRACK=1
+# The tools run without network: every connection but to 127.0.0.1 goes to a proxy that is not there, so a
+# tool that tried to download anything would fail. (Not HF_HUB_OFFLINE=1: with it, aiperf looks a local
+# tokenizer folder up in the hub's cache and fails.)
+DEAD=http://127.0.0.1:9
+OFFLINE=(env HTTP_PROXY=$DEAD HTTPS_PROXY=$DEAD ALL_PROXY=$DEAD http_proxy=$DEAD https_proxy=$DEAD all_proxy=$DEAD
+         NO_PROXY=127.0.0.1,localhost no_proxy=127.0.0.1,localhost HF_HUB_DISABLE_TELEMETRY=1 DO_NOT_TRACK=1)
 
 "$PDSERVE" tokenizer export "$OUT/tokenizer" --model "$MODEL"
 
@@ -61,7 +61,7 @@ echo "== pdserve bench"
     --warmup 2 --no-progress --out "$OUT/pdserve_bench" > "$OUT/pdserve_bench.log" 2>&1
 
 echo "== aiperf"
-"$TOOLS_VENV/bin/aiperf" profile --model "$MODEL" --url "$URL" --endpoint-type completions --streaming \
+"${OFFLINE[@]}" "$TOOLS_VENV/bin/aiperf" profile --model "$MODEL" --url "$URL" --endpoint-type completions --streaming \
     --tokenizer "$OUT/tokenizer" \
     --prompt-input-tokens-mean "$ISL" --prompt-input-tokens-stddev 0 \
     --prompt-output-tokens-mean "$OSL" --prompt-output-tokens-stddev 0 --extra-inputs ignore_eos:true \
@@ -70,7 +70,7 @@ echo "== aiperf"
     > "$OUT/aiperf.log" 2>&1
 
 echo "== guidellm"
-"$TOOLS_VENV/bin/guidellm" run \
+"${OFFLINE[@]}" "$TOOLS_VENV/bin/guidellm" run \
     --backend "kind=openai_http,target=$URL,model=$MODEL" \
     --profile "kind=concurrent,streams=$CONCURRENCY" \
     --constraint "kind=max_requests,count=$REQUESTS" \
