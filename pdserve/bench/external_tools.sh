@@ -55,7 +55,7 @@ done
 curl -sf "$URL/health" > /dev/null || { echo "error: pdserve serve did not become healthy" >&2; exit 1; }
 
 echo "== pdserve bench"
-"$PDSERVE" bench --target "$URL" --num-requests "$REQUESTS" --max-concurrency "$CONCURRENCY" \
+"$PDSERVE" bench --target "$URL" --architectures colocated --num-requests "$REQUESTS" --max-concurrency "$CONCURRENCY" \
     --prompt-len-mean "$ISL" --prompt-len-sigma 0 --prompt-len-min "$ISL" --prompt-len-max "$ISL" \
     --output-len-mean "$OSL" --output-len-sigma 0 --output-len-min "$OSL" --output-len-max "$OSL" \
     --warmup 2 --no-progress --out "$OUT/pdserve_bench" > "$OUT/pdserve_bench.log" 2>&1
@@ -71,7 +71,7 @@ echo "== aiperf"
 
 echo "== guidellm"
 "${OFFLINE[@]}" "$TOOLS_VENV/bin/guidellm" run \
-    --backend "kind=openai_http,target=$URL,model=$MODEL" \
+    --backend "kind=openai_http,target=$URL,model=$MODEL,request_format=/v1/completions" \
     --profile "kind=concurrent,streams=$CONCURRENCY" \
     --constraint "kind=max_requests,count=$REQUESTS" \
     --data "kind=synthetic_text,prompt_tokens=$ISL,output_tokens=$OSL" \

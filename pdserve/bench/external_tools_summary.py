@@ -45,10 +45,8 @@ def pdserve_bench(out: Path) -> Headline | None:
     path = out / "pdserve_bench" / "results.json"
     if not path.is_file():
         return None
-    doc = json.loads(path.read_text())
-    runs = _at(doc, "metrics") or _at(doc, "results") or doc
-    run = next(iter(runs.values())) if isinstance(runs, dict) and "ttft" not in runs else runs
-    metrics = _find(run, "ttft") or {}
+    runs = json.loads(path.read_text()).get("runs") or [{}]
+    metrics = _find(runs[0], "ttft") or {}
     completed = metrics.get("completed") or 0
     return Headline(
         "pdserve bench",
