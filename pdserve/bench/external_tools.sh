@@ -46,7 +46,8 @@ OFFLINE=(env HTTP_PROXY=$DEAD HTTPS_PROXY=$DEAD ALL_PROXY=$DEAD http_proxy=$DEAD
 "$PDSERVE" serve --model "$MODEL" --mode colocated --transport grpc --port "$GRPC_PORT" \
     --http-port "$HTTP_PORT" > "$OUT/serve.log" 2>&1 &
 SERVE_PID=$!
-trap 'kill -INT $SERVE_PID 2>/dev/null; wait $SERVE_PID 2>/dev/null || true' EXIT
+# serve stops on SIGTERM (a background job of a script ignores SIGINT)
+trap 'kill -TERM $SERVE_PID 2>/dev/null; wait $SERVE_PID 2>/dev/null || true' EXIT
 for _ in $(seq 1 240); do
     if curl -sf "$URL/health" > /dev/null 2>&1; then break; fi
     if ! kill -0 $SERVE_PID 2>/dev/null; then echo "error: pdserve serve exited (see $OUT/serve.log)" >&2; exit 1; fi
