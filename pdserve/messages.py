@@ -56,6 +56,8 @@ class TokenUpdate(NamedTuple):
     finish_reason: str | None = None  # "stop", "length" or "abort" on the last update
     error: str | None = None  # the request failed on the worker (finish_reason is then "abort")
     stats: WorkerRequestStats | None = None  # on the last update
+    # per token: (its log-probability, [(token, log-probability) of the most likely]), when asked for
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     @property
     def finished(self) -> bool:

@@ -297,20 +297,21 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 BAD_COMPLETIONS = [
     ({"model": "gpt-4o"}, 404, "model", "model_not_found"),
-    ({"n": 2}, 400, "n", "invalid_argument"),
+    ({"n": 0}, 400, "n", "invalid_argument"),
+    ({"best_of": 2}, 400, "best_of", "invalid_argument"),
     ({"temperature": -1}, 400, "temperature", "invalid_argument"),
     ({"top_p": 0}, 400, "top_p", "invalid_argument"),
     ({"max_tokens": 0}, 400, "max_tokens", "invalid_argument"),
     ({"max_tokens": 5000}, 400, "max_tokens", "invalid_argument"),  # over max_model_len: the router says so
     ({"prompt": ""}, 400, "prompt", "invalid_argument"),
-    ({"prompt": ["a", "b"]}, 400, "prompt", "invalid_argument"),
+    ({"prompt": ["a", ""]}, 400, "prompt", "invalid_argument"),
     ({"prompt": [1, 2, 999]}, 400, "prompt", "invalid_argument"),  # outside the vocabulary
     ({"prompt": [1] * 1024}, 400, "prompt", "invalid_argument"),  # no room to generate
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_argument"),
     ({"stream_options": {"include_usage": True}}, 400, "stream_options", "invalid_argument"),
     ({"presence_penalty": 0.5}, 400, "presence_penalty", "invalid_argument"),
-    ({"logprobs": 2}, 400, "logprobs", "invalid_argument"),
-    ({"echo": True}, 400, "echo", "invalid_argument"),
+    ({"logprobs": 21}, 400, "logprobs", "invalid_argument"),
+    ({"prompt": [1] * 500, "max_tokens": 600}, 400, "max_tokens", "invalid_argument"),  # over the context
     ({"extra_body": {"pdserve_mode": "sideways"}}, 400, "pdserve_mode", "invalid_argument"),
     ({"prompt": "x" * (MAX_QUEUED_PROMPT_TOKENS + 100)}, 429, None, "resource_exhausted"),  # load shed
 ]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import time
 import urllib.request
 
@@ -13,8 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, SamplingParams
-from pdserve.messages import RequestMetrics
+from pdserve.messages import RequestMetrics, StepStats, WorkerStats
 from pdserve.router.client import Client
+from pdserve.router.http_api import HttpServer, metrics_app
 from pdserve.router.metrics import RouterMetrics, is_kv_transfer_failure
 
 ENGINE = EngineConfig(
@@ -91,6 +94,89 @@ def test_request_metrics_land_in_the_right_series():
     assert value(s, "pdserve_prompt_tokens_total", mode="disaggregated") == 7
     assert value(s, "pdserve_router_info", router="router-3") == 1
     assert not is_kv_transfer_failure("no prefill worker available")
+    # every routed request counts by how it ended, and in the per-request token histograms
+    assert value(s, "pdserve_requests_finished_total", reason="stop") == 2  # the default for "finished"
+    assert value(s, "pdserve_requests_finished_total", reason="abort") == 1
+    assert value(s, "pdserve_requests_finished_total", reason="error") == 1
+    assert value(s, "pdserve_request_prompt_tokens_count", mode="disaggregated") == 2
+    assert value(s, "pdserve_request_prompt_tokens_sum", mode="disaggregated") == 7
+    assert value(s, "pdserve_request_generation_tokens_sum", mode="disaggregated") == 11
+    assert value(s, "pdserve_request_generation_tokens_bucket", mode="disaggregated", le="10.0") == 1  # the failed 0
+
+
+def test_finish_reasons_and_prefix_cache_counters():
+    m = RouterMetrics()
+    m.request_finished(RequestMetrics("a", "colocated", "d", num_prompt_tokens=100, num_cached_tokens=64), "finished",
+                       reason="length")  # fmt: skip
+    m.request_finished(RequestMetrics("b", "colocated", "d", num_prompt_tokens=50, num_cached_tokens=0), "finished",
+                       reason="stop")  # fmt: skip
+    m.request_finished(RequestMetrics("c", "colocated", "d", num_prompt_tokens=10), "aborted", reason="abort")
+    from prometheus_client import generate_latest
+
+    s = samples_of(generate_latest(m.registry).decode())
+    assert value(s, "pdserve_requests_finished_total", reason="length") == 1
+    assert value(s, "pdserve_requests_finished_total", reason="stop") == 1
+    assert value(s, "pdserve_requests_finished_total", reason="abort") == 1
+    assert value(s, "pdserve_prefix_cache_queries_total", mode="colocated") == 160
+    assert value(s, "pdserve_prefix_cache_hits_total", mode="colocated") == 64
+
+
+class StepsRouter:
+    """Stands in for ``Router`` when scraped: one decode worker whose steps the test appends."""
+
+    def __init__(self) -> None:
+        self.steps: list[StepStats] = []
+        self.active: dict[str, object] = {}
+        self.num_queued = 0
+        self.metrics = RouterMetrics()
+
+    def run_steps(self, *durations_and_prefill: tuple[float, int]) -> None:
+        for duration, prefill in durations_and_prefill:
+            started = time.time() + len(self.steps) * 1e-3
+            self.steps.append(StepStats(started, duration, num_prefill_tokens=prefill, num_decode_tokens=1))
+
+    async def stats(self, steps_since: float | None = None) -> list[WorkerStats]:
+        steps = tuple(s for s in self.steps if steps_since is None or s.started >= steps_since)
+        return [WorkerStats("decode-0", "decode", 100, 60, 15, 25, 1, 0, 0, 0, len(self.steps), 0, steps=steps)]
+
+
+def test_two_scrapers_see_the_same_cumulative_step_histograms():
+    """Two clients scrape the metrics port in turns while steps run: each step counts once, in one histogram,
+    and what one client reads does not depend on when the other scraped (the old averaged gauge did)."""
+    router = StepsRouter()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = HttpServer(metrics_app(router), "127.0.0.1", 0)  # type: ignore[arg-type]
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
+    url = f"http://127.0.0.1:{server.port}/metrics"
+    labels = {"worker": "decode-0", "role": "decode"}
+    try:
+        router.run_steps((0.5, 32), (0.01, 0), (0.02, 0))
+        first_a = scrape(url)
+        router.run_steps((0.03, 0), (0.25, 16))
+        first_b = scrape(url)
+        second_a = scrape(url)
+        router.run_steps((0.04, 0))
+        second_b = scrape(url)
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    assert value(first_a, "pdserve_worker_decode_step_seconds_count", **labels) == 2
+    assert value(first_a, "pdserve_worker_prefill_step_seconds_count", **labels) == 1
+    assert value(first_a, "pdserve_worker_prefill_step_seconds_sum", **labels) == pytest.approx(0.5)
+    assert first_b == second_a  # nothing ran between: a scrape changes nothing another client reads
+    assert value(first_b, "pdserve_worker_decode_step_seconds_count", **labels) == 3
+    assert value(first_b, "pdserve_worker_prefill_step_seconds_count", **labels) == 2
+    assert value(second_b, "pdserve_worker_decode_step_seconds_count", **labels) == 4
+    assert value(second_b, "pdserve_worker_decode_step_seconds_sum", **labels) == pytest.approx(0.1)
+    # client B's rate over its own interval is the truth, however client A's scrape fell in it
+    decode_between_b = value(second_b, "pdserve_worker_decode_step_seconds_sum", **labels) - value(
+        first_b, "pdserve_worker_decode_step_seconds_sum", **labels
+    )
+    assert decode_between_b == pytest.approx(0.04)
+    assert value(second_b, "pdserve_worker_kv_usage_ratio", **labels) == pytest.approx(0.25)
 
 
 # ---- a real deployment ---------------------------------------------------------------------------------
@@ -187,8 +273,21 @@ def test_scrape_after_traffic_counts_every_request(deployment):
         assert used == 0 and cached + free == 300 and cached > 0  # idle, with the prompt's prefix cached
         assert value(s, "pdserve_worker_running_requests", **labels) == 0
         assert value(s, "pdserve_worker_waiting_requests", **labels) == 0
-        assert value(s, "pdserve_worker_step_seconds", **labels) > 0
+        assert value(s, "pdserve_worker_prefill_step_seconds_count", **labels) > 0
+        assert value(s, "pdserve_worker_kv_usage_ratio", **labels) == 0
         assert ("pdserve_preemptions_total", tuple(sorted(labels.items()))) in s
+    assert value(s, "pdserve_worker_decode_step_seconds_count", worker="decode-0", role="decode") > 0
+    # how each routed request ended: ignore_eos, so by length, but for the stop string and the abort
+    assert value(s, "pdserve_requests_finished_total", reason="length") == 3 + 2 + 1
+    assert value(s, "pdserve_requests_finished_total", reason="stop") == 1
+    assert value(s, "pdserve_requests_finished_total", reason="abort") == 1
+    assert value(s, "pdserve_requests_finished_total", reason="error") == 0
+    assert value(s, "pdserve_request_prompt_tokens_count", mode="colocated") == finished_colocated + 1
+    assert value(s, "pdserve_request_generation_tokens_sum", mode="disaggregated") == 16
+    for mode in ("colocated", "disaggregated"):
+        queries = value(s, "pdserve_prefix_cache_queries_total", mode=mode)
+        assert queries == value(s, "pdserve_prompt_tokens_total", mode=mode)
+        assert 0 < value(s, "pdserve_prefix_cache_hits_total", mode=mode) < queries  # the same prompt, repeated
     assert value(s, "pdserve_router_active_requests") == 0
     assert value(s, "pdserve_router_info", router="router-0") == 1
 

@@ -8,8 +8,13 @@ tokens (= µs per token) in the router process(es) — with the share the same p
 for as long (Ray's threads, health pollers), measured right after — the worker and this client process.
 Then 1 vs 2 routers, and the floor: a bare ``grpc.aio`` server streaming one message per token.
 
+``--intervals 1,2,4,8``: the router's CPU per token when each request asks for one message per k tokens
+(the stream interval; the first token always goes out at once), tiny preset, 64 streams, one deployment,
+beside the bare ``grpc.aio`` server streaming k tokens per message.
+
     python bench/token_path_bench.py            # about 4 minutes on 2 cores
     python bench/token_path_bench.py --quick    # tiny preset, 64 streams, 1 vs 2 routers
+    python bench/token_path_bench.py --intervals 1,2,4,8   # only the stream-interval table
 """
 
 from __future__ import annotations
@@ -72,18 +77,28 @@ def offline_throughput(model: str, streams: int) -> float:
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
-async def _send_all(address: str, batch: list[list[int]], params: SamplingParams, channels: int) -> int:
+async def _send_all(
+    address: str, batch: list[list[int]], params: SamplingParams, channels: int, interval: int = 0
+) -> int:
+    return (await _send_counting(address, batch, params, channels, interval))[0]
+
+
+async def _send_counting(
+    address: str, batch: list[list[int]], params: SamplingParams, channels: int, interval: int = 0
+) -> tuple[int, int]:
+    """(tokens, messages) the streams received."""
     clients = [AsyncClient(address) for _ in range(channels)]
 
-    async def one(client: AsyncClient, prompt: list[int]) -> int:
-        return sum([len(c.token_ids) async for c in client.generate(prompt, params, mode="colocated")])
+    async def one(client: AsyncClient, prompt: list[int]) -> tuple[int, int]:
+        sizes = [len(c.token_ids) async for c in client.generate(prompt, params, "colocated", None, interval)]
+        return sum(sizes), len(sizes)
 
     try:
         counts = await asyncio.gather(*[one(clients[i % channels], p) for i, p in enumerate(batch)])
     finally:
         for c in clients:
             await c.close()
-    return sum(counts)
+    return sum(t for t, _ in counts), sum(m for _, m in counts)
 
 
 def _cpu_s(pid: int) -> float:
@@ -125,13 +140,15 @@ def served(model: str, streams: int, routers: int) -> tuple[float, float, float,
 
 
 class _BareStreamer(pb_grpc.PDServeServicer):
-    """A gRPC servicer that streams ``FLOOR_TOKENS`` one-token messages per call and does nothing else."""
+    """A gRPC servicer that streams ``FLOOR_TOKENS`` tokens per call, ``stream_interval`` per message (default
+    1), and does nothing else."""
 
-    async def Generate(self, request: object, context: object):
-
-        for i in range(FLOOR_TOKENS):
+    async def Generate(self, request: pb.GenerateRequest, context: object):
+        k = request.stream_interval or 1
+        for i in range(0, FLOOR_TOKENS, k):
             await asyncio.sleep(0)
-            yield pb.GenerateResponse(token_ids=[i], text="a")
+            n = min(k, FLOOR_TOKENS - i)
+            yield pb.GenerateResponse(token_ids=list(range(i, i + n)), text="a" * n)
 
 
 def _serve_bare(port_queue: multiprocessing.Queue) -> None:
@@ -145,9 +162,9 @@ def _serve_bare(port_queue: multiprocessing.Queue) -> None:
     asyncio.run(serve())
 
 
-def grpc_floor(streams: int = 64) -> float:
-    """Server CPU µs per message of a bare ``grpc.aio`` server streaming one token per message to
-    ``streams`` concurrent calls: the floor under any router that sends each token on its own."""
+def grpc_floor(streams: int = 64, interval: int = 1) -> float:
+    """Server CPU µs per token of a bare ``grpc.aio`` server streaming ``interval`` tokens per message to
+    ``streams`` concurrent calls (1: per message too): the floor under any router that sends as many."""
     ctx = multiprocessing.get_context("spawn")
     ports: multiprocessing.Queue = ctx.Queue()
     server = ctx.Process(target=_serve_bare, args=(ports,), daemon=True)
@@ -159,17 +176,64 @@ def grpc_floor(streams: int = 64) -> float:
             async with AsyncClient(address) as client:
 
                 async def one() -> int:
-                    return sum([len(c.token_ids) async for c in client.generate([1], SamplingParams())])
+                    chunks = client.generate([1], SamplingParams(), None, None, interval)
+                    return sum([len(c.token_ids) async for c in chunks])
 
                 return sum(await asyncio.gather(*[one() for _ in range(n)]))
 
         asyncio.run(run(4))  # warm-up
         before = _cpu_s(server.pid)  # type: ignore[arg-type]
-        messages = asyncio.run(run(streams))
-        return (_cpu_s(server.pid) - before) / messages * 1e6  # type: ignore[arg-type]
+        tokens = asyncio.run(run(streams))
+        return (_cpu_s(server.pid) - before) / tokens * 1e6  # type: ignore[arg-type]
     finally:
         server.terminate()
         server.join(10)
+
+
+class IntervalRow(NamedTuple):
+    interval: int
+    served_tok_s: float
+    messages_per_token: float
+    router_cpu_us_per_token: float
+    router_idle_us_per_token: float  # of which the router process spends idle
+    floor_us_per_token: float  # a bare grpc.aio server sending as many tokens per message
+
+
+def stream_intervals(intervals: list[int], model: str = "tiny", streams: int = 64) -> list[IntervalRow]:
+    """Router CPU per token at each stream interval, all on one deployment (one router, colocated)."""
+    config = DeploymentConfig(engine=engine_config(model, streams))
+    params = SamplingParams(max_tokens=OUTPUT_TOKENS[model], temperature=0.0, ignore_eos=True)
+    measured = []
+    with Deployment(config) as d:
+        warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        asyncio.run(_send_all(d.address, prompts(4, seed=99), warm, 1))
+        for k in intervals:
+            before = d.router_usage()
+            t0 = time.perf_counter()
+            tokens, messages = asyncio.run(_send_counting(d.address, prompts(streams), params, 1, k))
+            elapsed = time.perf_counter() - t0
+            after = d.router_usage()
+            time.sleep(IDLE_S)
+            idle = d.router_usage()
+            cpu = sum(a["cpu_s"] - b["cpu_s"] for a, b in zip(after, before, strict=True))
+            idle_rate = sum(i["cpu_s"] - a["cpu_s"] for i, a in zip(idle, after, strict=True)) / IDLE_S
+            measured.append((k, tokens / elapsed, messages / tokens, cpu / tokens * 1e6,
+                             min(cpu, idle_rate * elapsed) / tokens * 1e6))  # fmt: skip
+    return [IntervalRow(*m, floor_us_per_token=min(grpc_floor(streams, m[0]) for _ in range(3))) for m in measured]
+
+
+def print_interval_rows(rows: list[IntervalRow]) -> None:
+    print(
+        f"{'interval':>8} {'served tok/s':>12} {'msgs/token':>10} {'router us/token':>15} {'(idle)':>7} "
+        f"{'beyond idle':>11} {'grpc.aio floor us/token':>23}"
+    )
+    for r in rows:
+        busy = r.router_cpu_us_per_token - r.router_idle_us_per_token
+        print(
+            f"{r.interval:>8} {r.served_tok_s:>12.0f} {r.messages_per_token:>10.3f} {r.router_cpu_us_per_token:>15.1f} "
+            f"{r.router_idle_us_per_token:>7.1f} {busy:>11.1f} {r.floor_us_per_token:>23.1f}",
+            flush=True,
+        )
 
 
 def measure(model: str, streams: int, routers: int = 1) -> Row:
@@ -196,7 +260,23 @@ def print_rows(rows: list[Row]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny preset at 64 streams only, then 1 vs 2 routers")
+    p.add_argument(
+        "--intervals",
+        default=None,
+        help="comma-separated stream intervals (e.g. 1,2,4,8): only the router-CPU-per-token table at each",
+    )
     args = p.parse_args(argv)
+    if args.intervals:
+        intervals = [int(k) for k in args.intervals.split(",")]
+        if any(k < 1 for k in intervals):
+            p.error("--intervals: each must be >= 1")
+        ray.init(include_dashboard=False, log_to_driver=False)
+        try:
+            interval_rows = stream_intervals(intervals)
+        finally:
+            ray.shutdown()
+        print_interval_rows(interval_rows)
+        return 0
     grid = [("tiny", 64)] if args.quick else [(m, n) for m in ("tiny", "bench") for n in (16, 64, 256)]
     ray.init(include_dashboard=False, log_to_driver=False)
     try:

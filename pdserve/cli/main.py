@@ -151,6 +151,12 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
         help="refuse (RESOURCE_EXHAUSTED / HTTP 429) a request still without its first token after this long; "
         "default: no bound",
     )
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="tokens per streamed message after the first (a request may ask for its own); 1: every token",
+    )
 
 
 def deployment_config_from_args(args: argparse.Namespace):
@@ -180,6 +186,7 @@ def deployment_config_from_args(args: argparse.Namespace):
             auto_min_remote_tokens=args.auto_min_remote_tokens,
             auto_max_prefill_queue_tokens=args.auto_max_prefill_queue_tokens,
             max_queue_time_s=args.max_queue_time_s,
+            stream_interval=args.stream_interval,
         ),
     )
 
@@ -294,6 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
 PASSTHROUGH = {  # sub-commands with parsers of their own
     "bench": ("pdserve.bench.runner", "A/B benchmark of the real system (pdserve bench --help)"),
     "sim": ("pdserve.sim.cli", "step-time simulator (pdserve sim --help)"),
+    "tokenizer": (
+        "pdserve.cli.tokenizer",
+        "export the model's tokenizer for Hugging Face tools (pdserve tokenizer --help)",
+    ),
 }
 
 

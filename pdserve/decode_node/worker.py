@@ -218,10 +218,12 @@ class DecodeWorker:
         exit_process_soon(self.worker_id)
 
     def _update(self, out: RequestOutput) -> TokenUpdate:
+        logprobs = [(lp.logprob, lp.top) for lp in out.logprobs] if out.logprobs is not None else None
         if not out.finished:
-            return TokenUpdate(out.request_id, out.new_token_ids)
+            return TokenUpdate(out.request_id, out.new_token_ids, logprobs=logprobs)
         reason = out.finish_reason.value if out.finish_reason else "abort"
-        return TokenUpdate(out.request_id, out.new_token_ids, reason, stats=self._final_stats(out.request_id))
+        stats = self._final_stats(out.request_id)
+        return TokenUpdate(out.request_id, out.new_token_ids, reason, stats=stats, logprobs=logprobs)
 
     def _final_stats(self, request_id: str) -> WorkerRequestStats | None:
         served = self._served.pop(request_id, None)

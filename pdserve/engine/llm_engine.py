@@ -16,6 +16,7 @@ from pdserve.engine.block_manager import BlockManager, BlockUsage
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_block_bytes
 from pdserve.engine.request import FinishReason, Request, RequestStatus, RequestTimes
+from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -31,6 +32,7 @@ class RequestOutput(NamedTuple):
     new_text: str
     finished: bool
     finish_reason: FinishReason | None
+    logprobs: list[TokenLogprobs] | None = None  # per new token, when the request asked for them
 
 
 class Completion(NamedTuple):
@@ -224,7 +226,8 @@ class LLMEngine:
                 if hold:
                     self.held[rid] = request
                 self._forget(rid)
-            outputs.append(RequestOutput(rid, [token], text, reason is not None, reason))
+            lp = result.logprobs.get(rid)
+            outputs.append(RequestOutput(rid, [token], text, reason is not None, reason, None if lp is None else [lp]))
         self.step_history.append(
             StepStats(
                 started,

@@ -6,7 +6,7 @@ import torch
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model import AttentionMetadata, DecodeGroup, LlamaForCausalLM, PrefillSpan, Workspace
-from pdserve.engine.sampler import sample
+from pdserve.engine.sampler import TokenLogprobs, sample, token_logprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SchedulerOutput
 
@@ -35,11 +35,17 @@ def allocate_kv_cache(
 class StepResult:
     """Sampled tokens for the chunks that sample, keyed by request id; logits when asked for."""
 
-    __slots__ = ("logits", "tokens")
+    __slots__ = ("logits", "logprobs", "tokens")
 
-    def __init__(self, tokens: dict[str, int], logits: dict[str, torch.Tensor] | None) -> None:
+    def __init__(
+        self,
+        tokens: dict[str, int],
+        logits: dict[str, torch.Tensor] | None,
+        logprobs: dict[str, TokenLogprobs] | None = None,
+    ) -> None:
         self.tokens = tokens
         self.logits = logits
+        self.logprobs = logprobs or {}  # for the requests that asked (SamplingParams.logprobs)
 
 
 class ModelRunner:
@@ -77,7 +83,7 @@ class ModelRunner:
         ids = [c.request_id for c in sampling]
         tokens = sample(logits, [params[r] for r in ids], [seeds[r] for r in ids], [output_index[r] for r in ids])
         kept = {r: logits[i].cpu() for i, r in enumerate(ids)} if keep_logits else None
-        return StepResult(dict(zip(ids, tokens, strict=True)), kept)
+        return StepResult(dict(zip(ids, tokens, strict=True)), kept, _logprobs(logits, ids, tokens, params))
 
     @torch.inference_mode()
     def prompt_logits(self, output: SchedulerOutput) -> torch.Tensor:
@@ -127,6 +133,17 @@ class ModelRunner:
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _logprobs(
+    logits: torch.Tensor, ids: list[str], tokens: list[int], params: dict[str, SamplingParams]
+) -> dict[str, TokenLogprobs] | None:
+    """Log-probabilities of the rows whose requests asked for them (none computed otherwise)."""
+    rows = [i for i, r in enumerate(ids) if params[r].logprobs is not None]
+    if not rows:
+        return None
+    picked = token_logprobs(logits[rows], [tokens[i] for i in rows], [params[ids[i]].logprobs or 0 for i in rows])
+    return {ids[i]: lp for i, lp in zip(rows, picked, strict=True)}
 
 
 def gather_kv(kv_cache: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch.Tensor:

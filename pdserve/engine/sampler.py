@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from pdserve.engine.sampling_params import SamplingParams
@@ -16,6 +18,30 @@ def draw_seed(seed: int, token_index: int) -> int:
     x = (x * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x ^= x >> 27
     return x & 0x7FFFFFFFFFFFFFFF
+
+
+class TokenLogprobs(NamedTuple):
+    """The sampled token's log-probability under the model (before temperature, top-k and top-p), and the
+    ``k`` most likely tokens with theirs, most likely first."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprobs]:
+    """Log-probabilities for rows of ``logits`` ([B, vocab]) whose sampled ``tokens`` and top-``ks`` a request
+    asked for (``return logprobs``); one log_softmax per row, only for these rows."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(-1, torch.tensor(tokens, device=logits.device).unsqueeze(-1)).squeeze(-1).tolist()
+    k_max = max(ks, default=0)
+    if not k_max:
+        return [TokenLogprobs(lp, []) for lp in chosen]
+    values, indices = logprobs.topk(k_max, dim=-1)
+    values_rows, index_rows = values.tolist(), indices.tolist()
+    return [
+        TokenLogprobs(chosen[row], list(zip(index_rows[row][:k], values_rows[row][:k], strict=True)))
+        for row, k in enumerate(ks)
+    ]
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], token_indices: list[int]) -> list[int]:

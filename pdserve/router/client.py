@@ -28,13 +28,22 @@ class GenerateChunk(NamedTuple):
 
 
 def _request(
-    prompt: str | list[int], params: SamplingParams | None, mode: str | None, request_id: str | None
+    prompt: str | list[int],
+    params: SamplingParams | None,
+    mode: str | None,
+    request_id: str | None,
+    stream_interval: int = 0,
 ) -> pb.GenerateRequest:
     sampling = params_to_proto(params or SamplingParams())
     if mode is not None and mode not in MODE_ENUMS:
         raise ValueError(f"mode must be one of {', '.join(MODE_ENUMS)}, got {mode!r}")
+    if stream_interval < 0:
+        raise ValueError(f"stream_interval must be >= 0 (0: the deployment's), got {stream_interval!r}")
     req = pb.GenerateRequest(
-        request_id=request_id or "", sampling=sampling, mode=MODE_ENUMS[mode] if mode else pb.MODE_UNSPECIFIED
+        request_id=request_id or "",
+        sampling=sampling,
+        mode=MODE_ENUMS[mode] if mode else pb.MODE_UNSPECIFIED,
+        stream_interval=stream_interval,
     )
     if isinstance(prompt, str):
         req.text = prompt
@@ -84,13 +93,15 @@ class Client:
         params: SamplingParams | None = None,
         mode: str | None = None,
         request_id: str | None = None,
+        stream_interval: int = 0,
     ) -> Iterator[GenerateChunk]:
         """Stream chunks; raises ``grpc.RpcError`` (with the server's status and message) on failure.
 
-        Closing the iterator early cancels the request on the server.
+        Closing the iterator early cancels the request on the server. ``stream_interval``: tokens per
+        chunk after the first (0: the deployment's).
         """
         call = self._stub.Generate(
-            _request(prompt, params, mode, request_id), timeout=self.timeout_s, metadata=self._md
+            _request(prompt, params, mode, request_id, stream_interval), timeout=self.timeout_s, metadata=self._md
         )
         try:
             for resp in call:
@@ -139,9 +150,10 @@ class AsyncClient:
         params: SamplingParams | None = None,
         mode: str | None = None,
         request_id: str | None = None,
+        stream_interval: int = 0,
     ) -> AsyncGenerator[GenerateChunk, None]:
         call = self._stub.Generate(
-            _request(prompt, params, mode, request_id), timeout=self.timeout_s, metadata=self._md
+            _request(prompt, params, mode, request_id, stream_interval), timeout=self.timeout_s, metadata=self._md
         )
         try:
             async for resp in call:

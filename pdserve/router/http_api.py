@@ -1,30 +1,36 @@
 """The OpenAI-compatible HTTP front door (FastAPI on uvicorn), in the router process, on the same ``Router``.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming as server-sent
-events, or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). One choice per
-request (``n=1``) and one prompt per request. Sampling: ``max_tokens`` (chat: also
-``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop`` (up to 4 strings; the text
-is cut before the first match and the request ends with ``finish_reason="stop"``),
+events, or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``POST /tokenize``
+and ``POST /detokenize`` (vLLM's shapes). ``n`` choices per prompt and lists of prompts (each choice its
+own routed request; a seeded request's choice i draws from ``seed + i``), ``echo``. Sampling:
+``max_tokens`` (chat: also ``max_completion_tokens``; a prompt plus max_tokens over the context is a
+400; chat's default is the room the prompt leaves), ``temperature``, ``top_p``, ``seed``, ``stop`` (up to
+4 strings; the text is cut before the first match and the request ends with ``finish_reason="stop"``),
 ``stream_options.include_usage``. Extensions, as in vLLM: ``top_k``, ``ignore_eos``,
 ``stop_token_ids``, ``return_token_ids`` (each choice carries the ``token_ids`` it adds); pdserve's
-own: request field ``pdserve_mode`` (colocated, disaggregated, auto) and response field
-``pdserve_metrics`` (the ``RequestMetrics``; on the last chunk of a stream). A client's
+own: request fields ``pdserve_mode`` (colocated, disaggregated, auto) and ``stream_interval`` (tokens per
+streamed chunk after the first), response field ``pdserve_metrics`` (the ``RequestMetrics``, a list by
+choice index with several choices; on the last chunk of a stream). A client's
 ``X-Request-Id`` header becomes the request id the router and workers log (else ``cmpl-…`` /
 ``chatcmpl-…``); the response echoes it.
 
 Chat requests without ``max_tokens`` / ``max_completion_tokens`` get at most
-``RouterConfig.default_chat_max_tokens`` (completions: 16, as OpenAI's).
+``RouterConfig.default_chat_max_tokens``, and no more than the room the prompt leaves in the context
+(completions: 16, as OpenAI's). A request that asks for more than that room is refused (400).
 
 Limits: a request body over ``RouterConfig.max_request_bytes`` is answered 413 before it is parsed; a
 client that disconnects before its answer is complete has its request aborted on the workers (streamed
 or not). With a bearer token, ``/v1/`` and the explorer's ``/explorer/api/`` need it. With a certificate
 and key (``ServerSecurity``) the server speaks HTTPS only.
 
-Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: a bad parameter
-400, a missing token 401, an unknown model 404, a request id in use 409, a body too large 413, overload
-(RESOURCE_EXHAUSTED, also a request that waited past ``max_queue_time_s``) 429, no worker (UNAVAILABLE)
-503. A failure after a stream has started arrives as a last ``data: {"error": …}`` event. ``code`` is the
-router's gRPC status name in lower case (``invalid_argument``, …) or ``model_not_found``.
+Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, whatever the status: a
+bad parameter 400, a missing token 401 (with ``WWW-Authenticate``), an unknown model or route 404, a
+wrong method 405, a request id in use 409, a body too large 413, overload (RESOURCE_EXHAUSTED, also a
+request that waited past ``max_queue_time_s``) 429, no worker (UNAVAILABLE) 503. There is no ``/docs``
+page (it would load its scripts from a CDN); the schema is ``/openapi.json``. A failure after a stream
+has started arrives as a last ``data: {"error": …}`` event. ``code`` is the router's gRPC status name in
+lower case (``invalid_argument``, …) or ``model_not_found``.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.router.metrics import CONTENT_TYPE_LATEST
 from pdserve.router.openai_protocol import (
@@ -55,15 +62,19 @@ from pdserve.router.openai_protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    Job,
+    DetokenizeRequest,
     StopMatcher,
-    api_error,
+    TokenizeRequest,
     bad_request,
+    detokenize,
+    http_error,
     render_chat,
     reply,
+    start_jobs,
     stream_reply,
+    tokenize,
 )
-from pdserve.router.router import GenerateInput, RequestError, Router
+from pdserve.router.router import Router
 from pdserve.router.server import has_bearer_token
 
 log = logging.getLogger(__name__)
@@ -79,10 +90,12 @@ def build_app(router: Router, model_name: str, auth_token: str | None = None) ->
     Bearer <token>`` (an OpenAI client's ``api_key``); ``/health`` and ``/metrics`` stay open for probes
     and scrapers. A body over ``router.config.max_request_bytes`` is refused (413) before it is parsed.
     """
-    app = FastAPI(title="pdserve", description=__doc__, docs_url="/docs", redoc_url=None)
+    # No /docs page: FastAPI's loads its scripts from a CDN (blank offline); the schema is at /openapi.json.
+    app = FastAPI(title="pdserve", description=__doc__, docs_url=None, redoc_url=None)
     app.add_middleware(FrontDoor, auth_token=auth_token, max_body_bytes=router.config.max_request_bytes)
     app.add_exception_handler(ApiError, _api_error)  # type: ignore[arg-type]  # Starlette types handlers by Exception
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_exception)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected)
     api = _Endpoints(router, model_name)
     app.get("/health")(api.health)
@@ -91,7 +104,26 @@ def build_app(router: Router, model_name: str, auth_token: str | None = None) ->
     app.get("/v1/models/{model_id:path}")(api.model)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
+    _add_tokenizer_routes(app, api)
     return app
+
+
+def _add_tokenizer_routes(app: FastAPI, api: _Endpoints) -> None:
+    """vLLM's ``POST /tokenize`` and ``POST /detokenize`` (also under ``/v1/``)."""
+
+    async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            api._check_model(body.model)
+        return tokenize(api.router, body)
+
+    async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            api._check_model(body.model)
+        return detokenize(api.router, body)
+
+    for prefix in ("", "/v1"):
+        app.post(f"{prefix}/tokenize")(tokenize_route)
+        app.post(f"{prefix}/detokenize")(detokenize_route)
 
 
 def metrics_app(router: Router) -> FastAPI:
@@ -133,7 +165,8 @@ class FrontDoor:
         if self.auth_token is not None and scope["path"].startswith(PROTECTED_PREFIXES):
             if not has_bearer_token(headers.get("authorization", b""), self.auth_token):
                 why = "missing or wrong bearer token (Authorization header / api_key)"
-                await _send_error(send, ApiError(401, why, "invalid_request_error", None, "invalid_api_key"))
+                challenge = {"WWW-Authenticate": 'Bearer realm="pdserve"'}
+                await _send_error(send, ApiError(401, why, "invalid_request_error", None, "invalid_api_key", challenge))
                 return
         declared = headers.get("content-length")
         if declared is not None:
@@ -190,6 +223,18 @@ async def _api_error(request: Request, e: ApiError) -> JSONResponse:
     return e.response()
 
 
+async def _http_exception(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's own refusals (no such route 404, method not allowed 405, …) in OpenAI's error shape."""
+    detail = e.detail if isinstance(e.detail, str) else str(e.detail)
+    if e.status_code == 404:
+        detail = f"{request.method} {request.url.path}: no such route"
+    elif e.status_code == 405:
+        detail = (
+            f"{request.method} {request.url.path}: method not allowed (allowed: {(e.headers or {}).get('allow', '')})"
+        )
+    return http_error(e.status_code, detail, dict(e.headers) if e.headers else None).response()
+
+
 async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
     first = e.errors()[0] if e.errors() else {}
     if first.get("type") == "json_invalid":
@@ -228,8 +273,8 @@ class _Endpoints:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         body.check()
-        prompt = body.single_prompt()
-        return await self._serve(request, body, prompt, body.max_tokens or 16, "cmpl", COMPLETION)
+        prompts = body.prompts()
+        return await self._serve(request, body, prompts, body.max_tokens or 16, "cmpl", COMPLETION)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
@@ -238,9 +283,10 @@ class _Endpoints:
         if tokenizer is None:
             raise bad_request("messages: this model has no tokenizer, so it cannot chat", "messages")
         prompt = render_chat(tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
+        max_tokens = body.max_completion_tokens or body.max_tokens
         default = min(self.router.config.default_chat_max_tokens, self.router.limits.max_model_len)
-        max_tokens = body.max_completion_tokens or body.max_tokens or default
-        return await self._serve(request, body, prompt, max_tokens, "chatcmpl", CHAT)
+        fit = max_tokens is None  # the default shrinks to the room the prompt leaves; an explicit value must fit
+        return await self._serve(request, body, [prompt], max_tokens or default, "chatcmpl", CHAT, fit)
 
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -256,27 +302,23 @@ class _Endpoints:
         self,
         request: Request,
         body: CompletionRequest | ChatCompletionRequest,
-        prompt: str | list[int],
+        prompts: list[str | list[int]],
         max_tokens: int,
         prefix: str,
         answer: Answer,
+        fit_max_tokens: bool = False,
     ) -> Response:
-        """Route the request and wait for its first event (so that a refusal gets its HTTP status), then answer.
-
-        A client that disconnects before that (or before a whole answer is ready) has its request aborted.
-        """
+        """Route the request's choices and wait for their first events (so that a refusal gets its HTTP status),
+        then answer. A client that disconnects before that (or before a whole answer is ready) has its
+        requests aborted."""
         request_id = request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
-        params = body.sampling_params(max_tokens)
-        stream = self.router.generate(GenerateInput(request_id, prompt, params, body.pdserve_mode))
-        job = Job(self.router, request_id, body, stream)
+        echo = bool(getattr(body, "echo", False))
+        starting = start_jobs(
+            self.router, request_id, body, prompts, max_tokens, answer.prompt_param, fit_max_tokens, echo
+        )
         try:
-            first = await _unless_disconnected(request, anext(stream))
-        except StopAsyncIteration:
-            first = None
-        except RequestError as e:
-            raise api_error(e, answer.prompt_param) from None
+            jobs = await _unless_disconnected(request, starting)
         except ClientGone:
-            await stream.aclose()
             return Response(status_code=499)
         base = {
             "id": request_id,
@@ -286,10 +328,10 @@ class _Endpoints:
         }
         headers = {"X-Request-Id": request_id}
         if body.stream:
-            events = stream_reply(job, first, base, body, answer)
+            events = stream_reply(jobs, base, body, answer)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         try:
-            whole = await _unless_disconnected(request, reply(job, first, base, body, answer))
+            whole = await _unless_disconnected(request, reply(jobs, base, body, answer))
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; the request was aborted on the workers
         return JSONResponse(whole, headers=headers)

@@ -37,7 +37,14 @@ from pdserve.messages import RequestMetrics
 if TYPE_CHECKING:
     from pdserve.router.router import Router
 
-__all__ = ["CONTENT_TYPE_LATEST", "OUTCOMES", "RecentLatencies", "RouterMetrics", "is_kv_transfer_failure"]
+__all__ = [
+    "CONTENT_TYPE_LATEST",
+    "FINISH_REASONS",
+    "OUTCOMES",
+    "RecentLatencies",
+    "RouterMetrics",
+    "is_kv_transfer_failure",
+]
 
 OUTCOMES = ("finished", "aborted", "failed", "rejected")
 
@@ -50,6 +57,9 @@ disable_created_metrics()  # no *_created series: they double the exposition for
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 _BYTES_BUCKETS = tuple(float(1 << n) for n in range(10, 34, 2))  # 1 KiB .. 8 GiB
+_COUNT_BUCKETS = tuple(float(n) for n in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000))
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 def is_kv_transfer_failure(message: str) -> bool:
@@ -130,6 +140,43 @@ _METRICS = (
     ),
     _Spec("requests", Counter, "pdserve_requests", "Requests by mode and outcome", ("mode", "outcome")),
     _Spec("errors", Counter, "pdserve_request_errors", "Rejected and failed requests by gRPC status code", ("code",)),
+    _Spec(
+        "finished",
+        Counter,
+        "pdserve_requests_finished",
+        "Routed requests by how they ended: stop (EOS, stop token or string), length, abort, error",
+        ("reason",),
+    ),
+    _Spec(
+        "request_prompt_tokens",
+        Histogram,
+        "pdserve_request_prompt_tokens",
+        "Prompt tokens per routed request",
+        _MODE,
+        _COUNT_BUCKETS,
+    ),
+    _Spec(
+        "request_generation_tokens",
+        Histogram,
+        "pdserve_request_generation_tokens",
+        "Output tokens per routed request",
+        _MODE,
+        _COUNT_BUCKETS,
+    ),
+    _Spec(
+        "prefix_cache_queries",
+        Counter,
+        "pdserve_prefix_cache_queries",
+        "Prompt tokens looked up in the serving worker's prefix cache (routed requests)",
+        _MODE,
+    ),
+    _Spec(
+        "prefix_cache_hits",
+        Counter,
+        "pdserve_prefix_cache_hits",
+        "Of those, prompt tokens found cached (hit rate = hits / queries)",
+        _MODE,
+    ),
     _Spec("prompt_tokens", Counter, "pdserve_prompt_tokens", "Prompt tokens of ended requests", _MODE),
     _Spec("output_tokens", Counter, "pdserve_output_tokens", "Output tokens of ended requests", _MODE),
     _Spec(
@@ -169,14 +216,30 @@ _METRICS = (
         _WORKER,
     ),
     _Spec("blocks_free", Gauge, "pdserve_worker_kv_blocks_free", "Unused KV blocks holding nothing cached", _WORKER),
+    _Spec(
+        "kv_usage",
+        Gauge,
+        "pdserve_worker_kv_usage_ratio",
+        "Fraction of the worker's KV blocks held by requests (used / total; 1 = full)",
+        _WORKER,
+    ),
     _Spec("running", Gauge, "pdserve_worker_running_requests", "Requests running on the worker", _WORKER),
     _Spec("waiting", Gauge, "pdserve_worker_waiting_requests", "Requests waiting on the worker", _WORKER),
     _Spec(
-        "step_time",
-        Gauge,
-        "pdserve_worker_step_seconds",
-        "Mean engine step time since the previous scrape (kept while the worker is idle)",
+        "prefill_step_time",
+        Histogram,
+        "pdserve_worker_prefill_step_seconds",
+        "Engine steps that computed prompt tokens (possibly with decode tokens too): duration",
         _WORKER,
+        _STEP_BUCKETS,
+    ),
+    _Spec(
+        "decode_step_time",
+        Histogram,
+        "pdserve_worker_decode_step_seconds",
+        "Engine steps that computed decode tokens only: duration",
+        _WORKER,
+        _STEP_BUCKETS,
     ),
     _Spec("active", Gauge, "pdserve_router_active_requests", "Requests this router is serving"),
     _Spec(
@@ -201,6 +264,11 @@ class RouterMetrics:
     kv_transfer_bytes: Histogram
     requests: Counter
     errors: Counter
+    finished: Counter
+    request_prompt_tokens: Histogram
+    request_generation_tokens: Histogram
+    prefix_cache_queries: Counter
+    prefix_cache_hits: Counter
     prompt_tokens: Counter
     output_tokens: Counter
     fallbacks: Counter
@@ -211,9 +279,11 @@ class RouterMetrics:
     blocks_used: Gauge
     blocks_cached: Gauge
     blocks_free: Gauge
+    kv_usage: Gauge
     running: Gauge
     waiting: Gauge
-    step_time: Gauge
+    prefill_step_time: Histogram
+    decode_step_time: Histogram
     active: Gauge
     queued: Gauge
 
@@ -245,13 +315,23 @@ class RouterMetrics:
         self.requests.labels(mode=mode, outcome="rejected").inc()
         self.errors.labels(code=code).inc()
 
-    def request_finished(self, metrics: RequestMetrics, outcome: str, code: str = "", error: str = "") -> None:
+    def request_finished(
+        self, metrics: RequestMetrics, outcome: str, code: str = "", error: str = "", reason: str = ""
+    ) -> None:
         """A routed request ended (once per request). Latency histograms observe ``finished`` ones only.
 
-        ``code`` and ``error`` name the gRPC status and message of a ``failed`` request.
+        ``code`` and ``error`` name the gRPC status and message of a ``failed`` request; ``reason`` is how it
+        ended (``FINISH_REASONS``; by default ``stop`` for finished, ``abort`` for aborted, ``error`` for failed).
         """
         mode = metrics.mode
         self.requests.labels(mode=mode, outcome=outcome).inc()
+        if reason not in FINISH_REASONS:
+            reason = {"finished": "stop", "aborted": "abort"}.get(outcome, "error")
+        self.finished.labels(reason=reason).inc()
+        self.request_prompt_tokens.labels(mode=mode).observe(metrics.num_prompt_tokens)
+        self.request_generation_tokens.labels(mode=mode).observe(metrics.num_output_tokens)
+        self.prefix_cache_queries.labels(mode=mode).inc(metrics.num_prompt_tokens)
+        self.prefix_cache_hits.labels(mode=mode).inc(metrics.num_cached_tokens)
         self.prompt_tokens.labels(mode=mode).inc(metrics.num_prompt_tokens)
         self.output_tokens.labels(mode=mode).inc(metrics.num_output_tokens)
         if metrics.fallback:
@@ -277,7 +357,11 @@ class RouterMetrics:
 
     # ---- scraping ----------------------------------------------------------------------------------
     async def refresh(self, router: Router) -> None:
-        """Update the worker gauges and preemption counts from ``router.stats`` (one call per worker)."""
+        """Update the worker gauges, step histograms and preemption counts from ``router.stats``.
+
+        Each worker step is counted once, whoever scrapes: the histograms and counters are cumulative, so
+        several scrapers read the same series and none resets what another sees.
+        """
         async with self._refresh_lock:
             since = min(self._last_step.values(), default=self._created)
             for w in await router.stats(steps_since=since):
@@ -290,13 +374,16 @@ class RouterMetrics:
                 self.blocks_used.labels(**labels).set(w.blocks_used)
                 self.blocks_cached.labels(**labels).set(w.blocks_cached)
                 self.blocks_free.labels(**labels).set(w.blocks_free)
+                self.kv_usage.labels(**labels).set(w.blocks_used / w.blocks_total if w.blocks_total else 0.0)
                 self.running.labels(**labels).set(w.num_running)
                 self.waiting.labels(**labels).set(w.num_waiting)
                 last = self._last_step.get(w.worker_id, self._created)
                 steps = [s for s in w.steps if s.started > last]  # one engine loop: steps arrive in order
                 self.preemptions.labels(**labels).inc(sum(s.num_preempted for s in steps))
                 if steps:
-                    self.step_time.labels(**labels).set(sum(s.duration_s for s in steps) / len(steps))
+                    prefill, decode = self.prefill_step_time.labels(**labels), self.decode_step_time.labels(**labels)
+                    for step in steps:
+                        (prefill if step.num_prefill_tokens else decode).observe(step.duration_s)
                     self._last_step[w.worker_id] = max(s.started for s in steps)
             self.active.set(len(router.active))
             self.queued.set(router.num_queued)

@@ -36,6 +36,7 @@ class RouterConfig:
     max_queue_time_s: float | None = None
     prefix_index_blocks: int = 65536  # per decode worker
     prefix_caching: bool = True  # the workers cache prefixes; if not, the view remembers nothing
+    stream_interval: int = 1  # tokens per streamed message after the first; a request may ask for its own
 
     def __post_init__(self) -> None:
         if self.default_mode not in MODES:
@@ -48,6 +49,7 @@ class RouterConfig:
             "max_request_bytes",
             "default_chat_max_tokens",
             "prefix_index_blocks",
+            "stream_interval",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")

@@ -59,6 +59,13 @@ class GenerateInput(NamedTuple):
     prompt: str | list[int]
     params: SamplingParams
     mode: str | None  # None = the deployment's default
+    # True: params.max_tokens is a default, cut to the room the prompt leaves (a chat without max_tokens);
+    # False: a prompt plus max_tokens over max_model_len is refused (INVALID_ARGUMENT)
+    fit_max_tokens: bool = False
+    stream_interval: int = 0  # tokens per message after the first; 0 = the deployment's (RouterConfig)
+
+
+Logprob = tuple[float, list[tuple[int, float]]]  # a token's log-probability, and the most likely (token, lp)
 
 
 class RouterEvent(NamedTuple):
@@ -68,6 +75,7 @@ class RouterEvent(NamedTuple):
     text: str
     finish_reason: str | None = None
     metrics: RequestMetrics | None = None  # on the last event
+    logprobs: list[Logprob] | None = None  # per token, when the request asked (SamplingParams.logprobs)
 
     @property
     def finished(self) -> bool:
@@ -160,10 +168,22 @@ class Router:
                 "INVALID_ARGUMENT", f"prompt: token ids must be in [0, {self.limits.vocab_size}), got {bad[:5]}"
             )
         params = req.params
+        if req.stream_interval < 0:
+            raise RequestError("INVALID_ARGUMENT", f"stream_interval: must be >= 0, got {req.stream_interval}")
         if params.max_tokens > max_len:
             raise RequestError(
                 "INVALID_ARGUMENT", f"max_tokens: must be <= max_model_len={max_len}, got {params.max_tokens}"
             )
+        room = max_len - len(prompt)
+        if params.max_tokens > room:
+            if not req.fit_max_tokens:
+                raise RequestError(
+                    "INVALID_ARGUMENT",
+                    f"max_tokens: this model's maximum context length is {max_len} tokens, but {len(prompt)} prompt "
+                    f"tokens + max_tokens={params.max_tokens} is {len(prompt) + params.max_tokens}; "
+                    f"ask for at most {room} tokens or shorten the prompt",
+                )
+            params = replace(params, max_tokens=room)
         if params.seed is None:  # prefill and decode workers must draw from the same seed
             params = replace(params, seed=self._seeds.getrandbits(63))
         request_id = req.request_id or f"{self.router_id}-{next(self._ids)}-{random.getrandbits(32):08x}"
@@ -206,12 +226,20 @@ class Router:
         """Stream a request's tokens. Raises RequestError before the first event for bad input.
 
         The hot path is this one loop: one wake-up per batch of the request's updates, coalesced into
-        one event when the client lags behind.
+        one event when the client lags behind. With a stream interval k > 1, tokens after the first are
+        held until k have gathered (or the request ends): one event per k tokens.
         """
         received = time.time()
+        mode = req.mode
         try:
             request_id, prompt, params = await self._validate(req)
-            route = self._route(prompt, params, req.mode)
+            if params.logprobs is not None:  # the decode worker computes them: a prefill worker's first token has none
+                if mode == "disaggregated":
+                    raise RequestError(
+                        "INVALID_ARGUMENT", "logprobs: served colocated only; send mode colocated or auto"
+                    )
+                mode = "colocated"
+            route = self._route(prompt, params, mode)
         except RequestError as e:
             self.metrics.request_rejected(e.code, req.mode or self.config.default_mode)
             raise
@@ -235,6 +263,10 @@ class Router:
         self.policy.start(route, prompt, params.max_tokens)
         log.debug("%s: request %s starts as %s: %s", self.router_id, request_id, request.key, route)
         finished = False
+        interval = req.stream_interval or self.config.stream_interval
+        held: list[int] = []
+        held_logprobs: list[Logprob] = []
+        with_logprobs = params.logprobs is not None
         try:
             if route.mode == "disaggregated":
                 first = await self._within_queue_time(request, self._prefill_remotely(request, prompt, params))
@@ -255,7 +287,15 @@ class Router:
                 if last.error:
                     raise RequestError("UNAVAILABLE", last.error)
                 finished = last.finish_reason is not None
-                yield self._event(request, token_ids, last.finish_reason, last.stats)
+                logprobs = [lp for u in updates for lp in (u.logprobs or ())] if with_logprobs else None
+                if interval > 1 and request.ttft_s is not None:
+                    held.extend(token_ids)
+                    held_logprobs.extend(logprobs or ())
+                    if len(held) < interval and not finished:
+                        continue
+                    token_ids, held = held, []
+                    logprobs, held_logprobs = (held_logprobs if with_logprobs else None), []
+                yield self._event(request, token_ids, last.finish_reason, last.stats, logprobs)
         except BaseException as e:
             if not finished:
                 self._end_unfinished(request, e)
@@ -301,10 +341,13 @@ class Router:
             self.metrics.request_finished(metrics, "rejected", code, str(error))
             return
         if isinstance(error, (GeneratorExit, asyncio.CancelledError)) or code == "CANCELLED":
-            self.metrics.request_finished(metrics, "finished" if request.stopped else "aborted")
+            stopped = request.stopped  # a stop string matched in the front door
+            self.metrics.request_finished(
+                metrics, "finished" if stopped else "aborted", reason="stop" if stopped else "abort"
+            )
             return
         log.warning("%s: request %s failed: %s: %s", self.router_id, request.key, code, error)
-        self.metrics.request_finished(metrics, "failed", code, str(error))
+        self.metrics.request_finished(metrics, "failed", code, str(error), reason="error")
 
     def stopped(self, request_id: str) -> RequestMetrics | None:
         """Its consumer has what it wanted (a stop string matched) and closes the stream next: a finish.
@@ -377,6 +420,7 @@ class Router:
         token_ids: list[int],
         finish_reason: str | None = None,
         stats: WorkerRequestStats | None = None,
+        logprobs: list[Logprob] | None = None,
     ) -> RouterEvent:
         detok = request.detokenizer
         text = detok.push(token_ids) if detok is not None and token_ids else ""
@@ -390,12 +434,13 @@ class Router:
                 self.metrics.token_gap(now - request.last_event, request.served.mode)
             request.last_event = now
         if finish_reason is None:
-            return RouterEvent(token_ids, text)
+            return RouterEvent(token_ids, text, logprobs=logprobs)
         if detok is not None:
             text += detok.flush()
         metrics = self._metrics(request, stats or WorkerRequestStats(), now)
-        self.metrics.request_finished(metrics, "aborted" if finish_reason == "abort" else "finished")
-        return RouterEvent(token_ids, text, finish_reason, metrics)
+        outcome = "aborted" if finish_reason == "abort" else "finished"
+        self.metrics.request_finished(metrics, outcome, reason=finish_reason)
+        return RouterEvent(token_ids, text, finish_reason, metrics, logprobs)
 
     def _metrics(self, request: InFlight, stats: WorkerRequestStats, now: float) -> RequestMetrics:
         served, prefill = request.served, request.prefill

@@ -1,7 +1,8 @@
 """The gRPC front door (``grpc.aio``): proto messages in and out, the Router does the work.
 
 Besides the ``pdserve.PDServe`` service the server speaks the standard ``grpc.health.v1.Health``
-(Check and Watch) and server reflection, so grpc_health_probe, grpcurl and load balancers work.
+(Check and Watch) and server reflection in both versions (``grpc_reflection``), so grpc_health_probe,
+grpcurl and load balancers work; with a bearer token set, health and reflection stay open.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from google.protobuf import empty_pb2, unknown_fields
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.router.grpc_reflection import V1_SERVICE, V1ALPHA_SERVICE, enable_reflection
 from pdserve.router.router import GenerateInput, RequestError, Router
 from pdserve.router.wire import (
     GRPC_OPTIONS,
@@ -98,7 +99,13 @@ class PDServeServicer(pb_grpc.PDServeServicer):
         prompt = request.text if which == "text" else request.token_ids.ids
         if request.mode not in MODE_NAMES:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"mode: unknown value {request.mode}")
-        req = GenerateInput(request.request_id or None, prompt, params, MODE_NAMES[request.mode])
+        req = GenerateInput(
+            request.request_id or None,
+            prompt,
+            params,
+            MODE_NAMES[request.mode],
+            stream_interval=request.stream_interval,
+        )
         try:
             async for event in self.router.generate(req):
                 if event.metrics is None:
@@ -170,15 +177,23 @@ class ServerSecurity(NamedTuple):
 
 
 def has_bearer_token(authorization: str | bytes, token: str) -> bool:
-    """Whether an ``authorization`` header/metadata value is ``Bearer <token>``, compared in constant time."""
+    """Whether an ``authorization`` header/metadata value is ``Bearer <token>``, the token compared in constant
+    time; the scheme is case-insensitive (RFC 9110: ``bearer``, ``BEARER`` are the same scheme)."""
     given = authorization.encode() if isinstance(authorization, str) else authorization
-    return hmac.compare_digest(given, f"Bearer {token}".encode())
+    scheme, _, credentials = given.strip().partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), token.encode())
+
+
+_OPEN_SERVICES = tuple(f"/{service}/" for service in ("grpc.health.v1.Health", V1_SERVICE, V1ALPHA_SERVICE))
 
 
 class BearerTokenAuth(grpc.aio.ServerInterceptor):
     """Refuses (UNAUTHENTICATED) every call without the expected bearer token, comparing in constant time.
 
-    The standard health service stays open: load balancers and Kubernetes probe it without credentials.
+    The standard health service and server reflection (both versions) stay open: load balancers and
+    Kubernetes probe health without credentials, and a probe such as ``grpcurl`` needs reflection to call
+    it. Reflection serves only the schema, which is public (``pdserve/proto/pdserve.proto``); every
+    ``pdserve.PDServe`` call still needs the token.
     """
 
     def __init__(self, token: str) -> None:
@@ -191,7 +206,7 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
     async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
-        if details.method.startswith("/grpc.health.v1.Health/"):
+        if details.method.startswith(_OPEN_SERVICES):
             return await continuation(details)
         if has_bearer_token(dict(details.invocation_metadata or ()).get("authorization", ""), self._token):
             return await continuation(details)
@@ -259,7 +274,7 @@ async def start_server(router: Router, host: str, port: int, security: ServerSec
     for service in ("", SERVICE_NAME):
         await health.set(service, _SERVING)  # the router has just subscribed to every decode worker
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection((SERVICE_NAME, grpc_health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    enable_reflection(server, (SERVICE_NAME, grpc_health.SERVICE_NAME))
     address = f"{host}:{port}"
     if security.tls_cert_chain is not None and security.tls_private_key is not None:
         credentials = grpc.ssl_server_credentials([(security.tls_private_key, security.tls_cert_chain)])
