@@ -23,6 +23,7 @@ import pytest
 from pdserve.engine.tokenizer import ByteTokenizer
 from pdserve.messages import RequestMetrics
 from pdserve.router.http_api import HttpServer, build_app
+from pdserve.router.policy import RouterConfig
 from pdserve.router.router import GenerateInput, ModelLimits, RequestError, RouterEvent
 
 TOKEN = "tok-123"
@@ -42,6 +43,7 @@ class AlphabetRouter:
     def __init__(self) -> None:
         self.tokenizer = ByteTokenizer()
         self.limits = ModelLimits(ByteTokenizer.VOCAB_SIZE, 128)
+        self.config = RouterConfig()
         self.requests: list[GenerateInput] = []
 
     async def health(self) -> tuple[bool, str]:
