@@ -70,7 +70,8 @@ def sim_demo(tmp_path: Path, settings: PlaygroundSettings) -> dict[str, Any]:
         ({"itl_target_ms": 0}, "itl_target_ms", "between 1"),
         ({"num_decodes": 128}, "num_decodes", "between 0 and 127"),
         ({"prompt_len": 32768, "chunk_size": 16}, "chunk_size", "at most 1024"),
-        ({"prompt_len": 32768, "chunk_size": 32, "num_decodes": 127}, "chunk_size", "too long a run"),
+        ({"prompt_len": 32768, "chunk_size": 32, "num_decodes": 127}, "chunk_size", "request-steps"),
+        ({"prompt_len": 32768, "chunk_size": 32, "instances": 8}, "chunk_size", "run it yourself: pdserve sim --demo"),
         ({"colour": "red"}, "colour", "unknown setting"),
         ([1, 2], "body", "JSON object"),
     ],
@@ -384,4 +385,81 @@ def test_live_view_in_the_browser(deployment, page):
         assert int(cells[1]) >= 10 and all(float(c) > 0 for c in cells[2:]), cells
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / "live.png"), full_page=True)
+
+    # a burst the server refuses: its message stays through the once-a-second refresh, naming the label
+    page.fill("#burst-long-tokens", "5000")
+    page.click("#burst-send")
+    page.wait_for_timeout(2500)
+    refused = page.locator("[role=alert]:visible")
+    assert refused.count() == 1 and refused.text_content().startswith("Long prompt tokens"), refused.all_text_contents()
     assert_idle(deployment)
+
+
+# ---- what a person sees: the four bugs first, then the teaching parts ----------------------------------------
+
+PAGE_LABELS = (
+    "Prompt length",
+    "Chunk size",
+    "Concurrent decodes",
+    "ITL target",
+    "Architecture",
+    "Instances",
+    "Prefill (P)",
+    "Decode (D)",
+    "Hardware",
+    "Model",
+    "Tensor parallel",
+)
+INTERNAL_KEYS = ("chunk_size", "num_decodes", "prompt_len", "itl_target_ms", "tp:", "instances:", "prefill:")
+
+
+def displayed(page, selector: str) -> bool:
+    """Whether the element takes space on the page (its computed style and its ancestors', not the attribute)."""
+    script = "el => el.getClientRects().length > 0 && getComputedStyle(el).display !== 'none'"
+    return page.eval_on_selector(selector, script)
+
+
+def assert_names_a_label(message: str) -> None:
+    assert message.startswith(PAGE_LABELS), message
+    assert not any(key in message for key in INTERNAL_KEYS), message
+
+
+def test_fields_of_the_other_architecture_are_hidden(page, sim_url: str):
+    page.goto(sim_url)
+    ready_seq(page)
+    assert displayed(page, "#instances") and not displayed(page, "#prefill") and not displayed(page, "#decode")
+    page.select_option("#mode", "disaggregated")
+    ready_seq(page)
+    assert not displayed(page, "#instances") and displayed(page, "#prefill") and displayed(page, "#decode")
+
+
+def test_a_refused_setting_leaves_nothing_of_the_last_run(page, sim_url: str):
+    page.goto(sim_url)
+    seq = ready_seq(page)
+    assert "ran in" in page.text_content("#pg-elapsed")
+    page.select_option("#model", "Llama-3-70B")
+    page.wait_for_selector("#playground[data-state=error]")
+    assert page.text_content("#pg-command") == "" and page.text_content("#pg-elapsed") == ""
+    assert_names_a_label(page.text_content("#pg-error"))
+    page.select_option("#model", "Llama-3-8B")
+    ready_seq(page, seq)
+
+
+def test_an_empty_or_typed_over_number_names_its_label(page, sim_url: str):
+    page.goto(sim_url)
+    seq = ready_seq(page)
+    page.fill("#instances", "")
+    page.press("#instances", "Tab")  # the field's change event: what a person clearing it and moving on does
+    page.wait_for_selector("#playground[data-state=error]")
+    message = page.text_content("#pg-error")
+    assert_names_a_label(message)
+    assert message.startswith("Instances") and "got 0" not in message
+    page.fill("#instances", "2")
+    page.press("#instances", "Tab")
+    seq = ready_seq(page, seq)
+    page.click("#instances", click_count=3)
+    page.keyboard.type("e")  # Chromium takes only number characters; "e" alone is not a number
+    page.keyboard.press("Tab")
+    page.wait_for_selector("#playground[data-state=error]")
+    message = page.text_content("#pg-error")
+    assert message.startswith("Instances") and "got 0" not in message, message

@@ -6,6 +6,7 @@
   is attached (the live view).
 - ``POST /explorer/api/playground``: a JSON object of ``PlaygroundSettings`` → ``run_playground``'s
   result. One run at a time, in a thread (the simulator is CPU work; the router's loop keeps serving).
+- ``POST /explorer/api/sweep``: the same settings → ``run_chunk_sweep``'s result (the chunk-size sweep).
 - ``GET /explorer/api/live``: ``LiveView.snapshot`` and the recent bursts (409 without a deployment).
 - ``POST /explorer/api/burst``: a JSON object of ``BurstSpec`` fields → the burst's status (202).
 
@@ -47,6 +48,7 @@ def add_explorer(app: FastAPI, router: Router | None) -> ExplorerApi:
     app.mount("/explorer/static", StaticFiles(directory=STATIC), name="explorer-static")
     app.get("/explorer/api/options")(api.options)
     app.post("/explorer/api/playground")(api.playground)
+    app.post("/explorer/api/sweep")(api.sweep)
     app.get("/explorer/api/live")(api.live)
     app.post("/explorer/api/burst")(api.burst)
     return api
@@ -98,6 +100,18 @@ class ExplorerApi:
             settings = PlaygroundSettings.parse(await _json_body(request))
             async with self._sim_lock:
                 result = await asyncio.to_thread(run_playground, settings)
+        except SettingError as e:
+            return _error(400, str(e), e.field)
+        return JSONResponse(result)
+
+    async def sweep(self, request: Request) -> JSONResponse:
+        """The page's scenario at every chunk size of the sweep (``run_chunk_sweep``)."""
+        from pdserve.explorer.playground import run_chunk_sweep
+
+        try:
+            settings = PlaygroundSettings.parse(await _json_body(request))
+            async with self._sim_lock:
+                result = await asyncio.to_thread(run_chunk_sweep, settings)
         except SettingError as e:
             return _error(400, str(e), e.field)
         return JSONResponse(result)
