@@ -27,7 +27,7 @@ import pytest
 from idle import assert_idle
 
 from pdserve.explorer.live import BurstSpec
-from pdserve.explorer.playground import PlaygroundSettings, SettingError, run_playground
+from pdserve.explorer.playground import PlaygroundSettings, SettingError, run_chunk_sweep, run_playground
 from pdserve.router.metrics import RecentLatencies
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -208,6 +208,10 @@ def test_sim_serve_endpoints(sim_url: str):
     assert status == 200 and result["runs"][0]["figures"]["steps_in_window"] == 32
     status, error = call(sim_url + "explorer/api/playground", "POST", {"chunk_size": 0})
     assert status == 400 and error["error"]["field"] == "chunk_size" and "between 16" in error["error"]["message"]
+    status, sweep = call(sim_url + "explorer/api/sweep", "POST", {"num_decodes": 8})
+    assert status == 200 and [p["chunk_size"] for p in sweep["points"]] == [128, 256, 512, 1024, 2048, 4096, 8192]
+    status, error = call(sim_url + "explorer/api/sweep", "POST", {"num_decodes": -1})
+    assert status == 400 and error["error"]["field"] == "num_decodes"
     status, error = call(sim_url + "explorer/api/live")
     assert status == 409 and "pdserve serve --explorer-port" in error["error"]["message"]
     status, error = call(sim_url + "explorer/api/burst", "POST", {})
@@ -235,6 +239,8 @@ def page(browser):
     page = context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
+    expected_400 = "the server responded with a status of 400"  # a refused setting: the page shows why
+    page.on("console", lambda m: m.type == "error" and expected_400 not in m.text and errors.append(m.text))
     page.on("requestfailed", lambda r: errors.append(f"request failed: {r.url}"))
     page.on("request", lambda r: r.url.startswith(LOCAL) or errors.append(f"outside request: {r.url}"))
     yield page
@@ -463,3 +469,165 @@ def test_an_empty_or_typed_over_number_names_its_label(page, sim_url: str):
     page.wait_for_selector("#playground[data-state=error]")
     message = page.text_content("#pg-error")
     assert message.startswith("Instances") and "got 0" not in message, message
+
+
+def test_caption_definitions_and_assumptions_say_what_the_run_shows(page, sim_url: str):
+    page.goto(sim_url)
+    seq = ready_seq(page)
+    text = page.text_content("#pg-caption")
+    stall, ttft = page.text_content("#fig-stall"), page.text_content("#fig-ttft")
+    other_stall = figure_of(page, "#fig-stall-other")
+    assert f"worst decode stall was {stall}" in text and f"came {ttft} after it arrived" in text, text
+    assert "took 8 steps" in text and "24 streams" in text and "None of the 8 steps went over the 50 ms" in text
+    assert f"one {other_stall:.0f} ms step freezes all 24 streams" in text
+    assert f"{page.text_content('#fig-ratio')} this one" in text  # the stall ratio, as the figure shows it
+    assert "smaller chunk" in text and "later" in text  # the trade-off
+    for definition in page.locator(".figure .def").all_text_contents():
+        assert len(definition.split()) >= 8, definition
+    said = page.text_content("#assumptions")
+    assert all(words in said for words in ("H100", "989 TFLOP/s", "55% MFU", "3.35 TB/s", "2.0 ms", "compute-bound"))
+    assert displayed(page, "#lesson-note") and "toy cost model" in page.text_content("#lesson-note")
+
+    page.locator("#chunk_size").fill("9")  # 512: the caption states what moved
+    seq = ready_seq(page, seq)
+    text = page.text_content("#pg-caption")
+    assert "From chunk 1024 to 512" in text and "(lower)" in text and "(later)" in text, text
+    assert not displayed(page, "#lesson-note")
+    page.locator("#chunk_size").fill("11")
+    seq = ready_seq(page, seq)
+    assert "steps went over the 50 ms ITL target" in page.text_content("#pg-caption")  # 2048: 4 of 4
+
+    h100 = figure(page, "stall")  # the prefill steps are compute-bound: more bandwidth, the same stall
+    page.select_option("#hardware", "H200")
+    seq = ready_seq(page, seq)
+    assert figure(page, "stall") == pytest.approx(h100) and "H200" in page.text_content("#assumptions")
+
+
+def figure_of(page, selector: str) -> float:
+    return float(re.search(r"([\d.]+) ms", page.text_content(selector)).group(1))
+
+
+def current_step(page) -> tuple[int, str]:
+    assert page.locator("g.bar.current").count() == 1
+    return int(page.get_attribute("#step-through", "data-step")), page.text_content("#step-detail")
+
+
+def test_step_through_from_the_keyboard_and_by_touch(page, sim_url: str):
+    page.goto(sim_url)
+    ready_seq(page)
+    first, detail = current_step(page)
+    assert "Step 5 of 16" in detail and "chunk 1 of 8: tokens 1–1024" in detail and "24 streams waited" in detail
+    page.keyboard.press("Tab")
+    while page.evaluate("document.activeElement.id") != "step-through":  # reach it the way a keyboard user does
+        page.keyboard.press("Tab")
+    page.keyboard.press("ArrowRight")
+    index, detail = current_step(page)
+    assert index == first + 1 and "chunk 2 of 8: tokens 1025–2048" in detail
+    page.keyboard.press("ArrowLeft")
+    page.keyboard.press("ArrowLeft")
+    index, detail = current_step(page)
+    assert index == first - 1 and "no prefill" in detail
+    page.keyboard.press("Home")
+    assert "warm-up" in current_step(page)[1]
+    page.keyboard.press("End")
+    assert current_step(page)[0] == 15
+    page.keyboard.press("Home")
+    page.keyboard.press(" ")  # play
+    assert page.get_attribute("#step-play", "aria-pressed") == "true"
+    page.wait_for_function("Number(document.querySelector('#step-through').dataset.step) >= 2", timeout=5000)
+    page.keyboard.press(" ")
+    assert page.get_attribute("#step-play", "aria-pressed") == "false"
+    page.focus("#step-next")
+    page.keyboard.press("Enter")
+    stopped = current_step(page)[0]
+    assert stopped >= 3
+    # a tap on a bar of the other row picks that step: the detail needs no hovering
+    page.locator(".run[data-run=other] g.bar.long .hit").first.click()
+    index, detail = current_step(page)
+    assert page.get_attribute("#step-through", "data-run") == "1" and "8192 tokens of the long prompt" in detail
+
+
+def test_timelines_mark_the_prompt_and_share_a_time_range(page, sim_url: str):
+    page.goto(sim_url)
+    ready_seq(page)
+    timelines = page.locator("svg.timeline")
+    assert timelines.count() == 2
+    ranges = {(t.get_attribute("data-x0"), t.get_attribute("data-x1")) for t in timelines.all()}
+    assert len(ranges) == 1  # both rows, one time range
+    for t in timelines.all():
+        labels = t.locator("text.mark-label").all_text_contents()
+        assert labels == ["long prompt arrives", "its first token"]
+        assert len(t.locator("line.grid").all()) >= 3 and t.locator("line.target").count() == 1  # y values, target
+    fill = "el => getComputedStyle(el).fill"
+    warmup = page.locator(".run[data-run=main] g.bar.warmup rect.prefill").first.evaluate(fill)
+    long = page.locator(".run[data-run=main] g.bar.long rect.prefill").first.evaluate(fill)
+    assert warmup != long  # the streams' own prompts are told apart from the long prompt
+    page.check("#long32k")  # one 1.1 s bar: the 8 ms decode steps still show, on the log scale taller
+    ready_seq(page)
+    height = "el => el.getBoundingClientRect().height"
+    decode_only = page.locator(".run[data-run=main] g.bar.decode rect.decode").last
+    linear = decode_only.evaluate(height)
+    assert linear >= 1.5
+    page.select_option("#y-scale", "log")
+    assert "logarithmic" in page.text_content("#scale-note")
+    assert page.locator(".run[data-run=main] g.bar.decode rect.decode").last.evaluate(height) > 10 * linear
+
+
+def test_the_chunk_size_sweep_marks_the_knee(page, sim_url: str):
+    page.goto(sim_url)
+    ready_seq(page)
+    page.click("#sweep-run")
+    page.wait_for_selector("#sweep[data-state=ready]", timeout=60_000)
+    expected = run_chunk_sweep(PlaygroundSettings())
+    rows = page.locator("#sweep-table tbody tr")
+    assert rows.count() == 7
+    knee = expected["knee_chunk_size"]
+    assert knee == 1024 and page.get_attribute("#sweep-table tr.knee", "data-chunk") == str(knee)
+    assert page.get_attribute("#sweep-chart g.point.knee", "data-chunk") == str(knee)
+    assert f"chunk {knee}" in page.text_content("#sweep-status")
+    for point, row in zip(expected["points"], rows.all(), strict=True):
+        assert row.locator("td").nth(1).text_content() == f"{point['p99_itl_ms']:.1f}"
+    page.locator("#itl_target_ms").fill("100")
+    ready_seq(page)
+    assert page.get_attribute("#sweep", "data-state") == "stale"
+
+
+PHONE_CHECK = """() => {
+  const small = [];
+  for (const el of document.querySelectorAll('body *')) {
+    const own = [...el.childNodes].some((n) => n.nodeType === 3 && n.textContent.trim());
+    if (!own || !el.getClientRects().length) continue;
+    let size = parseFloat(getComputedStyle(el).fontSize);
+    const svg = el.closest('svg');
+    if (svg) size *= svg.getBoundingClientRect().width / svg.viewBox.baseVal.width;
+    if (size < 11) small.push(`${el.tagName} ${size.toFixed(1)}px: ${el.textContent.trim().slice(0, 30)}`);
+  }
+  const wide = [...document.querySelectorAll('body *')]
+    .filter((el) => el.getBoundingClientRect().right > innerWidth + 0.5 && !el.closest('.scroll'))
+    .map((el) => el.tagName + '.' + el.className);
+  return {scroll: document.documentElement.scrollWidth, width: innerWidth, small, wide};
+}"""
+
+
+def test_phone_layout(browser, sim_url: str):
+    context = browser.new_context(viewport={"width": 390, "height": 844}, has_touch=True, is_mobile=True)
+    page = context.new_page()
+    try:
+        page.goto(sim_url)
+        ready_seq(page)
+        page.click("#sweep-run")
+        page.wait_for_selector("#sweep[data-state=ready]", timeout=60_000)
+        page.select_option("#mode", "disaggregated")
+        ready_seq(page)
+        seen = page.evaluate(PHONE_CHECK)
+        assert seen["scroll"] <= seen["width"] == 390, seen["wide"]
+        assert not seen["wide"] and not seen["small"], seen
+        # the timelines keep their size and scroll sideways inside their box
+        box = page.locator(".run .scroll").first
+        assert box.evaluate("el => el.scrollWidth > el.clientWidth && el.getBoundingClientRect().right <= 390")
+        page.locator(".run[data-run=main] g.bar .hit").nth(3).tap()
+        assert page.locator("g.bar.current").count() == 1 and page.text_content("#step-detail").startswith("Step 4")
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SCREENSHOTS / "playground-phone.png"), full_page=False)
+    finally:
+        context.close()
