@@ -386,6 +386,9 @@ def test_live_view_in_the_browser(deployment, page):
         assert page.locator(f"div.worker[data-worker='{name}'] g.bar").count() > 0, name
     prefill_bars = page.locator("div.worker[data-worker='prefill-0'] rect.step.prefill").count()
     assert prefill_bars > 0
+    for name in names:  # the ITL target line and the y-axis values, as in the playground
+        timeline = page.locator(f"div.worker[data-worker='{name}'] svg.timeline")
+        assert timeline.locator("line.target").count() == 1 and timeline.locator("line.grid").count() >= 2, name
     for mode in ("disaggregated", "colocated"):
         cells = page.locator(f"#latency tr[data-mode={mode}] td").all_text_contents()
         assert int(cells[1]) >= 10 and all(float(c) > 0 for c in cells[2:]), cells
@@ -609,7 +612,7 @@ PHONE_CHECK = """() => {
 }"""
 
 
-def test_phone_layout(browser, sim_url: str):
+def test_phone_layout_in_the_browser(browser, sim_url: str):
     context = browser.new_context(viewport={"width": 390, "height": 844}, has_touch=True, is_mobile=True)
     page = context.new_page()
     try:
@@ -631,3 +634,30 @@ def test_phone_layout(browser, sim_url: str):
         page.screenshot(path=str(SCREENSHOTS / "playground-phone.png"), full_page=False)
     finally:
         context.close()
+
+
+def test_walkthrough_in_the_browser(page, sim_url: str):
+    """The docs' walk-through, as a learner does it: chunk 2048, then 512, a step of each, then the sweep.
+    The page alone says why 512 stalls less and what it costs (and the screenshots show it)."""
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.goto(sim_url)
+    seq = ready_seq(page)
+    seen = {}
+    for index, chunk in ((11, 2048), (9, 512)):
+        page.locator("#chunk_size").fill(str(index))
+        seq = ready_seq(page, seq)
+        page.focus("#step-through")
+        page.keyboard.press("ArrowRight")  # the long prompt's second chunk
+        detail = page.text_content("#step-detail")
+        assert f"{chunk} tokens of the long prompt (chunk 2 of {8192 // chunk}" in detail and "compute-bound" in detail
+        seen[chunk] = {name: figure(page, name) for name in ("stall", "ttft", "over")}
+        seen[chunk]["caption"] = page.text_content("#pg-caption")
+        seen[chunk]["detail"] = detail
+        page.locator("#pg-result").screenshot(path=str(SCREENSHOTS / f"walkthrough-chunk-{chunk}.png"))
+    assert seen[512]["stall"] < seen[2048]["stall"] / 3 and seen[512]["ttft"] > seen[2048]["ttft"]
+    assert seen[2048]["over"] == 4 and seen[512]["over"] == 0
+    assert "over the 50 ms ITL target" in seen[2048]["detail"] and "within the 50 ms" in seen[512]["detail"]
+    assert "From chunk 2048 to 512" in seen[512]["caption"] and "(lower)" in seen[512]["caption"]
+    page.click("#sweep-run")
+    page.wait_for_selector("#sweep[data-state=ready]", timeout=60_000)
+    page.locator("#sweep").screenshot(path=str(SCREENSHOTS / "sweep.png"))

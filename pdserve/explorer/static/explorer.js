@@ -263,7 +263,7 @@ function drawTimelines(data) {
     return peak;
   });
   const shared = Math.max(...peaks);
-  const width = Math.max(560, Math.floor($("pg-timelines").clientWidth - 2));
+  const width = Math.max(560, Math.floor($("pg-timelines").clientWidth - 32)); // inside the box's padding
   timelineBars = [[], []];
   const boxes = data.runs.map((run, r) => {
     const box = document.createElement("div");
@@ -577,7 +577,7 @@ function caption(data, previous) {
   const windowMax = Math.max(0, ...main.instances.flatMap((inst) => inst.steps.filter((s) => s[0] >= -1e-6 && s[0] < main.first_token_ms && s[5] > 0).map((s) => s[1])));
   if (f.steps_over_target) {
     const why = main.chunked
-      ? `each carried a ${st.chunk_size}-token chunk, and the prefill work alone of such a chunk is more than the target leaves`
+      ? `each carried a ${st.chunk_size}-token chunk next to the decodes, and the chunk's prefill work made the step longer than the target`
       : "it carried the whole prompt";
     parts.push(
       `${f.steps_over_target} of ${f.steps_in_window} steps went over the ${target} ms ITL target (the longest ${fmt(windowMax)} ms): ${why}. The worst decode stall was ${fmt(f.worst_decode_stall_ms)} ms.`,
@@ -752,7 +752,8 @@ function drawSweep(data) {
     const y = ys(p.p99_itl_ms);
     const g = svg("g", { class: p.chunk_size === knee ? "point knee" : "point", "data-chunk": p.chunk_size });
     g.append(svg("circle", { cx: x, cy: y, r: p.chunk_size === knee ? 7 : 4 }));
-    g.append(text(x - 6, y - 9, p.chunk_size === knee ? `knee: ${p.chunk_size}` : String(p.chunk_size), { "text-anchor": "end" }));
+    if (p.chunk_size === knee) g.append(text(x + 10, y + 18, `knee: chunk ${p.chunk_size}`));
+    else g.append(text(x - 6, y - 9, String(p.chunk_size), { "text-anchor": "end" }));
     root.append(g);
   }
   $("sweep-chart").replaceChildren(root);
@@ -824,7 +825,7 @@ function drawLive(data) {
   if (!Number.isFinite(target) || target <= 0) target = null;
   let ymax = target ? target * 1.25 : 1;
   for (const w of data.workers) for (const s of w.steps) ymax = Math.max(ymax, s[1]);
-  const width = Math.max(560, Math.floor($("workers").clientWidth - 2));
+  const width = Math.max(560, Math.floor($("workers").clientWidth - 32));
   const cards = data.workers.map((w) => {
     const card = document.createElement("div");
     card.className = `worker ${w.state}`;
