@@ -661,3 +661,37 @@ def test_walkthrough_in_the_browser(page, sim_url: str):
     page.click("#sweep-run")
     page.wait_for_selector("#sweep[data-state=ready]", timeout=60_000)
     page.locator("#sweep").screenshot(path=str(SCREENSHOTS / "sweep.png"))
+
+
+def test_every_refusal_names_a_label_on_the_page(page, sim_url: str):
+    """The server's refusals, reached through the page's own controls: each message starts with the label
+    of the control to change, never an internal key."""
+    page.goto(sim_url)
+    seq = ready_seq(page)
+
+    def refused(change: Any, starts: str, *words: str) -> None:
+        shown = int(page.get_attribute("#playground", "data-errors") or 0)
+        change()
+        page.wait_for_function(f"Number(document.querySelector('#playground').dataset.errors || 0) > {shown}")
+        message = page.text_content("#pg-error")
+        assert_names_a_label(message)
+        assert message.startswith(starts) and all(w in message for w in words), message
+
+    def eight_instances() -> None:
+        page.fill("#instances", "8")
+        page.press("#instances", "Tab")
+
+    refused(lambda: page.select_option("#model", "Llama-3-70B"), "Tensor parallel", "does not fit")
+    refused(lambda: page.select_option("#tp", "2"), "Concurrent decodes", "KV cache holds")
+    refused(lambda: page.select_option("#model", "bench"), "Prompt length", "at most 8192 tokens")
+    page.select_option("#model", "Llama-3-8B")
+    page.select_option("#tp", "1")
+    seq = ready_seq(page, seq)
+    page.check("#long32k")
+    page.locator("#chunk_size").fill("5")  # 32k in chunks of 32 ...
+    seq = ready_seq(page, seq)
+    command = "--instances 8 --demo-prompt-len 32768 --demo-chunk 32 "  # ... on 8 instances: past the work limit
+    refused(eight_instances, "Chunk size", "fewer instances", "pdserve sim --demo", command)
+    page.fill("#instances", "1")
+    page.press("#instances", "Tab")
+    ready_seq(page, seq)

@@ -198,6 +198,7 @@ function playgroundError(message) {
   lastData = null;
   pause();
   section.dataset.state = "error";
+  section.dataset.errors = String(Number(section.dataset.errors || 0) + 1); // messages shown so far
   section.removeAttribute("aria-busy");
 }
 
