@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,14 @@ import pytest
 from idle import assert_idle
 
 from pdserve.explorer.live import BurstSpec
-from pdserve.explorer.playground import PlaygroundSettings, SettingError, run_chunk_sweep, run_playground
+from pdserve.explorer.playground import (
+    MAX_WORK,
+    PlaygroundSettings,
+    SettingError,
+    estimated_work,
+    run_chunk_sweep,
+    run_playground,
+)
 from pdserve.router.metrics import RecentLatencies
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,6 +88,18 @@ def test_bad_settings_name_the_control(body: Any, field: str, words: str):
     with pytest.raises(SettingError, match=words) as e:
         PlaygroundSettings.parse(body)
     assert e.value.field == field
+
+
+def test_the_work_limit_counts_instances():
+    """The same 32k prompt in chunks of 32 (about 1.3 s on a 2-core VM for one instance) is refused on 8
+    instances, where every instance steps through the window, and on 4 prefill + 4 decode instances."""
+    one = {"prompt_len": 32768, "chunk_size": 32}
+    assert estimated_work(PlaygroundSettings.parse(one)) <= MAX_WORK
+    for more in ({"instances": 8}, {"mode": "disaggregated", "prefill": 4, "decode": 4}):
+        settings = PlaygroundSettings(**{**asdict(PlaygroundSettings()), **one, **more})
+        assert estimated_work(settings) > 3 * MAX_WORK
+        with pytest.raises(SettingError, match="pdserve sim --demo"):
+            settings.check()
 
 
 @pytest.mark.parametrize(

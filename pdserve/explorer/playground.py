@@ -27,6 +27,7 @@ MAX_CHUNKS = 1024  # prompt_len / chunk_size: more steps than this would keep th
 MAX_WORK = 150_000  # estimated_work's request-steps: about 2-4 s per change on a 2-core VM
 STEP_WORK = 50  # one simulated step costs about as much as placing 50 requests in a step
 WARMUP_RERUNS = 4  # the streams' warm-up is simulated about this many times (the demo reruns to a horizon)
+BATCH_WORK = 64  # a step of n requests costs n x (1 + n / BATCH_WORK) request-steps
 MAX_INSTANCES = 8
 MAX_DECODES = 127  # the long prompt needs a place in a step of at most max_num_seqs (128) requests
 
@@ -129,15 +130,17 @@ _DEFAULTS = PlaygroundSettings()
 def estimated_work(settings: PlaygroundSettings) -> int:
     """What a playground run costs the server, in request-steps (one request placed in one simulated step):
     every instance steps through the window (one step per chunk of the long prompt, ``STEP_WORK`` each),
-    the window's steps carry all the requests, and the streams' warm-up (their 512-token prompts in chunks)
-    is simulated ``WARMUP_RERUNS`` times. Counts instances: eight idle instances step as often as one busy one.
-    Both runs count (chunked at ``chunk_size`` and unchunked), whichever the settings show first."""
+    the window's steps carry all the requests (a fuller step costs more per request), and the streams'
+    warm-up (their 512-token prompts in chunks) is simulated ``WARMUP_RERUNS`` times. Counts instances:
+    eight idle instances step as often as one busy one. Both runs count (chunked at ``chunk_size`` and
+    unchunked), whichever the settings show first."""
 
     def one_run(chunk: int) -> int:
         chunks = -(-settings.prompt_len // chunk)
         warmup_steps = -(-settings.num_decodes * 512 // chunk)
         requests = settings.num_decodes + 1
-        return chunks * settings.total_instances * STEP_WORK + (chunks + WARMUP_RERUNS * warmup_steps) * requests
+        per_step = requests * (1 + requests / BATCH_WORK)  # a fuller step costs more per request
+        return chunks * settings.total_instances * STEP_WORK + int((chunks + WARMUP_RERUNS * warmup_steps) * per_step)
 
     return one_run(settings.chunk_size) + one_run(settings.prompt_len)  # the run as set and the flipped one
 
