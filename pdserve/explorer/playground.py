@@ -282,6 +282,7 @@ def _step_json(step: StepStats, t0: float, cost_model: CostModel, role: str) -> 
 # ---- what the page explains: step kinds, the cost model's assumptions, the chunk-size sweep ------------------
 
 SWEEP_CHUNKS = (128, 256, 512, 1024, 2048, 4096, 8192)  # the lesson's exercise: chunk 128 ... 8192
+SWEEP_MAX_WORK = 2 * MAX_WORK  # all the sweep's runs together
 
 
 def with_run_detail(run: dict[str, Any], result: DemoResult, cost_model: CostModel) -> dict[str, Any]:
@@ -358,8 +359,9 @@ def cost_model_assumptions(cost_model: CostModel) -> dict[str, Any]:
 def run_chunk_sweep(settings: PlaygroundSettings) -> dict[str, Any]:
     """The page's scenario with chunking on at every chunk size of ``SWEEP_CHUNKS`` up to the prompt
     length: p99 ITL and worst stall against prefill throughput, and the knee for the ITL target (the
-    largest prefill throughput whose p99 ITL meets it). A chunk size past the page's work limit is listed
-    as skipped. Raises SettingError as ``run_playground`` does."""
+    largest prefill throughput whose p99 ITL meets it). A chunk size past the page's work limit, or past
+    the sweep's (``SWEEP_MAX_WORK`` for all its runs, the largest chunks first), is listed as skipped.
+    Raises SettingError as ``run_playground`` does."""
     from pdserve.sim.cli import build_parser, demo_architecture, make_setup
     from pdserve.sim.demo import run_chunked_prefill_demo
 
@@ -371,12 +373,18 @@ def run_chunk_sweep(settings: PlaygroundSettings) -> dict[str, Any]:
         raise SettingError("hardware", str(e)) from None
     _check_fits(settings, setup.cost_model)
     points: list[dict[str, Any]] = []
-    for chunk in [c for c in SWEEP_CHUNKS if c <= max(settings.prompt_len, SWEEP_CHUNKS[0])]:
+    budget = SWEEP_MAX_WORK
+    for chunk in sorted((c for c in SWEEP_CHUNKS if c <= max(settings.prompt_len, SWEEP_CHUNKS[0])), reverse=True):
         point: dict[str, Any] = {"chunk_size": chunk}
+        at_chunk = PlaygroundSettings(**{**asdict(settings), "chunk_size": chunk, "chunking": True})
         try:
-            PlaygroundSettings(**{**asdict(settings), "chunk_size": chunk, "chunking": True}).check()
+            at_chunk.check()
         except SettingError as e:
             points.append({**point, "skipped": str(e)})
+            continue
+        budget -= estimated_work(at_chunk)
+        if budget < 0:  # the smaller chunks cost the most: the sweep stops before them
+            points.append({**point, "skipped": f"past the sweep's work limit ({SWEEP_MAX_WORK:,} request-steps)"})
             continue
         r = run_chunked_prefill_demo(
             setup.cost_model,
@@ -395,6 +403,7 @@ def run_chunk_sweep(settings: PlaygroundSettings) -> dict[str, Any]:
             prefill_throughput_tok_s=settings.prompt_len / ttft_s if ttft_s > 0 else 0.0,
         )
         points.append(point)
+    points.sort(key=lambda p: p["chunk_size"])
     ok = [p for p in points if "skipped" not in p and p["p99_itl_ms"] <= settings.itl_target_ms]
     knee = max(ok, key=lambda p: (p["prefill_throughput_tok_s"], p["chunk_size"]))["chunk_size"] if ok else None
     return {
