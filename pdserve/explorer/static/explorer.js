@@ -696,7 +696,10 @@ function drawSweep(data) {
   const knee = data.knee_chunk_size;
   $("sweep-status").textContent =
     (knee ? `Knee for the ${target} ms target: chunk ${knee}.` : `No chunk size meets the ${target} ms target here.`) +
-    ` (${data.settings.prompt_len}-token prompt, ${data.settings.num_decodes} decodes; ran in ${fmt(data.elapsed_s, 1)} s)`;
+    ` (${data.settings.prompt_len}-token prompt, ${data.settings.num_decodes} decodes; ran in ${fmt(data.elapsed_s, 1)} s)` +
+    (points.length < data.points.length
+      ? ` ${plural(data.points.length - points.length, "chunk size")} skipped, past the page's work limit: run them with pdserve sim.`
+      : "");
   const rows = data.points.map((p) => {
     const tr = document.createElement("tr");
     tr.dataset.chunk = String(p.chunk_size);
