@@ -507,7 +507,10 @@ function stepDetail(b, index, count) {
     const mine = inst.steps.slice(0, i + 1).filter((_, k) => inst.kinds[k] === "long");
     const through = mine.reduce((n, t) => n + t[4], 0);
     const chunks = run.chunked ? Math.ceil(run.prompt_len / lastData.settings.chunk_size) : 1;
-    carried = `${prefillTokens} tokens of the long prompt (chunk ${mine.length} of ${chunks}: tokens ${through - prefillTokens + 1}–${through} of ${run.prompt_len})`;
+    carried =
+      chunks === 1
+        ? `the whole long prompt (${prefillTokens} tokens)`
+        : `${prefillTokens} tokens of the long prompt (chunk ${mine.length} of ${chunks}: tokens ${through - prefillTokens + 1}–${through} of ${run.prompt_len})`;
   } else if (kind === "warmup") {
     carried = `${prefillTokens} tokens of the streams' own prompts (their warm-up, before the long prompt arrived)`;
   } else {
@@ -516,7 +519,9 @@ function stepDetail(b, index, count) {
   carried += decodeTokens ? ` and ${plural(decodeTokens, "decode token")} (one for each stream in the step).` : ", and no decode tokens.";
   lines.push(`Carries ${carried}`);
   const bound = inst.bound ? inst.bound[i] : null;
-  let time = `Took ${fmt(ms)} ms: about ${fmt(prefillMs)} ms of it prefill work and ${fmt(decodeMs)} ms decode work`;
+  let time = prefillTokens
+    ? `Took ${fmt(ms)} ms: about ${fmt(prefillMs)} ms of it prefill work and ${fmt(decodeMs)} ms decode work`
+    : `Took ${fmt(ms)} ms, all of it decode work`;
   if (bound) {
     const [compute, memory] = bound;
     time += `; the cost model's matmuls take ${fmt(compute)} ms and its memory reads ${fmt(memory)} ms, so it is ${compute >= memory ? "compute-bound" : "memory-bound"}`;
@@ -590,7 +595,14 @@ function caption(data, previous) {
   }
   const g = other.figures;
   const ratio = stallRatio(data);
-  if (main.chunked) {
+  const off = main.chunked ? other : main;
+  if (!longSteps(off).some((l) => l.s[5] > 0)) {
+    const chunkedTtft = (main.chunked ? f : g).long_prompt_ttft_ms;
+    const offTtft = (main.chunked ? g : f).long_prompt_ttft_ms;
+    parts.push(
+      `With chunking ${main.chunked ? "off" : "on"} (the lower row) the worst stall is ${fmt(g.worst_decode_stall_ms)} ms: chunking hardly changes it here, because the prompt never shares a step with the streams. It only moves the first token, ${fmt(Math.abs(chunkedTtft - offTtft), 0)} ms ${chunkedTtft >= offTtft ? "later" : "sooner"} when chunked.`,
+    );
+  } else if (main.chunked) {
     parts.push(
       `With chunking off (the lower row), one ${fmt(g.worst_decode_stall_ms, 0)} ms step freezes all ${streams} at once: a stall ${fmt(ratio, 1)}× this one, though its first token comes ${fmt(f.long_prompt_ttft_ms - g.long_prompt_ttft_ms, 0)} ms sooner.`,
     );
@@ -599,7 +611,8 @@ function caption(data, previous) {
       `With chunking off, one ${fmt(f.worst_decode_stall_ms, 0)} ms step freezes all ${streams}. Chunked at ${st.chunk_size} (the lower row), the worst stall is ${fmt(g.worst_decode_stall_ms)} ms (${fmt(ratio, 1)}× lower) and the first token comes ${fmt(g.long_prompt_ttft_ms - f.long_prompt_ttft_ms, 0)} ms later.`,
     );
   }
-  parts.push(tradeoff(data, previous));
+  const shared = data.runs.some((run) => longSteps(run).some((l) => l.s[5] > 0));
+  parts.push(shared ? tradeoff(data, previous) : "With the prompt on its own prefill instance, the chunk size only trades its TTFT (more, smaller steps take longer) against how long it holds that instance per step.");
   return parts.join(" ");
 }
 
@@ -632,7 +645,7 @@ function assumptions(data) {
     `Cost model: a roofline of ${a.model} (${fmt(a.params_b, 1)} B parameters, ${8 * a.dtype_bytes}-bit weights) on ${a.tp} × ${a.hardware}. ` +
     `Matmuls run at ${fmt(a.peak_tflops, 0)} TFLOP/s × ${fmt(100 * a.mfu, 0)}% MFU; weights and KV are read at ${fmt(a.mem_bw_tb_s, 2)} TB/s × ${fmt(100 * a.bw_efficiency, 0)}%; ` +
     `a step takes the ${a.combine === "max" ? "larger" : "sum"} of the two plus a fixed ${fmt(a.step_overhead_ms, 1)} ms (scheduling, launch, sampling). ` +
-    `Here ${computeBound} of ${plural(prefill.length, "prefill step")} are compute-bound and ${memoryBound} of ${plural(decodeOnly.length, "decode-only step")} memory-bound.`;
+    `In this run the steps with a chunk of the long prompt are compute-bound (${computeBound} of ${prefill.length}) and the decode-only steps memory-bound (${memoryBound} of ${decodeOnly.length}).`;
   if (prefill.length && computeBound === prefill.length) {
     text +=
       " So a GPU with more memory bandwidth but the same FLOP/s (H200 against H100: both 989 TFLOP/s) cannot change the prefill steps, the worst stall or the TTFT; only the decode-only steps get shorter.";
