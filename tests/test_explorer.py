@@ -567,7 +567,7 @@ def test_step_through_from_the_keyboard_and_by_touch(page, sim_url: str):
     # a tap on a bar of the other row picks that step: the detail needs no hovering
     page.locator(".run[data-run=other] g.bar.long .hit").first.click()
     index, detail = current_step(page)
-    assert page.get_attribute("#step-through", "data-run") == "1" and "8192 tokens of the long prompt" in detail
+    assert page.get_attribute("#step-through", "data-run") == "1" and "the whole long prompt (8192 tokens)" in detail
 
 
 def test_timelines_mark_the_prompt_and_share_a_time_range(page, sim_url: str):
@@ -637,21 +637,24 @@ def test_phone_layout_in_the_browser(browser, sim_url: str):
     page = context.new_page()
     try:
         page.goto(sim_url)
-        ready_seq(page)
+        seq = ready_seq(page)
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SCREENSHOTS / "playground-phone.png"))
+        page.locator("#pg-figure").screenshot(path=str(SCREENSHOTS / "playground-phone-timelines.png"))
         page.click("#sweep-run")
         page.wait_for_selector("#sweep[data-state=ready]", timeout=60_000)
-        page.select_option("#mode", "disaggregated")
-        ready_seq(page)
-        seen = page.evaluate(PHONE_CHECK)
-        assert seen["scroll"] <= seen["width"] == 390, seen["wide"]
-        assert not seen["wide"] and not seen["small"], seen
+        for mode in ("colocated", "disaggregated"):
+            if mode != "colocated":
+                page.select_option("#mode", mode)
+                seq = ready_seq(page, seq)
+            seen = page.evaluate(PHONE_CHECK)
+            assert seen["scroll"] <= seen["width"] == 390, seen["wide"]
+            assert not seen["wide"] and not seen["small"], seen
         # the timelines keep their size and scroll sideways inside their box
         box = page.locator(".run .scroll").first
         assert box.evaluate("el => el.scrollWidth > el.clientWidth && el.getBoundingClientRect().right <= 390")
         page.locator(".run[data-run=main] g.bar .hit").nth(3).tap()
         assert page.locator("g.bar.current").count() == 1 and page.text_content("#step-detail").startswith("Step 4")
-        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SCREENSHOTS / "playground-phone.png"), full_page=False)
     finally:
         context.close()
 

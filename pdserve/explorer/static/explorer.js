@@ -308,6 +308,10 @@ function drawTimelines(data) {
     return box;
   });
   $("pg-timelines").replaceChildren(...boxes);
+  for (const scroll of $("pg-timelines").querySelectorAll(".scroll")) {
+    const focus = Number(scroll.firstChild.dataset.focusX); // narrow screens: start at the long prompt's arrival
+    if (scroll.scrollWidth > scroll.clientWidth) scroll.scrollLeft = focus - scroll.clientWidth * 0.2;
+  }
   $("scale-note").textContent = {
     shared: "Bar height: step time, on one linear scale for both rows.",
     "per-row": "Bar height: step time, each row on its own linear scale (its own y-axis values).",
@@ -343,7 +347,7 @@ function timeline(steps, opts) {
   const H = 170;
   const left = 48;
   const right = 12;
-  const top = 18;
+  const top = 22;
   const bottom = 34;
   const plotW = W - left - right;
   const plotH = H - top - bottom;
@@ -359,6 +363,7 @@ function timeline(steps, opts) {
   root.dataset.x0 = String(x0);
   root.dataset.x1 = String(x1);
   root.dataset.scale = scale;
+  root.dataset.focusX = String(marks.length ? xs(marks[0].t) : 0);
   root.setAttribute("role", "img");
   root.setAttribute("aria-label", `${label}: ${steps.length} steps`);
   // y axis: values in ms
@@ -410,9 +415,9 @@ function timeline(steps, opts) {
   marks.forEach((m, k) => {
     const x = xs(m.t);
     root.append(svg("line", { class: `mark ${m.cls}`, x1: x, x2: x, y1: top - 4, y2: base + 4 }));
-    const anchor = x > left + plotW - 120 ? "end" : k === 0 ? "end" : "start";
-    const label = text(x + (anchor === "end" ? -3 : 3), H - 3, m.label, { class: `mark-label ${m.cls}`, "text-anchor": anchor });
-    root.append(label);
+    const anchor = x > left + plotW - 140 ? "end" : "start"; // the first mark under the axis, the second above the plot
+    const attrs = { class: `mark-label ${m.cls}`, "text-anchor": anchor };
+    root.append(text(x + (anchor === "end" ? -3 : 3), k === 0 ? H - 3 : top - 6, m.label, attrs));
   });
   if (target !== null && target <= ymax) {
     const y = base - ys(target);
@@ -448,7 +453,7 @@ function selectStep(run, index) {
   const scroller = b.bar.closest(".scroll");
   if (scroller && scroller.scrollWidth > scroller.clientWidth) {
     const box = b.bar.getBBox();
-    if (box.x < scroller.scrollLeft || box.x > scroller.scrollLeft + scroller.clientWidth - 20) {
+    if (box.x < scroller.scrollLeft + 10 || box.x + Math.min(box.width, 40) > scroller.scrollLeft + scroller.clientWidth - 10) {
       scroller.scrollLeft = box.x - scroller.clientWidth / 2;
     }
   }
