@@ -84,14 +84,16 @@ let previousData = null; // the run drawn before it (the trade-off sentence comp
 
 function playgroundSettings() {
   const long = $("long32k").checked;
+  const colocated = $("mode").value === "colocated";
+  const shown = (id, on) => (on ? wholeNumber($(id), LABELS[id]) : 1); // a hidden field is not this run's
   return {
     hardware: $("hardware").value,
     model: $("model").value,
     tp: Number($("tp").value),
     mode: $("mode").value,
-    instances: wholeNumber($("instances"), LABELS.instances),
-    prefill: wholeNumber($("prefill"), LABELS.prefill),
-    decode: wholeNumber($("decode"), LABELS.decode),
+    instances: shown("instances", colocated),
+    prefill: shown("prefill", !colocated),
+    decode: shown("decode", !colocated),
     prompt_len: long ? 32768 : Number($("prompt_len").value),
     chunk_size: chunkOf(Number($("chunk_size").value)),
     chunking: long ? false : $("chunking").checked,
