@@ -6,6 +6,11 @@ turns the settings into the ``pdserve sim`` command line that means the same, bu
 exactly as that command does, and runs the demo twice: as set, and with chunking flipped (so the page
 can show the unchunked spike against the chunked timeline). Nothing here is a copy of the simulator's
 logic: the figures are ``run_chunked_prefill_demo``'s, the same numbers ``pdserve sim --demo`` prints.
+
+What the page explains from a run (``with_run_detail``: each step's kind and roofline split, the
+arrival and first token; ``cost_model_assumptions``) and its chunk-size sweep (``run_chunk_sweep``) are
+added after the runs, in functions of their own. ``estimated_work`` is what a run costs the server; a
+setting past ``MAX_WORK`` is refused with the ``pdserve sim`` command that runs it anyway.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ if TYPE_CHECKING:  # the simulator is imported when a run is asked for, not with
 
 MODES = ("colocated", "disaggregated", "auto")
 MAX_CHUNKS = 1024  # prompt_len / chunk_size: more steps than this would keep the page waiting
-MAX_WORK = 150_000  # estimated_work's request-steps: about 2-4 s per change on a 2-core VM
+MAX_WORK = 150_000  # estimated_work's request-steps: at most about 1-3 s per change on a 2-core VM
 STEP_WORK = 50  # one simulated step costs about as much as placing 50 requests in a step
 WARMUP_RERUNS = 4  # the streams' warm-up is simulated about this many times (the demo reruns to a horizon)
 BATCH_WORK = 64  # a step of n requests costs n x (1 + n / BATCH_WORK) request-steps
