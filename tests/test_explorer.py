@@ -134,6 +134,14 @@ def test_playground_is_pdserve_sim_demo(tmp_path: Path):
     assert len(window) == 16 and all(s[4] == 512 and s[5] == 16 for s in window)
     for _start, ms, prefill_ms, decode_ms, *_ in decode["steps"]:
         assert prefill_ms + decode_ms == pytest.approx(ms, abs=2e-3) and prefill_ms >= 0 and decode_ms >= 0
+    # what the page explains: each step's kind, its roofline split, the first token on the axis
+    kinds = dict(zip((s[0] for s in decode["steps"]), decode["kinds"], strict=True))
+    assert {kinds[s[0]] for s in window} == {"long"}
+    assert {k for t, k in kinds.items() if t < 0} <= {"warmup", "decode"} and "warmup" in kinds.values()
+    assert on["first_token_ms"] == on["figures"]["long_prompt_ttft_ms"] and on["p99_itl_ms"] <= on["window_ms"][1]
+    for (compute_ms, memory_ms), kind in zip(decode["bound"], decode["kinds"], strict=True):
+        assert (compute_ms > memory_ms) == (kind == "long") or kind == "warmup"
+    assert result["assumptions"]["kind"] == "roofline" and result["assumptions"]["hardware"] == "H100"
 
 
 def test_playground_disaggregated_has_a_timeline_per_instance():
