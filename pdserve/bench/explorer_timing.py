@@ -21,6 +21,8 @@ SETTINGS = {
     "chunk 256": {"chunk_size": 256},
     "disaggregated 1P:2D": {"mode": "disaggregated", "prefill": 1, "decode": 2},
     "127 decodes (the most the page takes)": {"num_decodes": 127},
+    "32k in chunks of 32 (near the work limit)": {"prompt_len": 32768, "chunk_size": 32},
+    "32k in chunks of 128 on 8 instances (near the limit)": {"prompt_len": 32768, "chunk_size": 128, "instances": 8},
 }
 
 

@@ -6,8 +6,10 @@
   is attached (the live view).
 - ``POST /explorer/api/playground``: a JSON object of ``PlaygroundSettings`` → ``run_playground``'s
   result. Runs go one at a time to a worker process (``PlaygroundRunner``: the simulator is CPU work and
-  never holds the router's GIL), each bounded in time; each client has at most one run waiting (a newer
-  one replaces it: 409 for the older), and at most ``MAX_WAITING_RUNS`` clients wait (else 429).
+  never holds the router's GIL), each bounded in time; each client has at most one run of each kind
+  waiting (a newer one replaces it: 409 for the older), and at most ``MAX_WAITING_RUNS`` runs wait (else 429).
+- ``POST /explorer/api/sweep``: the same settings → ``run_chunk_sweep``'s result (the chunk-size sweep),
+  through the same worker process and bounds.
 - ``GET /explorer/api/live``: ``LiveView.snapshot`` and the recent bursts (409 without a deployment).
 - ``POST /explorer/api/burst``: a JSON object of ``BurstSpec`` fields → the burst's status (202); one
   burst at a time per deployment (429 while one runs).
@@ -25,7 +27,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse
@@ -56,6 +58,7 @@ def add_explorer(app: FastAPI, router: Router | None) -> ExplorerApi:
     app.mount("/explorer/static", StaticFiles(directory=STATIC), name="explorer-static")
     app.get("/explorer/api/options")(api.options)
     app.post("/explorer/api/playground")(api.playground)
+    app.post("/explorer/api/sweep")(api.sweep)
     app.get("/explorer/api/live")(api.live)
     app.post("/explorer/api/burst")(api.burst)
     return api
@@ -110,6 +113,17 @@ class ExplorerApi:
             return _error(e.status, str(e))
         return JSONResponse(result)
 
+    async def sweep(self, request: Request) -> JSONResponse:
+        """The page's scenario at every chunk size of the sweep (``run_chunk_sweep``)."""
+        try:
+            settings = PlaygroundSettings.parse(await _json_body(request))
+            result = await self.runner.run(request.client.host if request.client else "", settings, "sweep")
+        except SettingError as e:
+            return _error(400, str(e), e.field)
+        except PlaygroundRefused as e:
+            return _error(e.status, str(e))
+        return JSONResponse(result)
+
     async def live(self) -> JSONResponse:
         if self.live_view is None or self.bursts is None:
             return _error(409, "no deployment here: the live view needs `pdserve serve --explorer-port N`")
@@ -152,20 +166,24 @@ class PlaygroundRefused(Exception):
         self.status = status
 
 
-def _run_in_worker(settings: PlaygroundSettings) -> tuple[bool, Any]:
+RunKind = Literal["playground", "sweep"]
+
+
+def _run_in_worker(kind: RunKind, settings: PlaygroundSettings) -> tuple[bool, Any]:
     """In the worker process: ``(True, result)``, or ``(False, (field, message))`` for a SettingError."""
-    from pdserve.explorer.playground import run_playground
+    from pdserve.explorer.playground import run_chunk_sweep, run_playground
 
     try:
-        return True, run_playground(settings)
+        return True, (run_playground if kind == "playground" else run_chunk_sweep)(settings)
     except SettingError as e:
         return False, (e.field, str(e).removeprefix(f"{e.field}: "))
 
 
 class PlaygroundRunner:
-    """Runs ``run_playground`` in one worker process (started on first use), one run at a time.
+    """Runs ``run_playground`` and ``run_chunk_sweep`` in one worker process (started on first use), one run
+    at a time.
 
-    Each client (by address) has at most one run waiting: a newer one replaces it, and the older is
+    Each client (by address) has at most one run of each kind waiting: a newer one replaces it, and the older is
     answered 409. At most ``max_waiting`` runs wait (429 beyond). A run over ``timeout_s`` is stopped by
     killing the worker process (503); the next run starts a fresh one.
     """
@@ -173,35 +191,36 @@ class PlaygroundRunner:
     def __init__(self, max_waiting: int = MAX_WAITING_RUNS, timeout_s: float = RUN_TIMEOUT_S) -> None:
         self.max_waiting = max_waiting
         self.timeout_s = timeout_s
-        self._waiting: dict[str, tuple[PlaygroundSettings, asyncio.Future[dict[str, Any]]]] = {}
+        self._waiting: dict[tuple[str, RunKind], tuple[PlaygroundSettings, asyncio.Future[dict[str, Any]]]] = {}
         self._drainer: asyncio.Task[None] | None = None
         self._pool: ProcessPoolExecutor | None = None
 
-    async def run(self, client: str, settings: PlaygroundSettings) -> dict[str, Any]:
+    async def run(self, client: str, settings: PlaygroundSettings, kind: RunKind = "playground") -> dict[str, Any]:
         """The run's result; raises SettingError (the profile cannot take it) or PlaygroundRefused."""
-        older = self._waiting.pop(client, None)
+        key = (client, kind)
+        older = self._waiting.pop(key, None)
         if older is not None:
             older[1].set_exception(PlaygroundRefused(409, "replaced by a newer playground run from the same client"))
         elif len(self._waiting) >= self.max_waiting:
             raise PlaygroundRefused(429, f"{len(self._waiting)} playground runs are waiting; try again shortly")
         answer: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._waiting[client] = (settings, answer)
+        self._waiting[key] = (settings, answer)
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.create_task(self._drain())
         try:
             return await answer
         finally:
-            if self._waiting.get(client, (None, None))[1] is answer:  # its client went away while it waited
-                del self._waiting[client]
+            if self._waiting.get(key, (None, None))[1] is answer:  # its client went away while it waited
+                del self._waiting[key]
 
     async def _drain(self) -> None:
         while self._waiting:
-            client = next(iter(self._waiting))
-            settings, answer = self._waiting.pop(client)
+            key = next(iter(self._waiting))
+            settings, answer = self._waiting.pop(key)
             if answer.done():
                 continue
             try:
-                result = await self._in_worker(settings)
+                result = await self._in_worker(key[1], settings)
             except Exception as e:
                 if not answer.done():
                     answer.set_exception(e)
@@ -209,10 +228,10 @@ class PlaygroundRunner:
                 if not answer.done():
                     answer.set_result(result)
 
-    async def _in_worker(self, settings: PlaygroundSettings) -> dict[str, Any]:
+    async def _in_worker(self, kind: RunKind, settings: PlaygroundSettings) -> dict[str, Any]:
         if self._pool is None:  # spawned: a fork of a process with Ray's and gRPC's threads is unsafe
             self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-        future = asyncio.get_running_loop().run_in_executor(self._pool, _run_in_worker, settings)
+        future = asyncio.get_running_loop().run_in_executor(self._pool, _run_in_worker, kind, settings)
         try:
             ok, value = await asyncio.wait_for(future, self.timeout_s)
         except TimeoutError:

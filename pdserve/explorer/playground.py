@@ -6,6 +6,11 @@ turns the settings into the ``pdserve sim`` command line that means the same, bu
 exactly as that command does, and runs the demo twice: as set, and with chunking flipped (so the page
 can show the unchunked spike against the chunked timeline). Nothing here is a copy of the simulator's
 logic: the figures are ``run_chunked_prefill_demo``'s, the same numbers ``pdserve sim --demo`` prints.
+
+What the page explains from a run (``with_run_detail``: each step's kind and roofline split, the
+arrival and first token; ``cost_model_assumptions``) and its chunk-size sweep (``run_chunk_sweep``) are
+added after the runs, in functions of their own. ``estimated_work`` is what a run costs the server; a
+setting past ``MAX_WORK`` is refused with the ``pdserve sim`` command that runs it anyway.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ if TYPE_CHECKING:  # the simulator is imported when a run is asked for, not with
 
 MODES = ("colocated", "disaggregated", "auto")
 MAX_CHUNKS = 1024  # prompt_len / chunk_size: more steps than this would keep the page waiting
-# (decodes + 1) x chunks, the requests the scheduler places over the window, times 1 + (instances - 1) / 16
-# (every instance steps; 8 colocated instances cost 1.4x one, 16 disaggregated 2x): ~2 s here at most
-MAX_WORK = 40_000
+MAX_WORK = 150_000  # estimated_work's request-steps: at most about 1-3 s per change on a 2-core VM
+STEP_WORK = 50  # one simulated step costs about as much as placing 50 requests in a step
+WARMUP_RERUNS = 4  # the streams' warm-up is simulated about this many times (the demo reruns to a horizon)
+BATCH_WORK = 64  # a step of n requests costs n x (1 + n / BATCH_WORK) request-steps
 MAX_INSTANCES = 8
 MAX_DECODES = 127  # the long prompt needs a place in a step of at most max_num_seqs (128) requests
 
@@ -88,26 +94,26 @@ class PlaygroundSettings:
         _in_range("num_decodes", self.num_decodes, 0, MAX_DECODES)
         if not 1.0 <= self.itl_target_ms <= 10_000.0:
             raise SettingError("itl_target_ms", f"must be between 1 and 10000 ms, got {self.itl_target_ms:g}")
-        if self.chunking and self.prompt_len / self.chunk_size > MAX_CHUNKS:
+        if self.prompt_len / self.chunk_size > MAX_CHUNKS:  # the flipped run is chunked when this one is not
             raise SettingError(
                 "chunk_size",
                 f"a {self.prompt_len}-token prompt in chunks of {self.chunk_size} is "
                 f"{-(-self.prompt_len // self.chunk_size)} steps; the playground takes at most {MAX_CHUNKS} "
                 f"(use at least {-(-self.prompt_len // MAX_CHUNKS)}, or run pdserve sim --demo)",
             )
-        work = (self.num_decodes + 1) * -(-self.prompt_len // self.chunk_size) * (1 + (self.num_instances - 1) / 16)
+        work = estimated_work(self)
         if work > MAX_WORK:
+            chunks = -(-self.prompt_len // self.chunk_size)
             raise SettingError(
                 "chunk_size",
-                f"{self.num_decodes} decodes over {-(-self.prompt_len // self.chunk_size)} chunks on "
-                f"{self.num_instances} instance(s) is too long a run for the page (at most {MAX_WORK} request-steps, "
-                "each instance past the first adding 1/16): a larger chunk, fewer decodes or instances, or run "
-                "pdserve sim --demo",
+                f"a {self.prompt_len}-token prompt in {chunks} chunks next to {self.num_decodes} decodes on "
+                f"{self.total_instances} instance(s) is about {work:,} request-steps of simulation; the page takes "
+                f"at most {MAX_WORK:,} (a few seconds here). Use a larger chunk, fewer decodes or fewer instances, "
+                f"or run it yourself: {shlex.join(['pdserve', 'sim', *self.sim_argv()])}",
             )
 
     @property
-    def num_instances(self) -> int:
-        """The instances the run simulates (each one steps, so each one costs)."""
+    def total_instances(self) -> int:
         return self.instances if self.mode == "colocated" else self.prefill + self.decode
 
     def sim_argv(self) -> list[str]:
@@ -124,6 +130,24 @@ class PlaygroundSettings:
 
 
 _DEFAULTS = PlaygroundSettings()
+
+
+def estimated_work(settings: PlaygroundSettings) -> int:
+    """What a playground run costs the server, in request-steps (one request placed in one simulated step):
+    every instance steps through the window (one step per chunk of the long prompt, ``STEP_WORK`` each),
+    the window's steps carry all the requests (a fuller step costs more per request), and the streams'
+    warm-up (their 512-token prompts in chunks) is simulated ``WARMUP_RERUNS`` times. Counts instances:
+    eight idle instances step as often as one busy one. Both runs count (chunked at ``chunk_size`` and
+    unchunked), whichever the settings show first."""
+
+    def one_run(chunk: int) -> int:
+        chunks = -(-settings.prompt_len // chunk)
+        warmup_steps = -(-settings.num_decodes * 512 // chunk)
+        requests = settings.num_decodes + 1
+        per_step = requests * (1 + requests / BATCH_WORK)  # a fuller step costs more per request
+        return chunks * settings.total_instances * STEP_WORK + int((chunks + WARMUP_RERUNS * warmup_steps) * per_step)
+
+    return one_run(settings.chunk_size) + one_run(settings.prompt_len)  # the run as set and the flipped one
 
 
 def _coerce(name: str, value: Any, kind: type) -> Any:
@@ -190,7 +214,8 @@ def run_playground(settings: PlaygroundSettings) -> dict[str, Any]:
         "command": shlex.join(["pdserve", "sim", *argv]),
         "cost_model": setup.cost_model.name,
         "kv_capacity_tokens": setup.cost_model.kv_capacity_tokens(),  # checked by _check_fits
-        "runs": [_run_json(r, setup.cost_model) for r in runs],
+        "runs": [with_run_detail(_run_json(r, setup.cost_model), r, setup.cost_model) for r in runs],
+        "assumptions": cost_model_assumptions(setup.cost_model),
         "elapsed_s": time.perf_counter() - started,
     }
 
@@ -257,3 +282,140 @@ def _step_json(step: StepStats, t0: float, cost_model: CostModel, role: str) -> 
     decode_s = cost_model.step_time(decode, role) if decode.decode_tokens else 0.0
     share = prefill_s / (prefill_s + decode_s) if prefill_s + decode_s > 0 else 0.0
     return step_row(step, (step.started - t0) * 1000.0, share)
+
+
+# ---- what the page explains: step kinds, the cost model's assumptions, the chunk-size sweep ------------------
+
+SWEEP_CHUNKS = (128, 256, 512, 1024, 2048, 4096, 8192)  # the lesson's exercise: chunk 128 ... 8192
+SWEEP_MAX_WORK = 2 * MAX_WORK  # all the sweep's runs together
+
+
+def with_run_detail(run: dict[str, Any], result: DemoResult, cost_model: CostModel) -> dict[str, Any]:
+    """``run`` (``_run_json``'s) with what the page's caption and step-through read: the long prompt's
+    arrival and first token (ms since arrival), the p99 ITL and prefill throughput over the window, and
+    per instance ``kinds`` (each step: ``long`` carries the long prompt's chunk, ``warmup`` the streams'
+    own prompts, ``decode`` no prefill) and ``bound`` (``[compute ms, memory ms]`` of the roofline, or
+    null for a measured cost model)."""
+    ttft = result.long_prompt_ttft_ms
+    run["arrival_ms"] = 0.0
+    run["first_token_ms"] = ttft
+    run["prompt_len"] = result.prompt_len
+    run["num_decodes"] = result.num_decodes
+    run["p99_itl_ms"] = window_p99_itl_ms(result)
+    run["prefill_throughput_tok_s"] = result.prompt_len / (ttft / 1000.0) if ttft > 0 else 0.0
+    by_name = {name: [s for s in result.timeline_steps if s.worker == name] for name in result.instances}
+    for inst in run["instances"]:
+        steps = by_name[inst["name"]]
+        inst["kinds"] = [_step_kind(s, result) for s in steps]
+        inst["bound"] = [_roofline_split_ms(s, cost_model) for s in steps]
+    return run
+
+
+def window_p99_itl_ms(result: DemoResult) -> float:
+    """The p99 inter-token latency of the streams over the window: each step that carries decode tokens
+    counts its duration once per stream token it makes (the steps run back to back)."""
+    samples = sorted(s.duration_s * 1000.0 for s in result.window_steps for _ in range(s.num_decode_tokens))
+    if not samples:
+        return 0.0
+    return samples[min(len(samples) - 1, max(0, -(-99 * len(samples) // 100) - 1))]
+
+
+def _step_kind(step: StepStats, result: DemoResult) -> str:
+    if not step.num_prefill_tokens:
+        return "decode"
+    arrival, first = result.arrival_s, result.arrival_s + result.long_prompt_ttft_ms / 1000.0
+    return "long" if arrival - 1e-9 <= step.started < first else "warmup"
+
+
+def _roofline_split_ms(step: StepStats, cost_model: CostModel) -> list[float] | None:
+    from pdserve.sim.cost_model import RooflineCostModel, StepShape
+
+    if not isinstance(cost_model, RooflineCostModel):
+        return None
+    cost = cost_model.breakdown(StepShape.from_stats(step))
+    return [round(cost.compute * 1000.0, 3), round(cost.memory * 1000.0, 3)]
+
+
+def cost_model_assumptions(cost_model: CostModel) -> dict[str, Any]:
+    """What the cost model assumes, for the page to state: a roofline's hardware and model figures, or
+    a measured linear fit's name."""
+    from pdserve.sim.cost_model import RooflineCostModel
+    from pdserve.sim.profiles import ModelProfile
+
+    model = cost_model.model
+    assert isinstance(model, ModelProfile)  # the page's profiles are built in, never a cost-profile file
+    out: dict[str, Any] = {"name": cost_model.name, "model": model.name, "params_b": model.num_params / 1e9}
+    out["dtype_bytes"] = model.dtype_bytes
+    if not isinstance(cost_model, RooflineCostModel):
+        return {**out, "kind": "measured"}
+    hw = cost_model.hardware
+    return {
+        **out,
+        "kind": "roofline",
+        "hardware": hw.name,
+        "tp": cost_model.tp,
+        "peak_tflops": hw.peak_flops / 1e12,
+        "mfu": hw.mfu,
+        "mem_bw_tb_s": hw.mem_bw / 1e12,
+        "bw_efficiency": hw.bw_efficiency,
+        "step_overhead_ms": hw.step_overhead_s * 1000.0,
+        "combine": cost_model.combine,
+    }
+
+
+def run_chunk_sweep(settings: PlaygroundSettings) -> dict[str, Any]:
+    """The page's scenario with chunking on at every chunk size of ``SWEEP_CHUNKS`` up to the prompt
+    length: p99 ITL and worst stall against prefill throughput, and the knee for the ITL target (the
+    largest prefill throughput whose p99 ITL meets it). A chunk size past the page's work limit, or past
+    the sweep's (``SWEEP_MAX_WORK`` for all its runs, the largest chunks first), is listed as skipped.
+    Raises SettingError as ``run_playground`` does."""
+    from pdserve.sim.cli import build_parser, demo_architecture, make_setup
+    from pdserve.sim.demo import run_chunked_prefill_demo
+
+    started = time.perf_counter()
+    args = build_parser().parse_args(settings.sim_argv())
+    try:
+        setup = make_setup(args, lambda *a: None)
+    except ValueError as e:
+        raise SettingError("hardware", str(e)) from None
+    _check_fits(settings, setup.cost_model)
+    points: list[dict[str, Any]] = []
+    budget = SWEEP_MAX_WORK
+    for chunk in sorted((c for c in SWEEP_CHUNKS if c <= max(settings.prompt_len, SWEEP_CHUNKS[0])), reverse=True):
+        point: dict[str, Any] = {"chunk_size": chunk}
+        at_chunk = PlaygroundSettings(**{**asdict(settings), "chunk_size": chunk, "chunking": True})
+        try:
+            at_chunk.check()
+        except SettingError as e:
+            points.append({**point, "skipped": str(e)})
+            continue
+        budget -= estimated_work(at_chunk)
+        if budget < 0:  # the smaller chunks cost the most: the sweep stops before them
+            points.append({**point, "skipped": f"past the sweep's work limit ({SWEEP_MAX_WORK:,} request-steps)"})
+            continue
+        r = run_chunked_prefill_demo(
+            setup.cost_model,
+            settings.prompt_len,
+            chunk,
+            settings.num_decodes,
+            settings.itl_target_ms,
+            architecture=demo_architecture(args),
+            base=setup.config,
+        )
+        ttft_s = r.long_prompt_ttft_ms / 1000.0
+        point.update(
+            p99_itl_ms=window_p99_itl_ms(r),
+            worst_decode_stall_ms=r.worst_decode_stall_ms,
+            long_prompt_ttft_ms=r.long_prompt_ttft_ms,
+            prefill_throughput_tok_s=settings.prompt_len / ttft_s if ttft_s > 0 else 0.0,
+        )
+        points.append(point)
+    points.sort(key=lambda p: p["chunk_size"])
+    ok = [p for p in points if "skipped" not in p and p["p99_itl_ms"] <= settings.itl_target_ms]
+    knee = max(ok, key=lambda p: (p["prefill_throughput_tok_s"], p["chunk_size"]))["chunk_size"] if ok else None
+    return {
+        "settings": asdict(settings),
+        "points": points,
+        "knee_chunk_size": knee,
+        "elapsed_s": time.perf_counter() - started,
+    }
