@@ -8,7 +8,6 @@ import ipaddress
 import grpc
 import psutil
 import pytest
-import ray
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -22,13 +21,6 @@ pytestmark = pytest.mark.cluster
 
 ENGINE = EngineConfig(model="tiny", device="cpu", num_kv_blocks=64, torch_threads=1, max_model_len=256)
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _key_and_name(common_name: str):

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from idle import assert_idle
+from conftest import assert_no_leaks
 
 from pdserve.explorer.live import BurstSpec
 from pdserve.explorer.playground import (
@@ -345,24 +345,18 @@ def test_playground_in_the_browser(page, sim_url: str, tmp_path: Path):
 
 
 @pytest.fixture(scope="module")
-def deployment():
-    import ray
-
+def deployment(ray_cluster):
     from pdserve.deployment import Deployment, DeploymentConfig
     from pdserve.engine import EngineConfig
 
     engine = EngineConfig(
         model="tiny", device="cpu", num_kv_blocks=600, max_num_batched_tokens=256, torch_threads=1, max_model_len=2048
     )
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = DeploymentConfig(
         engine=engine, mode="auto", num_prefill_workers=1, num_decode_workers=1, transport="grpc", explorer_port=0
     )
-    try:
-        with Deployment(config) as d:
-            yield d
-    finally:
-        ray.shutdown()
+    with Deployment(config) as d:
+        yield d
 
 
 @pytest.mark.cluster
@@ -389,7 +383,7 @@ def test_live_endpoints(deployment):
     (decode,) = [w for w in live["workers"] if w["role"] == "decode"]
     assert sum(s[4] for s in decode["steps"]) >= 2 * 32 + 1536  # every prompt prefilled here (colocated)
     assert live["latency"]["colocated"]["ttft"]["n"] >= 3
-    assert_idle(deployment)
+    assert_no_leaks(deployment)
 
 
 @pytest.mark.cluster
@@ -429,7 +423,7 @@ def test_live_view_in_the_browser(deployment, page):
     page.wait_for_timeout(2500)
     refused = page.locator("[role=alert]:visible")
     assert refused.count() == 1 and refused.text_content().startswith("Long prompt tokens"), refused.all_text_contents()
-    assert_idle(deployment)
+    assert_no_leaks(deployment)
 
 
 # ---- what a person sees: the four bugs first, then the teaching parts ----------------------------------------

@@ -26,9 +26,8 @@ from typing import Any
 
 import grpc
 import pytest
-import ray
+from conftest import assert_no_leaks
 from fastapi import FastAPI, Request
-from idle import assert_idle
 from test_access import make_ca_and_server_cert
 
 from pdserve.deployment import Deployment, DeploymentConfig
@@ -415,12 +414,11 @@ class Closed:
 
 
 @pytest.fixture(scope="module")
-def closed(tmp_path_factory) -> Iterator[Closed]:
+def closed(ray_cluster, tmp_path_factory) -> Iterator[Closed]:
     ca, cert, key = make_ca_and_server_cert()
     folder = tmp_path_factory.mktemp("tls")
     (folder / "cert.pem").write_bytes(cert)
     (folder / "key.pem").write_bytes(key)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = DeploymentConfig(
         engine=ENGINE,
         transport="grpc",
@@ -436,11 +434,8 @@ def closed(tmp_path_factory) -> Iterator[Closed]:
             default_chat_max_tokens=DEFAULT_CHAT_MAX_TOKENS,
         ),
     )
-    try:
-        with Deployment(config) as d:
-            yield Closed(d, ca)
-    finally:
-        ray.shutdown()
+    with Deployment(config) as d:
+        yield Closed(d, ca)
 
 
 def completion(max_tokens: int, stream: bool = False, prompt: str = "Hello there") -> dict[str, Any]:
@@ -459,7 +454,7 @@ def test_a_client_gone_mid_stream_is_no_longer_counted_active(closed: Closed):
         status, body = post(closed.https(), "/v1/completions", completion(2), AUTH)
         assert status == 200 and body["usage"]["completion_tokens"] == 2, body
     assert closed.num_active() == 0 and closed.active_gauge() == 0
-    assert_idle(closed.d)
+    assert_no_leaks(closed.d, auth_token=TOKEN, root_certificates=closed.ca)
 
 
 @pytest.mark.cluster
@@ -474,7 +469,7 @@ def test_a_client_gone_before_a_whole_answer_aborts_its_request(closed: Closed):
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     closed.wait_no_active(3)  # 1000 tokens take far longer than this here
-    assert_idle(closed.d)
+    assert_no_leaks(closed.d, auth_token=TOKEN, root_certificates=closed.ca)
 
 
 @pytest.mark.cluster
@@ -528,7 +523,7 @@ def test_a_request_past_max_queue_time_is_refused_429_and_resource_exhausted(clo
             conn.sock.shutdown(socket.SHUT_RDWR)
             conn.close()
     closed.wait_no_active(10)
-    assert_idle(closed.d)
+    assert_no_leaks(closed.d, auth_token=TOKEN, root_certificates=closed.ca)
 
 
 @pytest.mark.cluster
@@ -563,7 +558,7 @@ def test_the_explorer_needs_the_token_and_sends_one_burst_at_a_time(closed: Clos
     status, _ = post(conn, "/explorer/api/burst", {**burst, "streams": 1}, AUTH)
     assert status == 202  # the next one, once the first has ended
     closed.wait_no_active(30)
-    assert_idle(closed.d)
+    assert_no_leaks(closed.d, auth_token=TOKEN, root_certificates=closed.ca)
 
 
 # ---- the router's accounting and queue-time bound (workers faked: no Ray) -------------------------------

@@ -38,12 +38,10 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @pytest.fixture(scope="module")
-def deployment():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+def deployment(ray_cluster):
     config = DeploymentConfig(engine=ENGINE, num_decode_workers=1, transport="grpc", http_port=0)
     with Deployment(config) as d:
         yield d
-    ray.shutdown()
 
 
 @pytest.fixture

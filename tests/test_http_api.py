@@ -10,8 +10,7 @@ from typing import Any
 
 import openai
 import pytest
-import ray
-from idle import assert_idle
+from conftest import assert_no_leaks
 
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, SamplingParams
@@ -32,8 +31,7 @@ MAX_QUEUED_PROMPT_TOKENS = 600  # a longer prompt is shed at once: RESOURCE_EXHA
 
 
 @pytest.fixture(scope="module")
-def deployment():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+def deployment(ray_cluster):
     config = DeploymentConfig(
         engine=ENGINE,
         mode="colocated",
@@ -47,7 +45,6 @@ def deployment():
     )
     with Deployment(config) as d:
         yield d
-    ray.shutdown()
 
 
 @pytest.fixture
@@ -55,7 +52,7 @@ def oai(deployment) -> openai.OpenAI:
     client = openai.OpenAI(base_url=f"{deployment.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
     yield client
     client.close()
-    assert_idle(deployment)
+    assert_no_leaks(deployment)
 
 
 def grpc_text(deployment: Deployment, prompt: str, max_tokens: int, mode: str | None = None) -> tuple[str, list[int]]:
@@ -271,7 +268,7 @@ def test_a_client_that_goes_away_mid_stream_frees_its_request(deployment, oai):
     received = [next(chunks) for _ in range(3)]
     assert all(c.choices for c in received)
     stream.close()
-    assert_idle(deployment)
+    assert_no_leaks(deployment)
     deadline = time.monotonic() + 15
     while counts()[0] == aborted_before:
         assert time.monotonic() < deadline, "the router never counted the request as aborted"

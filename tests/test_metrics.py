@@ -10,7 +10,6 @@ import urllib.request
 
 import grpc
 import pytest
-import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.deployment import Deployment, DeploymentConfig
@@ -183,8 +182,7 @@ def test_two_scrapers_see_the_same_cumulative_step_histograms():
 
 
 @pytest.fixture(scope="module")
-def deployment():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+def deployment(ray_cluster):
     config = DeploymentConfig(
         engine=ENGINE,
         mode="colocated",
@@ -196,7 +194,6 @@ def deployment():
     )
     with Deployment(config) as d:
         yield d
-    ray.shutdown()
 
 
 def _http_completion(deployment: Deployment, **body) -> dict:

@@ -8,8 +8,7 @@ import urllib.request
 
 import openai
 import pytest
-import ray
-from idle import assert_idle
+from conftest import assert_no_leaks
 
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, SamplingParams
@@ -31,12 +30,10 @@ PROMPT = "The quick brown fox jumps over the lazy dog."
 
 
 @pytest.fixture(scope="module")
-def deployment():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+def deployment(ray_cluster):
     config = DeploymentConfig(engine=ENGINE, num_decode_workers=1, transport="grpc", http_port=0)
     with Deployment(config) as d:
         yield d
-    ray.shutdown()
 
 
 @pytest.fixture
@@ -44,7 +41,7 @@ def oai(deployment):
     client = openai.OpenAI(base_url=f"{deployment.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
     yield client
     client.close()
-    assert_idle(deployment)
+    assert_no_leaks(deployment)
 
 
 def grpc_text(deployment: Deployment, prompt: str | list[int], params: SamplingParams) -> str:

@@ -20,7 +20,6 @@ from dataclasses import replace
 import grpc
 import psutil
 import pytest
-import ray
 
 from pdserve.bench.soak import Probe, random_prompt, wait_drained
 from pdserve.deployment import Deployment, DeploymentConfig
@@ -34,13 +33,6 @@ pytestmark = pytest.mark.cluster
 # scheduling hiccups of a shared 2-core machine), even while saturated: a queued one waits >= 16 s here.
 REJECT_WITHIN_S = 0.5
 ANSWER_WITHIN_S = 1.0  # Health and Stats, while saturated
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def check_answers(probe: Probe, min_calls: int) -> None:
