@@ -11,10 +11,11 @@ repetitions so that load from other processes falls on every variant alike:
 
 The floor of a small-batch decode step is weight bytes / memory bandwidth; the bandwidth is measured here
 with a torch copy of 512 MiB (bytes read + written per second). ``--before REF`` adds the engine of a git
-revision (exported to a temporary directory) as the variant ``before``; ``--profile`` prints torch.profiler's
-top entries for 16-stream decode steps of each variant.
+revision (exported to a temporary directory) as the variant ``before``, ``--after REF`` runs the others on a
+revision instead of the working tree; ``--profile`` prints torch.profiler's top entries for 16-stream decode
+steps of each variant.
 
-    python bench/decode_speed.py [--model smollm2] [--variants none,native] [--before REF] [--tokens 128]
+    python bench/decode_speed.py [--model smollm2] [--variants none,native] [--before REF] [--after REF] [--tokens 128]
         [--repeat 2] [--threads 2] [--profile]
 """
 
@@ -177,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--variants", default="none,none-kv-bf16", help=f"comma-separated: {', '.join(VARIANTS)}")
     parser.add_argument("--before", metavar="REF", help="also run the engine of this git revision ('before')")
+    parser.add_argument("--after", metavar="REF", help="run the other variants on this git revision, not the tree")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
@@ -195,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in VARIANTS or n == "before"]
     if unknown:
         parser.error(f"unknown variants: {', '.join(unknown)}")
-    roots = {n: here for n in names}
+    after_root = export_revision(args.after) if args.after else here
+    roots = {n: after_root for n in names}
     if args.before:
         names.insert(0, "before")
         roots["before"] = export_revision(args.before)
