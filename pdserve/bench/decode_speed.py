@@ -17,6 +17,7 @@ steps of each variant.
 
     python bench/decode_speed.py [--model smollm2] [--variants none,native] [--before REF] [--after REF] [--tokens 128]
         [--repeat 2] [--threads 2] [--profile]
+    python bench/decode_speed.py --kernels [--model smollm2]   # the GEMM kernels alone, over the model's shapes
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+if __name__ == "__main__":  # OpenMP threads that spin at barriers stall on a shared machine (see engine_bench)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -63,6 +67,63 @@ def measure_bandwidth(mib: int = 512, repeats: int = 5) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - start)
     return 2 * src.numel() * 4 / best
+
+
+def kernel_times(model: str, threads: int, repeats: int = 5) -> dict[str, dict[int, float]]:
+    """Seconds for every linear layer of ``model`` (random weights of its shapes) once, per GEMM and batch size:
+    float32 and bfloat16 dense, int4 weight-only (float32 and bfloat16 activations), int8 weight-only."""
+    import torch
+
+    from pdserve.engine.config import ModelConfig
+
+    torch.set_num_threads(threads)
+    c = ModelConfig.load(model)
+    q_rows, kv_rows = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    per_layer = [(q_rows, c.hidden_size), (kv_rows, c.hidden_size), (kv_rows, c.hidden_size)]
+    per_layer += [(c.hidden_size, q_rows), (c.intermediate_size, c.hidden_size)] * 1
+    per_layer += [(c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size)]
+    shapes = per_layer * c.num_hidden_layers
+    dense = [torch.randn(n, k) for n, k in shapes]
+    dense_bf16 = [w.bfloat16() for w in dense]
+    int4 = [
+        torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (n, k), dtype=torch.int32), 1)
+        for n, k in shapes
+    ]
+    sz = [torch.rand(k // 32, n, 2) for n, k in shapes]
+    sz_bf16 = [t.bfloat16() for t in sz]
+    int8 = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for n, k in shapes]
+    scales_bf16 = [torch.rand(n).bfloat16() for n, _ in shapes]
+
+    mm4 = torch.ops.aten._weight_int4pack_mm_for_cpu
+    mm8 = torch.ops.aten._weight_int8pack_mm
+    linear = torch.nn.functional.linear
+
+    def one_pass(kind: str, x: dict[int, torch.Tensor], xb: dict[int, torch.Tensor]) -> None:
+        for i, (_, k) in enumerate(shapes):
+            if kind == "float32 dense":
+                linear(x[k], dense[i])
+            elif kind == "bfloat16 dense":
+                linear(xb[k], dense_bf16[i])
+            elif kind == "int4, float32 activations":
+                mm4(x[k], int4[i], 32, sz[i])
+            elif kind == "int4, bfloat16 activations":
+                mm4(xb[k], int4[i], 32, sz_bf16[i])
+            else:
+                mm8(xb[k], int8[i], scales_bf16[i])
+
+    kinds = ("float32 dense", "bfloat16 dense", "int4, float32 activations", "int4, bfloat16 activations", "int8")
+    out: dict[str, dict[int, float]] = {}
+    for m in (1, 16):
+        x = {k: torch.randn(m, k) for k in {k for _, k in shapes}}
+        xb = {k: v.bfloat16() for k, v in x.items()}
+        for kind in kinds:
+            one_pass(kind, x, xb)
+            start = time.perf_counter()
+            for _ in range(repeats):
+                one_pass(kind, x, xb)
+            name = "int8, bfloat16 activations" if kind == "int8" else kind
+            out.setdefault(name, {})[m] = (time.perf_counter() - start) / repeats
+    return out
 
 
 def rss_bytes() -> int:
@@ -185,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-rows", type=int, default=12)
     parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--kernels", action="store_true", help="only time the GEMM kernels over the model's shapes")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--overrides", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -192,6 +254,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(args)))
         return 0
 
+    if args.kernels:
+        times = kernel_times(args.model, args.threads)
+        print(f"every linear layer of {args.model} once (random weights), {args.threads} threads; ms")
+        print("| GEMM | batch 1 | batch 16 |\n|---|---:|---:|")
+        for name, by_batch in times.items():
+            print(f"| {name} | {1000 * by_batch[1]:.1f} | {1000 * by_batch[16]:.1f} |")
+        return 0
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     names = [n for n in args.variants.split(",") if n]
     unknown = [n for n in names if n not in VARIANTS or n == "before"]
