@@ -169,9 +169,11 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     one_stream = (done - 1) / (time.perf_counter() - first)
 
     prompts = [chat[i % len(chat)] for i in range(16)]
-    start = time.perf_counter()
-    completions = engine.generate(prompts, params)
-    sixteen = sum(len(c.token_ids) for c in completions) / (time.perf_counter() - start)
+    sixteen = float("nan")
+    if not args.one_stream_only:
+        start = time.perf_counter()
+        completions = engine.generate(prompts, params)
+        sixteen = sum(len(c.token_ids) for c in completions) / (time.perf_counter() - start)
 
     profile: list[str] = []
     if args.profile:
@@ -212,21 +214,25 @@ def export_revision(ref: str) -> str:
 
 def run_variant(args: argparse.Namespace, name: str, source_root: str) -> dict[str, Any]:
     overrides = VARIANTS[name] if name != "before" else {}
-    command = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--worker",
-        "--model",
-        args.model,
-        "--tokens",
-        str(args.tokens),
-        "--threads",
-        str(args.threads),
-        "--overrides",
-        json.dumps(overrides),
-        "--profile-rows",
-        str(args.profile_rows),
-    ] + (["--profile"] if args.profile else [])
+    command = (
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            "--model",
+            args.model,
+            "--tokens",
+            str(args.tokens),
+            "--threads",
+            str(args.threads),
+            "--overrides",
+            json.dumps(overrides),
+            "--profile-rows",
+            str(args.profile_rows),
+        ]
+        + (["--profile"] if args.profile else [])
+        + (["--one-stream-only"] if args.one_stream_only else [])
+    )
     env = {**os.environ, "PYTHONPATH": source_root, "OMP_WAIT_POLICY": "PASSIVE"}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=source_root)
     if result.returncode != 0:
@@ -244,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--one-stream-only", action="store_true", help="skip the 16-stream run")
     parser.add_argument("--profile-rows", type=int, default=12)
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--kernels", action="store_true", help="only time the GEMM kernels over the model's shapes")
