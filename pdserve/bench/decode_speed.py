@@ -153,7 +153,10 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(model.model.embed_tokens, "weight", None) is not None and not model.config.tie_word_embeddings:
         weight_bytes -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
     weight_bytes -= model.model.rotary_emb.cos.numel() * 4 * 2  # tables read a row per token, not streamed
-    chat = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise SystemExit(f"model {args.model!r} has no tokenizer: use a GGUF file or a checkpoint preset")
+    chat = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     engine.generate(chat[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm up
 
