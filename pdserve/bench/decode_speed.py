@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     print()
-    header = "| variant | compute | weights MB | KV KB/token | 1 stream tok/s | step ms | floor ms | "
+    header = "| variant | compute | weights MB | KV KiB/token | 1 stream tok/s | step ms | floor ms | "
     print(header + "step / floor | 16 streams tok/s | RSS MB |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in names:
