@@ -183,3 +183,16 @@ def test_a_bfloat16_kv_cache_holds_twice_the_blocks_and_still_answers(reference_
     assert "Paris" in completion.text
     with pytest.raises(ValueError, match="kv_cache_dtype must be"):
         EngineConfig(kv_cache_dtype="int8")
+
+
+def test_kernels_and_compute_dtype_follow_the_cpu(monkeypatch):
+    from pdserve.engine import quantization
+
+    for capability, fast in (("AVX2", False), ("DEFAULT", False), ("AVX512", True)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert quantization.fast_weight_only_kernels(CPU) is fast
+    assert quantization.fast_weight_only_kernels(torch.device("cuda")) is True
+    for flags, dtype in (({"avx2", "avx512f"}, torch.float32), ({"avx512f", "avx512_bf16"}, torch.bfloat16)):
+        monkeypatch.setattr(quantization, "cpu_flags", lambda f=flags: frozenset(f))
+        assert quantization.quantized_compute_dtype(CPU) == dtype
+    assert quantization.quantized_compute_dtype(torch.device("cuda")) == torch.bfloat16
