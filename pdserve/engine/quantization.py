@@ -102,7 +102,8 @@ def pack_int4(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
     codes = codes.to(device=device, dtype=torch.uint8)
     pairs = (codes[:, ::2] << 4) | codes[:, 1::2]
-    return torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), 8)
+    inner_k_tiles = next(t for t in (8, 4, 2) if codes.shape[1] % (16 * t) == 0 or t == 2)  # K = 576: 4
+    return torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), inner_k_tiles)
 
 
 class Int8Weight(nn.Module):
