@@ -11,7 +11,8 @@
   float32 GEMM over the dequantised weights, so keeping the file's format would only save memory.
 
 The compute dtype of the quantized path (``--dtype auto``) is bfloat16 on CUDA and on a CPU with
-AVX512-BF16 or AMX, float32 elsewhere.
+AVX512-BF16 or AMX, float32 elsewhere. The CUDA kernels (``_convert_weight_to_int4pack``,
+``_weight_int4pack_mm``) are called the same way as the CPU ones but have not been run on a GPU yet.
 """
 
 from __future__ import annotations
