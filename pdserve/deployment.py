@@ -26,6 +26,7 @@ from pdserve.kv_transfer.grpc_transport import GrpcConfig
 from pdserve.messages import WorkerStats
 from pdserve.placement import DECODE, PREFILL, place_workers
 from pdserve.prefill_node.worker import PUSH_MARGIN_S, PrefillWorker
+from pdserve.priority import RAY_WORKER_NICENESS_ENV
 from pdserve.router.policy import RouterConfig
 from pdserve.router.process import RouterProcess
 from pdserve.router.router import WorkerHandle
@@ -160,6 +161,8 @@ class Deployment:
         engine_config = cfg.engine.with_model_defaults(model_config)  # fail fast, here, on bad config
         if not ray.is_initialized():
             kwargs = {"include_dashboard": False, "log_to_driver": True, **cfg.ray_init_kwargs}
+            if cfg.address is None:  # a local cluster of our own: its workers start at normal priority
+                os.environ.setdefault(RAY_WORKER_NICENESS_ENV, "0")
             ray.init(address=cfg.address, **kwargs)
             self._started_ray = True
         use_gpu = engine_config.device.startswith("cuda") or (

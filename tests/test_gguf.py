@@ -64,6 +64,7 @@ def engine(gguf_cache) -> LLMEngine:
             model="smollm2",
             device="cpu",
             dtype="float32",
+            quantization="none",  # the exact float path, compared with transformers
             max_num_batched_tokens=64,
             num_kv_blocks=256,
             enable_prefix_caching=False,  # every prompt position computed, for the logits comparison
@@ -184,7 +185,14 @@ def test_small_gguf_files_match_transformers(tmp_path, arch, matrix_type, tied):
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
     reference.eval()
     engine = LLMEngine(
-        EngineConfig(model=str(path), device="cpu", dtype="float32", max_num_batched_tokens=16, num_kv_blocks=32)
+        EngineConfig(
+            model=str(path),
+            device="cpu",
+            dtype="float32",
+            quantization="none",
+            max_num_batched_tokens=16,
+            num_kv_blocks=32,
+        )
     )
     assert engine.model_config.tie_word_embeddings == tied
     assert engine.model_config.attention_bias == (arch == "qwen2")

@@ -29,6 +29,7 @@ from pdserve.engine.request import Request
 from pdserve.kv_transfer import TransferTarget, make_transport
 from pdserve.messages import StepEvents, TokenUpdate, WorkerRequestStats, WorkerStats
 from pdserve.placement import current_node
+from pdserve.priority import restore_normal_priority
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class DecodeWorker:
         transport_config: Any = None,
         reservation_ttl_s: float = 60.0,
     ) -> None:
+        restore_normal_priority()  # Ray starts workers at niceness 15
         self.worker_id = worker_id
         self.reservation_ttl_s = reservation_ttl_s
         engine = LLMEngine(engine_config)

@@ -15,6 +15,7 @@ CHECKPOINT_PRESETS: dict[str, tuple[str, str, str]] = {
 }
 ALL_PRESETS = PRESETS + tuple(CHECKPOINT_PRESETS)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATION_MODES = ("auto", "native", "none")  # see engine.quantization
 # Token budget per step unless one is given, the same for every command (with chunked prefill off, at least
 # max_model_len). On the `bench` preset on 2 CPU cores a 512-token step takes about 0.4 s and a 2048-token one
 # about 1.4 s, a stall every running decode waits out; the serving figures in the README are measured at 512.
@@ -190,6 +191,14 @@ def checkpoint_preset_file(name: str) -> str:
     raise ValueError(f"model: preset {name!r} needs the package {package!r} with {filename} ({install})")
 
 
+def gguf_file(model: str) -> str | None:
+    """The GGUF file behind ``model`` (a checkpoint preset or a file path), None for presets and directories."""
+    if model in PRESETS:
+        return None
+    path = checkpoint_preset_file(model) if model in CHECKPOINT_PRESETS else model
+    return path if os.path.isfile(path) else None
+
+
 def resolve_checkpoint(model: str) -> str:
     """The Hugging Face-style directory that serves ``model`` (not a random-weight preset).
 
@@ -227,7 +236,22 @@ class EngineConfig:
     """
 
     model: str = _option("tiny", "a preset (tiny, bench, smollm2), a GGUF file or a Hugging Face checkpoint directory")
-    dtype: str = _option("auto", "auto = float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
+    dtype: str = _option(
+        "auto",
+        "compute dtype; auto = bfloat16 on CUDA, float32 on CPU (on the quantized path bfloat16 where the CPU "
+        "has AVX512-BF16 or AMX)",
+        choices=DTYPES,
+    )
+    quantization: str = _option(
+        "auto",
+        "native: keep a GGUF file's Q4_0/Q4_1/Q8_0 weights as they ship (int4/int8 weight-only GEMM); none: "
+        "dequantise every weight to --dtype; auto: native where torch's kernels for it are fast (CUDA, AVX-512 "
+        "CPUs), else none",
+        choices=QUANTIZATION_MODES,
+    )
+    kv_cache_dtype: str = _option(
+        "auto", "dtype of the KV cache; auto = the compute dtype (bfloat16 or float16 halve float32's)", choices=DTYPES
+    )
     device: str = _option("auto", "auto, cpu, cuda or cuda:N; auto = cuda when present, else cpu")
     seed: int = _option(0, "seeds the preset weights and the requests that come without a seed")
     block_size: int = _option(16, "tokens per KV block")
@@ -250,6 +274,10 @@ class EngineConfig:
             raise ValueError(f"model must be a preset name or a directory, got {self.model!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in DTYPES:
+            raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization must be auto, native or none, got {self.quantization!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("block_size", "max_num_seqs"):

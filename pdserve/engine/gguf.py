@@ -43,6 +43,9 @@ TENSOR_TYPES = frozenset(
     {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 )
 
+QUANT_GROUP = 32  # weights per block in Q4_0, Q4_1 and Q8_0
+BLOCK_LAYOUTS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes per block: f16 scale [, f16 minimum], the codes
+
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -101,6 +104,58 @@ class GGUFTensor:
         if self.unpermute_heads is not None:
             array = unpermute_rope_rows(array, self.unpermute_heads)
         return np.ascontiguousarray(array, dtype=np.float32)
+
+    @property
+    def kind(self) -> str:
+        """The GGUF tensor type's name: ``"Q4_1"``, ``"F32"``, ..."""
+        return self.source.tensor_type.name
+
+    def quantized_blocks(self) -> QuantizedBlocks:
+        """The weight as its file stores it (Q4_0, Q4_1 or Q8_0 only), in Hugging Face's row order.
+
+        Raises ValueError for another type. Nothing is dequantised: the codes and the per-32 scales are read
+        from the blocks as they are.
+        """
+        if self.kind not in BLOCK_LAYOUTS or len(self.shape) != 2:
+            raise ValueError(f"tensor {self.source.name}: type {self.kind} has no quantized kernel (Q4_0, Q4_1, Q8_0)")
+        rows, cols = self.shape
+        block_bytes = BLOCK_LAYOUTS[self.kind]
+        raw = np.asarray(self.source.data, dtype=np.uint8).reshape(rows, cols // QUANT_GROUP, block_bytes)
+        if self.unpermute_heads is not None:  # whole rows move: a block never spans two rows
+            raw = unpermute_rope_rows(raw, self.unpermute_heads)
+        scale = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        if self.kind == "Q8_0":
+            codes = raw[..., 2:].copy().view(np.int8).reshape(rows, cols)
+            return QuantizedBlocks(self.kind, codes, scale, None)
+        offset = 4 if self.kind == "Q4_1" else 2
+        packed = raw[..., offset:]  # 16 bytes: element i in the low nibble of byte i, element 16 + i in the high
+        codes = np.concatenate((packed & 0x0F, packed >> 4), axis=-1).reshape(rows, cols)
+        if self.kind == "Q4_1":
+            minimum = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        else:  # Q4_0: w = d * (q - 8)
+            minimum = -8.0 * scale
+        return QuantizedBlocks(self.kind, codes, scale, minimum)
+
+
+@dataclass(frozen=True)
+class QuantizedBlocks:
+    """A GGUF weight in its stored form: ``w[r, c] = scale[r, g] * codes[r, c] + minimum[r, g]``, ``g = c // 32``.
+
+    ``codes`` is uint8 in 0..15 (Q4_0, Q4_1) or int8 (Q8_0, whose ``minimum`` is None); ``scale`` and
+    ``minimum`` are float32 ``[rows, cols / 32]``.
+    """
+
+    kind: str
+    codes: np.ndarray
+    scale: np.ndarray
+    minimum: np.ndarray | None
+
+    def dequantize(self) -> np.ndarray:
+        scale = np.repeat(self.scale, QUANT_GROUP, axis=1)
+        weight = scale * self.codes.astype(np.float32)
+        if self.minimum is not None:
+            weight += np.repeat(self.minimum, QUANT_GROUP, axis=1)
+        return weight
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,10 @@ import torch
 
 from pdserve.engine import remote_kv
 from pdserve.engine.block_manager import BlockManager, BlockUsage
-from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.config import EngineConfig, ModelConfig, gguf_file
+from pdserve.engine.gguf import GGUFCheckpoint, read_gguf
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_block_bytes
+from pdserve.engine.quantization import INT4_KINDS, INT8_KINDS, fast_weight_only_kernels, quantized_compute_dtype
 from pdserve.engine.request import FinishReason, Request, RequestStatus, RequestTimes
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
@@ -69,6 +71,22 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def quantized_checkpoint(mode: str, model: str, device: torch.device) -> GGUFCheckpoint | None:
+    """The GGUF file to serve in its own quantized format, or None for the dequantised path.
+
+    ``native`` on a model that is not a GGUF file with Q4_0/Q4_1/Q8_0 weights raises ValueError.
+    """
+    if mode == "none" or (mode == "auto" and not fast_weight_only_kernels(device)):
+        return None
+    path = gguf_file(model)
+    checkpoint = read_gguf(path) if path is not None else None
+    if checkpoint is None or not any(t.kind in INT4_KINDS | INT8_KINDS for t in checkpoint.tensors):
+        if mode == "auto":
+            return None
+        raise ValueError(f"quantization native: model {model!r} is not a GGUF file with Q4_0, Q4_1 or Q8_0 weights")
+    return checkpoint
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -82,18 +100,26 @@ class LLMEngine:
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
         self.device = resolve_device(self.config.device)
-        self.dtype = resolve_dtype(self.config.dtype, self.device)
+        quantized = quantized_checkpoint(self.config.quantization, self.config.model, self.device)
+        self.quantized = quantized is not None
+        if quantized is not None and self.config.dtype == "auto":
+            self.dtype = quantized_compute_dtype(self.device)
+        else:
+            self.dtype = resolve_dtype(self.config.dtype, self.device)
+        kv_dtype = self.config.kv_cache_dtype
+        self.kv_cache_dtype = self.dtype if kv_dtype == "auto" else resolve_dtype(kv_dtype, self.device)
         self.tokenizer = load_tokenizer(self.config.model, self.model_config.eos_token_ids or None)
         self.eos_token_ids = self.model_config.eos_token_ids
         if not self.eos_token_ids and self.tokenizer is not None:
             self.eos_token_ids = self.tokenizer.eos_token_ids
-        model = build_model(self.config.model, self.model_config, self.dtype, self.device, self.config.seed)
+        model = build_model(
+            self.config.model, self.model_config, self.dtype, self.device, self.config.seed, quantized=quantized
+        )
 
         block_size = self.config.block_size
-        num_blocks = self.config.num_kv_blocks or max(
-            1, int(self.config.kv_cache_memory_gb * 2**30) // kv_block_bytes(self.model_config, block_size, self.dtype)
-        )
-        self.kv_cache = allocate_kv_cache(self.model_config, num_blocks, block_size, self.dtype, self.device)
+        block_bytes = kv_block_bytes(self.model_config, block_size, self.kv_cache_dtype)
+        num_blocks = self.config.num_kv_blocks or max(1, int(self.config.kv_cache_memory_gb * 2**30) // block_bytes)
+        self.kv_cache = allocate_kv_cache(self.model_config, num_blocks, block_size, self.kv_cache_dtype, self.device)
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
         budget, max_model_len = self.config.max_num_batched_tokens, self.config.max_model_len
         assert budget is not None and max_model_len is not None  # with_model_defaults sets both

@@ -161,8 +161,8 @@ class Attention(nn.Module):
 
         k_cache = kv_cache[:, self.layer_index, 0]  # [num_blocks, block_size, kv_heads, head_dim]
         v_cache = kv_cache[:, self.layer_index, 1]
-        k_cache[meta.slot_blocks, meta.slot_offsets] = k
-        v_cache[meta.slot_blocks, meta.slot_offsets] = v
+        k_cache[meta.slot_blocks, meta.slot_offsets] = k.to(k_cache.dtype)
+        v_cache[meta.slot_blocks, meta.slot_offsets] = v.to(v_cache.dtype)
 
         # Per-layer views with one row per block ([num_blocks, block_size * kv_heads * head_dim]):
         # index_select over rows gathers a request's blocks with one memcpy per block.
@@ -179,19 +179,21 @@ class Attention(nn.Module):
         n, rows = group.index.numel(), group.flat_block_ids.numel()
         keys = torch.index_select(k_rows, 0, group.flat_block_ids, out=workspace.get("k", rows, k_rows))
         values = torch.index_select(v_rows, 0, group.flat_block_ids, out=workspace.get("v", rows, v_rows))
-        keys = keys.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [n, kv_heads, S, D]
-        values = values.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        keys = keys.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2).to(q.dtype)  # [n, kv_heads, S, D]
+        values = values.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2).to(q.dtype)
         # 4-D inputs keep SDPA on its fused CPU kernel (3-D ones fall back to the slow math path)
         out = F.scaled_dot_product_attention(
             q[group.index].unsqueeze(2), keys, values, attn_mask=group.mask, enable_gqa=True
         )
         return out.squeeze(2)
 
-    def _context(self, k_rows, v_rows, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _context(
+        self, k_rows, v_rows, block_ids: torch.Tensor, n: int, q_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``n`` cached keys and values of a request: [1, kv_heads, n, head_dim] each."""
         keys = torch.index_select(k_rows, 0, block_ids).view(-1, self.num_kv_heads, self.head_dim)[:n]
         values = torch.index_select(v_rows, 0, block_ids).view(-1, self.num_kv_heads, self.head_dim)[:n]
-        return keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+        return keys.transpose(0, 1).unsqueeze(0).to(q_dtype), values.transpose(0, 1).unsqueeze(0).to(q_dtype)
 
     def _prefill_attention(self, q, k, v, k_rows, v_rows, span: PrefillSpan) -> torch.Tensor:
         n = span.hi - span.lo
@@ -202,7 +204,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
         else:  # every cached key, plus the chunk's own keys under a causal mask
             context = span.start + n
-            keys, values = self._context(k_rows, v_rows, span.block_ids, context)
+            keys, values = self._context(k_rows, v_rows, span.block_ids, context, q.dtype)
             # query i (absolute position start + i) sees keys 0 .. start + i
             mask = torch.arange(context, device=q.device) <= torch.arange(span.start, context, device=q.device)[:, None]
             # with a mask, SDPA on CPU is faster on expanded K/V than with enable_gqa

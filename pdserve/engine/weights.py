@@ -1,5 +1,6 @@
 """Build a model and fill its weights: from a HF safetensors checkpoint (a GGUF file converts to one,
-see ``engine.gguf``), or a seeded random preset."""
+see ``engine.gguf``), from a GGUF file's quantized blocks as they ship (``engine.quantization``), or a
+seeded random preset."""
 
 from __future__ import annotations
 
@@ -9,18 +10,30 @@ import json
 import os
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from pdserve.engine.config import PRESETS, ModelConfig, resolve_checkpoint
+from pdserve.engine.gguf import GGUFCheckpoint
 from pdserve.engine.model import LlamaForCausalLM
+from pdserve.engine.quantization import INT4_KINDS, INT8_KINDS, Int4Linear, Int8Embedding, Int8Linear, Int8Weight
 
 
 def build_model(
-    model: str, config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0
+    model: str,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    quantized: GGUFCheckpoint | None = None,
 ) -> LlamaForCausalLM:
+    """The model with its weights, in ``dtype`` on ``device``; from ``quantized``'s blocks when given."""
     with torch.device("meta"), _skip_parameter_init():
         module = LlamaForCausalLM(config)
+    if quantized is not None:
+        return load_quantized(module, quantized, dtype, device).eval()
     module = module.to_empty(device="cpu")
     if config.tie_word_embeddings:  # to_empty() allocates every parameter anew, which unties them
         module.lm_head.weight = module.model.embed_tokens.weight
@@ -31,6 +44,53 @@ def build_model(
         load_checkpoint(module, resolve_checkpoint(model))
     module = module.to(device=device, dtype=dtype).eval()
     module.model.rotary_emb.reset_tables()  # keep the rotation tables in float32 whatever the dtype
+    return module
+
+
+def load_quantized(
+    module: LlamaForCausalLM, checkpoint: GGUFCheckpoint, dtype: torch.dtype, device: torch.device
+) -> LlamaForCausalLM:
+    """Fill a meta-device ``module`` from a GGUF file: Q4_0/Q4_1 linears become ``Int4Linear``, Q8_0 ones
+    ``Int8Linear`` (a tied Q8_0 embedding shares its int8 table with the output projection); every other
+    weight is dequantised to ``dtype``."""
+    tensors = {t.hf_name: t for t in checkpoint.tensors}
+
+    def dense(name: str) -> torch.Tensor:
+        return torch.from_numpy(np.array(tensors[name].dequantize())).to(device=device, dtype=dtype)
+
+    embed = tensors["model.embed_tokens.weight"]
+    head_name = "model.embed_tokens.weight" if module.config.tie_word_embeddings else "lm_head.weight"
+    shared: Int8Weight | None = None
+    if embed.kind in INT8_KINDS:
+        shared = Int8Weight(embed.quantized_blocks(), dtype, device)
+        module.model.embed_tokens = Int8Embedding(shared)  # type: ignore[assignment]
+    for name, sub in list(module.named_modules()):
+        if not isinstance(sub, nn.Linear):
+            continue
+        weight_name = head_name if name == "lm_head" else f"{name}.weight"
+        bias = dense(f"{name}.bias") if f"{name}.bias" in tensors else None
+        source = tensors[weight_name]
+        replacement: nn.Module
+        if source.kind in INT4_KINDS:
+            replacement = Int4Linear(source.quantized_blocks(), dtype, device, bias)
+        elif weight_name == "model.embed_tokens.weight" and shared is not None:
+            replacement = Int8Linear(shared, bias, float32_output=name == "lm_head")
+        elif source.kind in INT8_KINDS:
+            weight = Int8Weight(source.quantized_blocks(), dtype, device)
+            replacement = Int8Linear(weight, bias, float32_output=name == "lm_head")
+        else:
+            continue
+        module.set_submodule(name, replacement)
+    for name, param in list(module.named_parameters()):
+        if param.is_meta:
+            owner, _, leaf = name.rpartition(".")
+            weight_name = head_name if name == "lm_head.weight" else name
+            setattr(module.get_submodule(owner), leaf, nn.Parameter(dense(weight_name), requires_grad=False))
+    if module.config.tie_word_embeddings and isinstance(module.lm_head, nn.Linear):
+        module.lm_head.weight = module.model.embed_tokens.weight
+    rope = module.model.rotary_emb
+    rope.cos, rope.sin = torch.empty(0, device=device), torch.empty(0, device=device)
+    rope.reset_tables()
     return module
 
 

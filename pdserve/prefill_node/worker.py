@@ -31,6 +31,7 @@ from pdserve.engine.remote_kv import admission_open, waiting_prompt_tokens
 from pdserve.kv_transfer import ChunkNotification, PushHandle, TransferTarget, make_transport
 from pdserve.messages import WorkerStats
 from pdserve.placement import current_node
+from pdserve.priority import restore_normal_priority
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class PrefillWorker:
         transport_config: Any = None,
         push_timeout_s: float = 20.0,
     ) -> None:
+        restore_normal_priority()  # Ray starts workers at niceness 15
         self.worker_id = worker_id
         self.push_timeout_s = push_timeout_s
         engine = LLMEngine(engine_config)
