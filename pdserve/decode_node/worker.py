@@ -29,6 +29,7 @@ from pdserve.engine.request import Request
 from pdserve.kv_transfer import TransferTarget, make_transport
 from pdserve.messages import StepEvents, TokenUpdate, WorkerRequestStats, WorkerStats
 from pdserve.placement import current_node
+from pdserve.transport_config import DEFAULT_RESERVATION_TTL_S
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class DecodeWorker:
         engine_config: EngineConfig,
         transport: str = "nixl",
         transport_config: Any = None,
-        reservation_ttl_s: float = 60.0,
+        reservation_ttl_s: float = DEFAULT_RESERVATION_TTL_S,
     ) -> None:
         self.worker_id = worker_id
         self.reservation_ttl_s = reservation_ttl_s

@@ -31,10 +31,9 @@ from pdserve.engine.remote_kv import admission_open, waiting_prompt_tokens
 from pdserve.kv_transfer import ChunkNotification, PushHandle, TransferTarget, make_transport
 from pdserve.messages import WorkerStats
 from pdserve.placement import current_node
+from pdserve.transport_config import DEFAULT_PUSH_TIMEOUT_S, PUSH_MARGIN_S
 
 log = logging.getLogger(__name__)
-
-PUSH_MARGIN_S = 2.0  # a push must be over (done or timed out) this long before the reservation expires
 
 
 class ReservationTimeout(Exception):
@@ -94,7 +93,7 @@ class PrefillWorker:
         engine_config: EngineConfig,
         transport: str = "nixl",
         transport_config: Any = None,
-        push_timeout_s: float = 20.0,
+        push_timeout_s: float = DEFAULT_PUSH_TIMEOUT_S,
     ) -> None:
         self.worker_id = worker_id
         self.push_timeout_s = push_timeout_s

@@ -28,13 +28,20 @@ class GenerateChunk(NamedTuple):
 
 
 def _request(
-    prompt: str | list[int], params: SamplingParams | None, mode: str | None, request_id: str | None
+    prompt: str | list[int],
+    params: SamplingParams | None,
+    mode: str | None,
+    request_id: str | None,
+    apply_chat_template: bool = False,
 ) -> pb.GenerateRequest:
     sampling = params_to_proto(params or SamplingParams())
     if mode is not None and mode not in MODE_ENUMS:
         raise ValueError(f"mode must be one of {', '.join(MODE_ENUMS)}, got {mode!r}")
     req = pb.GenerateRequest(
-        request_id=request_id or "", sampling=sampling, mode=MODE_ENUMS[mode] if mode else pb.MODE_UNSPECIFIED
+        request_id=request_id or "",
+        sampling=sampling,
+        mode=MODE_ENUMS[mode] if mode else pb.MODE_UNSPECIFIED,
+        apply_chat_template=apply_chat_template,
     )
     if isinstance(prompt, str):
         req.text = prompt
@@ -84,13 +91,16 @@ class Client:
         params: SamplingParams | None = None,
         mode: str | None = None,
         request_id: str | None = None,
+        apply_chat_template: bool = False,
     ) -> Iterator[GenerateChunk]:
         """Stream chunks; raises ``grpc.RpcError`` (with the server's status and message) on failure.
 
+        ``apply_chat_template``: the text prompt is the user's turn of a conversation, which the router
+        renders with its model's chat template (as is when the model ships none).
         Closing the iterator early cancels the request on the server.
         """
         call = self._stub.Generate(
-            _request(prompt, params, mode, request_id), timeout=self.timeout_s, metadata=self._md
+            _request(prompt, params, mode, request_id, apply_chat_template), timeout=self.timeout_s, metadata=self._md
         )
         try:
             for resp in call:
@@ -139,9 +149,11 @@ class AsyncClient:
         params: SamplingParams | None = None,
         mode: str | None = None,
         request_id: str | None = None,
+        apply_chat_template: bool = False,
     ) -> AsyncIterator[GenerateChunk]:
+        """``Client.generate``, for asyncio."""
         call = self._stub.Generate(
-            _request(prompt, params, mode, request_id), timeout=self.timeout_s, metadata=self._md
+            _request(prompt, params, mode, request_id, apply_chat_template), timeout=self.timeout_s, metadata=self._md
         )
         try:
             async for resp in call:

@@ -13,24 +13,35 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pdserve.engine.block_manager import compute_block_hashes
+from pdserve.options import option
+from pdserve.transport_config import DEFAULT_RESERVATION_TTL_S
 
 MODES = ("colocated", "disaggregated", "auto")
 
 
 @dataclass(frozen=True)
 class RouterConfig:
+    """A router's policy and limits. Fields with a help text are command-line options (``pdserve.options``);
+    the deployment sets the others from its own settings."""
+
     default_mode: str = "colocated"
     block_size: int = 16
-    auto_min_remote_tokens: int = 512  # auto: prefill remotely when more uncached prompt tokens than this...
-    auto_max_prefill_queue_tokens: int = 16384  # ...and some prefill worker has fewer tokens queued than this
-    max_active_requests: int = 4096  # requests in flight through one router; beyond this, RESOURCE_EXHAUSTED
-    max_queued_requests: int = 512  # requests waiting for their first token; beyond this, RESOURCE_EXHAUSTED
-    max_queued_prompt_tokens: int = 262144  # their prompt tokens; beyond this, RESOURCE_EXHAUSTED
-    max_request_bytes: int = 8 << 20  # a larger request body is refused before it is parsed
-    reserve_timeout_s: float = 60.0  # how long a prefill may wait for its decode worker to have room
-    abort_fence_s: float = 60.0  # how long an abort waits for the prefill worker to confirm its pushes are over
-    stream_idle_timeout_s: float = 600.0  # a stream with no token for this long fails with UNAVAILABLE
-    prefix_index_blocks: int = 65536  # per decode worker
+    auto_min_remote_tokens: int = option(
+        512, "auto mode: prefill remotely when a prompt has more uncached tokens than this..."
+    )
+    auto_max_prefill_queue_tokens: int = option(
+        16384, "...and some prefill worker has fewer prompt tokens queued than this"
+    )
+    max_active_requests: int = option(4096, "requests in flight through one router; beyond this, RESOURCE_EXHAUSTED")
+    max_queued_requests: int = option(512, "requests waiting for their first token; beyond this, RESOURCE_EXHAUSTED")
+    max_queued_prompt_tokens: int = option(
+        262144, "prompt tokens of the requests waiting for their first token; beyond this, RESOURCE_EXHAUSTED"
+    )
+    max_request_bytes: int = option(8 << 20, "a larger request body is refused before it is parsed")
+    reserve_timeout_s: float = option(60.0, "seconds a prefill may wait for its decode worker to have room")
+    abort_fence_s: float = DEFAULT_RESERVATION_TTL_S  # an abort waits this long for the prefill worker's confirmation
+    stream_idle_timeout_s: float = option(600.0, "a stream with no token for this many seconds fails with UNAVAILABLE")
+    prefix_index_blocks: int = option(65536, "prompt blocks the router remembers per decode worker (prefix routing)")
     prefix_caching: bool = True  # the workers cache prefixes; if not, the view remembers nothing
 
     def __post_init__(self) -> None:

@@ -19,6 +19,7 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.engine.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.router import GenerateInput, RequestError, Router
@@ -75,6 +76,13 @@ def _why_undecodable(raw: bytes, string_fields: dict[int, str]) -> str:
     return "request: not a valid protobuf message"
 
 
+def user_turn_prompt(tokenizer: Tokenizer | None, text: str) -> str:
+    """``text`` as the user's turn through the model's chat template; as is for a model without one."""
+    if tokenizer is None or tokenizer.chat_template.is_plain:
+        return text
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
 class PDServeServicer(pb_grpc.PDServeServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -90,6 +98,13 @@ class PDServeServicer(pb_grpc.PDServeServicer):
         if which is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: give text or token_ids")
         prompt = request.text if which == "text" else request.token_ids.ids
+        if request.apply_chat_template:
+            if which != "text":
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "apply_chat_template: needs a text prompt")
+            try:
+                prompt = await asyncio.to_thread(user_turn_prompt, self.router.tokenizer, request.text)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"apply_chat_template: {e}")
         if request.mode not in MODE_NAMES:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"mode: unknown value {request.mode}")
         req = GenerateInput(request.request_id or None, prompt, params, MODE_NAMES[request.mode])
