@@ -98,9 +98,14 @@ def add_config_arguments(
             choices=f.metadata.get("choices"),
             help=description_text,
         )
-    previous = parser.get_default(_dest(cls)) or ()  # a command may add a class's options in two groups
-    parser.set_defaults(**{_dest(cls): (*previous, *names)})
+    # a command may add a class's options in two groups
+    parser.set_defaults(**{_dest(cls): (*offered(parser, cls), *names)})
     return group
+
+
+def offered(parser: argparse.ArgumentParser, cls: type) -> tuple[str, ...]:
+    """The names of ``cls``'s options that ``add_config_arguments`` added to ``parser``."""
+    return tuple(parser.get_default(_dest(cls)) or ())
 
 
 def config_values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
@@ -129,6 +134,7 @@ class HelpFormatter(argparse.HelpFormatter):
             not action.option_strings
             or action.nargs == 0
             or any(action.default is nothing for nothing in (None, False, argparse.SUPPRESS))
+            or action.default == ""
             or "default" in text
         ):
             return text

@@ -370,9 +370,9 @@ def test_cli_run_writes_every_file(tmp_path):
             "ttft=300,tpot=50",
             "--max-chunk-tokens",
             "512",
-            "--prefill",
+            "--prefill-workers",
             "1",
-            "--decode",
+            "--decode-workers",
             "1",
             "--quiet",
         ]

@@ -19,6 +19,7 @@ with arrival gaps scaled by 1/rate), both divided by the number of GPUs.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -169,6 +170,7 @@ def pd_search(
     requests: Sequence[WorkloadRequest] | None = None,
     min_duration_s: float = 0.0,
     auto: bool = True,
+    progress: Callable[[str], None] | None = None,
 ) -> list[PDRow]:
     """Colocated vs every P:D split of ``num_gpus // tp`` instances, on ``spec``'s workload and SLOs.
 
@@ -176,8 +178,8 @@ def pd_search(
     config's highest SLO-meeting rate. A short trace at a high rate is a burst the system can absorb
     and then drain, which overstates the sustainable rate: each search run therefore uses
     ``max(spec.num_requests, rate * min_duration_s)`` requests. ``requests`` overrides the generated
-    workload at the base rate. ``auto`` adds each split under the auto rule. Raises ValueError without
-    SLOs or with fewer than 2 instances.
+    workload at the base rate. ``auto`` adds each split under the auto rule. ``progress`` hears a line
+    as each configuration starts and ends. Raises ValueError without SLOs or with fewer than 2 instances.
     """
     if not slo_ms:
         raise ValueError("pd search: give SLOs, e.g. --slo ttft=200,tpot=50")
@@ -188,7 +190,11 @@ def pd_search(
     base = list(requests) if requests is not None else build_workload(spec).requests
     rate_search = search_rate and spec.kind != "interference"
     rows = []
-    for name, mode, p, d in pd_configs(n, auto):
+    configs = pd_configs(n, auto)
+    started = time.monotonic()
+    for i, (name, mode, p, d) in enumerate(configs):
+        if progress is not None:
+            progress(f"pd search [{i + 1}/{len(configs)}] {name} ... ({time.monotonic() - started:.0f} s so far)")
         result = _run(mode, p, d, n, base, cost_model, cfg, tp, spec.max_concurrency)
         m = result.metrics(dict(slo_ms))
         max_rate = None
