@@ -39,13 +39,22 @@ def test_version():
     assert result.returncode == 0 and result.stdout.strip() == f"pdserve {version('pdserve')}"
 
 
-@pytest.mark.parametrize("command", [["generate", "What is the capital of France?"], ["status"]])
-def test_an_unreachable_server_is_one_line_naming_it(command: list[str]):
-    port = _free_port()  # nothing listens on it
-    result = _run(*command, "--target", f"127.0.0.1:{port}", timeout=60)
+@pytest.mark.parametrize(
+    ("command", "scheme", "prefix"),
+    [
+        (["generate", "What is the capital of France?"], "", "error"),
+        (["status"], "", "error"),
+        (["bench", "--num-requests", "2"], "", "pdserve bench: error"),
+        (["bench", "--num-requests", "2"], "http://", "pdserve bench: error"),
+    ],
+)
+def test_an_unreachable_server_is_one_line_naming_it(command: list[str], scheme: str, prefix: str):
+    target = f"{scheme}127.0.0.1:{_free_port()}"  # nothing listens on it
+    result = _run(*command, "--target", target, timeout=60)
     assert result.returncode == 1
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
-    assert result.stderr.startswith(f"error: cannot reach 127.0.0.1:{port}: UNAVAILABLE: "), result.stderr
+    assert result.stderr.startswith(f"{prefix}: cannot reach {target}: "), result.stderr
+    assert "UNAVAILABLE" in result.stderr or "Connection refused" in result.stderr, result.stderr
 
 
 def test_metadata_prints_as_aligned_lines_with_units():

@@ -284,6 +284,31 @@ def measure(
     return MeasuredRun(records, steps, moved, duration)
 
 
+def target_problem(target: str, timeout_s: float = 10.0) -> str | None:
+    """Why ``target`` (a router's ``HOST:PORT`` or an ``http(s)://`` server) cannot be benchmarked, in one
+    line naming it; None when it answers."""
+    if is_http_target(target):
+        import urllib.error
+        import urllib.request
+
+        try:
+            urllib.request.urlopen(target.rstrip("/") + "/v1/models", timeout=timeout_s).close()
+        except urllib.error.HTTPError:
+            return None  # it answers (an auth error or a missing route shows in the requests' failures)
+        except (urllib.error.URLError, OSError) as e:
+            return f"cannot reach {target}: {getattr(e, 'reason', e)}"
+        return None
+    from pdserve.router.client import Client
+
+    try:
+        with Client(target, timeout_s=timeout_s) as client:
+            client.health()
+    except grpc.RpcError as e:
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return f"cannot reach {target}: {e.code().name}: {e.details()}"
+    return None
+
+
 def warmup_requests(n: int, seed: int) -> list[WorkloadRequest]:
     """Requests that warm a deployment up before a measured run (left out of its figures)."""
     return uniform_workload(n, (32, 256), (8, 8), seed=seed + 12345, prefix="warmup", label="warmup")
@@ -439,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         bad = [a for a in archs if a not in ARCHITECTURES]
         if bad or not archs:
             raise ValueError(f"--architectures: unknown {bad} (choose from {', '.join(ARCHITECTURES)})")
-        worker_counts(args)
+        if worker_counts(args)[0] == 0 and set(archs) - {"colocated"}:
+            raise ValueError("--prefill-workers 0: disaggregated and auto need at least one prefill worker")
         if args.repeats < 1:
             raise ValueError("--repeats must be >= 1")
         kind = args.workload or ("interference" if args.sweep else "random")
@@ -448,6 +474,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
         return 2
+    if args.target:
+        problem = target_problem(args.target)
+        if problem is not None:
+            print(f"pdserve bench: error: {problem}", file=sys.stderr)
+            return 1
 
     started_ray = False
     if not args.target and not ray.is_initialized():
