@@ -93,14 +93,14 @@ class Deployment:
         )
         if not use_gpu and engine_config.torch_threads is None and cfg.address is None:
             # CPU workers on this machine share its cores: oversubscribed OpenMP threads collapse
-            workers = cfg.num_decode_workers + cfg.num_prefill_workers
+            workers = cfg.num_decode_workers + cfg.prefill_worker_count
             engine_config = replace(engine_config, torch_threads=max(1, (os.cpu_count() or 1) // workers))
         transport_config = cfg.transport_config
         if transport_config is None and cfg.transport == "grpc":
             # a push stream ends when its request fails; only this deployment's workers may push
             transport_config = GrpcConfig(push_timeout_s=cfg.push_timeout_s, secret=secrets.token_hex(16))
         try:
-            placement = place_workers(cfg.num_prefill_workers, cfg.num_decode_workers, use_gpu)  # fails fast
+            placement = place_workers(cfg.prefill_worker_count, cfg.num_decode_workers, use_gpu)  # fails fast
             common = {"max_concurrency": 10_000, "max_restarts": cfg.worker_max_restarts}
             decode_cls, prefill_cls = ray.remote(DecodeWorker), ray.remote(PrefillWorker)
             decode_options = {**placement.actor_options(DECODE), **common}
@@ -111,7 +111,7 @@ class Deployment:
                     wid, engine_config, cfg.transport, transport_config, cfg.reservation_ttl_s
                 )
                 self.decode_workers.append(WorkerHandle(wid, "decode", actor))
-            for i in range(cfg.num_prefill_workers):
+            for i in range(cfg.prefill_worker_count):
                 wid = f"prefill-{i}"
                 actor = prefill_cls.options(**prefill_options, **self._identity(wid)).remote(
                     wid, engine_config, cfg.transport, transport_config, cfg.push_timeout_s

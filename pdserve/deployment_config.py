@@ -71,11 +71,11 @@ class DeploymentConfig(TransportConfig):
             object.__setattr__(self, "num_prefill_workers", 0 if self.mode == "colocated" else 1)
         if self.num_decode_workers < 1:
             raise ValueError(f"num_decode_workers must be >= 1, got {self.num_decode_workers}")
-        if self.num_prefill_workers < 0:
+        if self.prefill_worker_count < 0:
             raise ValueError(f"num_prefill_workers must be >= 0, got {self.num_prefill_workers}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.mode != "colocated" and self.num_prefill_workers < 1:
+        if self.mode != "colocated" and self.prefill_worker_count < 1:
             raise ValueError(f"mode {self.mode!r} needs num_prefill_workers >= 1")
         if self.num_routers < 1:
             raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
@@ -84,6 +84,13 @@ class DeploymentConfig(TransportConfig):
                 f"explorer_host {self.explorer_host!r}: with an auth token the explorer listens on loopback only "
                 "(its page sends bursts without a token); reach it through an SSH tunnel"
             )
+
+    @property
+    def prefill_worker_count(self) -> int:
+        """``num_prefill_workers`` as resolved on construction (None became 0 or 1)."""
+        if self.num_prefill_workers is None:
+            raise AssertionError("resolved in __post_init__")
+        return self.num_prefill_workers
 
     def security(self) -> ServerSecurity:
         """What the routers' gRPC servers require of clients; reads the TLS files (fails fast if unreadable)."""
