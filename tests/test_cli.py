@@ -105,6 +105,7 @@ def test_pd_search_reports_progress_on_stderr(tmp_path):
     assert result.returncode == 0, result.stderr
     progress = [line for line in result.stderr.splitlines() if line.startswith("pd search [")]
     assert [line.split("]")[0] for line in progress] == ["pd search [1/3", "pd search [2/3", "pd search [3/3"]
+    assert "pd search: 3 configurations in " in result.stderr
     assert "best per GPU" in result.stdout
 
 

@@ -1,17 +1,17 @@
 # Over 500 lines: the runner drives every target (in-process deployments, a gRPC router, an HTTP server) and sweep.
 """``pdserve bench``: the A/B benchmark of the real system, one architecture after another.
 
-Each architecture gets a fresh deployment on the same number of workers (disaggregated and auto:
-``--prefill-workers`` P + ``--decode-workers`` D; colocated: P + D workers), a warm-up that is left out of the figures,
-then the workload, sent on its arrival schedule from an asyncio client that timestamps every token.
+Each architecture gets a fresh deployment on the same number of workers (disaggregated and
+auto: ``--prefill-workers`` P + ``--decode-workers`` D; colocated: P + D workers), a warm-up that is
+left out of the figures, then the workload, sent on its arrival schedule from an asyncio client
+that timestamps every token.
 With ``--target HOST:PORT`` it runs against a router that is already serving (the architectures
 then name the per-request mode override). ``--target http://HOST:PORT`` sends the same workload to any
 OpenAI-compatible server instead (streaming ``/v1/completions`` with token-id prompts, ``ignore_eos`` and
 ``return_token_ids``; pdserve's own HTTP API, vLLM, ...), with the same per-token client timestamps.
 Writes results.json, report.md and PNG plots.
 
-    pdserve bench --architectures colocated,disaggregated,auto --workload random \
-        --num-requests 64 --rate 4 --slo ttft=2000,tpot=200 --out results/ab
+    pdserve bench --architectures colocated,disaggregated,auto --num-requests 64 --rate 4 --out results/ab
     pdserve bench --architectures colocated,disaggregated --repeats 3 ...   # median and spread of each figure
     pdserve bench --sweep chunk=128,256,512,1024 --workload interference --out results/sweep
 """

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from pdserve.engine import EngineConfig, SamplingParams
@@ -70,7 +71,7 @@ def ask_questions(args: argparse.Namespace) -> None:
         f"default mode=auto (remote prefill from {AUTO_MIN_REMOTE_TOKENS} prompt tokens) ...",
         flush=True,
     )
-    with Deployment(config) as deployment:
+    with Deployment(config, progress=lambda line: print(line, file=sys.stderr, flush=True)) as deployment:
         print(f"router listening on {deployment.address} (started in {time.time() - t0:.1f} s)\n", flush=True)
         params = SamplingParams(max_tokens=MAX_ANSWER_TOKENS, temperature=0.0)
         with Client(deployment.address) as client:

@@ -81,10 +81,12 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
 def _add_action_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("actions")
     g.add_argument("--demo", action="store_true", help="the chunked-prefill demo and the 32k off/on ratio")
-    g.add_argument("--demo-prompt-len", type=int, default=8192)
-    g.add_argument("--demo-chunk", type=int, default=1024)
-    g.add_argument("--demo-decodes", type=int, default=24)
-    g.add_argument("--demo-long-prompt-len", type=int, default=32768)
+    g.add_argument("--demo-prompt-len", type=int, default=8192, help="demo: the long prompt's tokens")
+    g.add_argument("--demo-chunk", type=int, default=1024, help="demo: the chunk size")
+    g.add_argument("--demo-decodes", type=int, default=24, help="demo: the decodes running alongside")
+    g.add_argument(
+        "--demo-long-prompt-len", type=int, default=32768, help="demo: the prompt of the chunking off/on ratio"
+    )
     g.add_argument("--pd-search", type=int, default=None, metavar="N", help="P:D search over N GPUs")
     g.add_argument("--attainment", type=float, default=0.9, help="pd search: SLO attainment target")
     g.add_argument("--no-rate-search", action="store_true", help="pd search: only the workload's own rate")
@@ -100,14 +102,14 @@ def _add_action_arguments(p: argparse.ArgumentParser) -> None:
         const=DEFAULT_CALIBRATION,
         default=None,
         metavar="PATH",
-        help=f"measure the engine, write the cpu-measured JSON (default {DEFAULT_CALIBRATION})",
+        help=f"measure the engine, write the cpu-measured JSON to PATH (without PATH: {DEFAULT_CALIBRATION})",
     )
-    g.add_argument("--calibrate-model", default="bench", choices=("tiny", "bench"))
+    g.add_argument("--calibrate-model", default="bench", choices=("tiny", "bench"), help="calibration: the model")
     g.add_argument("--calibrate-quick", action="store_true", help="a tiny grid (seconds)")
-    g.add_argument("--calibrate-budget-s", type=float, default=40.0)
+    g.add_argument("--calibrate-budget-s", type=float, default=40.0, help="calibration: seconds to spend")
     g.add_argument("--torch-threads", type=int, default=None, help="calibration: torch threads of the engine")
     g.add_argument("--sweep", default=None, metavar="chunk=128,256,...", help="chunk-size sweep")
-    g.add_argument("--quiet", action="store_true")
+    g.add_argument("--quiet", action="store_true", help="print nothing but errors")
     g.add_argument("--serve", action="store_true", help="serve the explorer's playground page (Ctrl-C stops)")
     g.add_argument("--serve-host", default="127.0.0.1", help="--serve: the address to listen on")
     g.add_argument("--serve-port", type=int, default=8088, help="--serve: the port (0 = any free port)")

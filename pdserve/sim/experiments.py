@@ -231,6 +231,8 @@ def pd_search(
                 kv_bytes_moved=result.kv_bytes_moved,
             )
         )
+    if progress is not None:
+        progress(f"pd search: {len(configs)} configurations in {time.monotonic() - started:.0f} s")
     return rows
 
 
