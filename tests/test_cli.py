@@ -185,3 +185,15 @@ def test_serve_then_generate_then_ctrl_c_stops_cleanly():
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(10)
+
+
+def test_the_router_renders_the_user_turn_with_its_models_chat_template():
+    from pdserve.engine.tokenizer import load_tokenizer
+    from pdserve.router.server import user_turn_prompt
+
+    question = "What is the capital of France?"
+    smollm2 = load_tokenizer("smollm2")
+    assert user_turn_prompt(smollm2, question) == smollm2.apply_chat_template([{"role": "user", "content": question}])
+    assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>" in user_turn_prompt(smollm2, question)
+    assert user_turn_prompt(load_tokenizer("tiny"), question) == question  # no template: the text as is
+    assert user_turn_prompt(None, question) == question
