@@ -77,7 +77,7 @@ def add_config_arguments(
     for name in names:
         f = _field(cls, name)
         kind = _value_type(cls, f)
-        description_text = f.metadata["help"]
+        description_text = f.metadata["help"].replace("%", "%%")  # argparse formats help with %
         default = _default(f)
         if kind is bool:
             action = "store_false" if default else "store_true"
