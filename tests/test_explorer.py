@@ -114,6 +114,17 @@ def test_playground_is_pdserve_sim_demo(tmp_path: Path):
         assert prefill_ms + decode_ms == pytest.approx(ms, abs=2e-3) and prefill_ms >= 0 and decode_ms >= 0
 
 
+def test_playground_calls_the_simulators_library_api_not_its_command_line(monkeypatch):
+    import pdserve.sim.cli as sim_cli
+
+    def no_parser() -> None:
+        pytest.fail("the playground built pdserve sim's command-line parser")
+
+    monkeypatch.setattr(sim_cli, "build_parser", no_parser)
+    result = run_playground(PlaygroundSettings(prompt_len=2048, chunk_size=512, num_decodes=4))
+    assert [run["chunked"] for run in result["runs"]] == [True, False]
+
+
 def test_playground_disaggregated_has_a_timeline_per_instance():
     result = run_playground(PlaygroundSettings.parse({"mode": "disaggregated", "prefill": 1, "decode": 2}))
     on, _ = result["runs"]
