@@ -120,6 +120,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _fields(text: str) -> dict[str, str]:
+    """The ``key: value`` lines of a command's metadata."""
+    return {key: value.strip() for key, value in (line.split(":", 1) for line in text.splitlines())}
+
+
 @pytest.mark.cluster
 def test_serve_then_generate_then_ctrl_c_stops_cleanly():
     """One deployment of the real chat model: start-up stages, a question answered through its chat
@@ -161,7 +166,8 @@ def test_serve_then_generate_then_ctrl_c_stops_cleanly():
         target = ["--target", f"127.0.0.1:{port}"]
         answer = _run("generate", "What is the capital of France?", *target, "--max-tokens", "24")
         assert answer.returncode == 0, answer.stderr
-        assert "Paris" in answer.stdout and "finish reason: stop" in answer.stderr, (answer.stdout, answer.stderr)
+        assert "Paris" in answer.stdout, (answer.stdout, answer.stderr)
+        assert _fields(answer.stderr)["finish reason"] == "stop", answer.stderr
         for mode in ("colocated", "disaggregated"):
             result = _run(
                 "generate",
@@ -175,9 +181,9 @@ def test_serve_then_generate_then_ctrl_c_stops_cleanly():
                 "--ignore-eos",
             )
             assert result.returncode == 0, result.stderr
-            meta = dict(line.split(":", 1) for line in result.stderr.splitlines())
-            assert meta["mode"].strip() == mode and meta["output tokens"].strip() == "5 tokens", result.stderr
-            assert meta["finish reason"].strip() == "length" and meta["time to first token"].endswith(" ms")
+            meta = _fields(result.stderr)
+            assert meta["mode"] == mode and meta["output tokens"] == "5 tokens", result.stderr
+            assert meta["finish reason"] == "length" and meta["time to first token"].endswith(" ms")
         server.send_signal(signal.SIGINT)
         output, _ = server.communicate(timeout=60)
         assert server.returncode == 0 and "stopping" in output
