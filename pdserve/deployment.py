@@ -13,118 +13,38 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+import time
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.decode_node.worker import DecodeWorker
+from pdserve.deployment_config import DeploymentConfig
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.kv_transfer.grpc_transport import GrpcConfig
 from pdserve.messages import WorkerStats
 from pdserve.placement import DECODE, PREFILL, place_workers
-from pdserve.prefill_node.worker import PUSH_MARGIN_S, PrefillWorker
+from pdserve.prefill_node.worker import PrefillWorker
 from pdserve.priority import RAY_WORKER_NICENESS_ENV
-from pdserve.router.policy import RouterConfig
 from pdserve.router.process import RouterProcess
 from pdserve.router.router import WorkerHandle
-from pdserve.router.server import ServerSecurity
 
 log = logging.getLogger(__name__)
 
 WORKER_NAMESPACE = "pdserve"
-
-
-@dataclass(frozen=True)
-class DeploymentConfig:
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    mode: str = "colocated"  # the default mode; requests may override it
-    num_prefill_workers: int = 0
-    num_decode_workers: int = 1
-    transport: str = "nixl"  # KV transport: nixl or grpc
-    transport_config: Any = None  # NixlConfig / GrpcConfig
-    host: str = "127.0.0.1"
-    port: int = 0  # 0 = any free port
-    num_routers: int = 1  # router processes, all on `port` (SO_REUSEPORT)
-    http_port: int | None = None  # the OpenAI-compatible HTTP API, every router on it; None = off, 0 = any free
-    metrics_port: int | None = None  # Prometheus /metrics of router i on metrics_port + i; None = off, 0 = any free
-    explorer_port: int | None = None  # the explorer page, served by router 0; None = off, 0 = any free
-    explorer_host: str = "127.0.0.1"  # loopback by default; with auth_token its endpoints need the token too
-    address: str | None = None  # a Ray cluster to join ("auto" or host:port); None = local, started here
-    router: RouterConfig | None = None  # None = defaults with `mode` as default_mode
-    reservation_ttl_s: float = 60.0  # a decode reservation whose KV has not all arrived by then is freed
-    push_timeout_s: float = 20.0  # a KV push in flight longer fails its request (must end well before the TTL)
-    worker_max_restarts: int = 3  # Ray restarts a worker whose process died this often
-    # Named, detached workers outlive the process that started them: a router process that restarts
-    # (`pdserve serve --address auto` again) finds the running workers instead of starting a second set.
-    detached_workers: bool = False
-    auth_token: str | None = None  # clients must send `authorization: Bearer <token>`
-    tls_cert_file: str | None = None  # PEM certificate chain and key: the client API speaks TLS
-    tls_key_file: str | None = None
-    ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not 0 < self.push_timeout_s < self.reservation_ttl_s - PUSH_MARGIN_S:
-            raise ValueError(
-                f"push_timeout_s must be > 0 and end {PUSH_MARGIN_S} s before reservation_ttl_s "
-                f"({self.reservation_ttl_s}), got {self.push_timeout_s}"
-            )
-        if self.num_decode_workers < 1:
-            raise ValueError(f"num_decode_workers must be >= 1, got {self.num_decode_workers}")
-        if self.num_prefill_workers < 0:
-            raise ValueError(f"num_prefill_workers must be >= 0, got {self.num_prefill_workers}")
-        if self.mode != "colocated" and self.num_prefill_workers < 1:
-            raise ValueError(f"mode {self.mode!r} needs num_prefill_workers >= 1")
-        if self.num_routers < 1:
-            raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
-        if self.transport not in ("nixl", "grpc"):
-            raise ValueError(f"transport must be nixl or grpc, got {self.transport!r}")
-        tls = self.tls_cert_file is not None and self.tls_key_file is not None
-        http_servers = (("http", self.http_port, self.host), ("explorer", self.explorer_port, self.explorer_host))
-        for name, port, host in http_servers:
-            if port is not None and self.auth_token and not tls and not _is_loopback(host):
-                raise ValueError(
-                    f"{name}_port on {host!r}: a token-protected HTTP server off loopback needs TLS "
-                    "(tls_cert_file and tls_key_file), or the token crosses the network in the clear"
-                )
-
-    def security(self) -> ServerSecurity:
-        """What the routers' gRPC servers require of clients; reads the TLS files (fails fast if unreadable)."""
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError("tls_cert_file and tls_key_file go together")
-        cert = Path(self.tls_cert_file).read_bytes() if self.tls_cert_file else None
-        key = Path(self.tls_key_file).read_bytes() if self.tls_key_file else None
-        return ServerSecurity(self.auth_token, cert, key)
-
-    def router_config(self) -> RouterConfig:
-        base = self.router or RouterConfig()
-        return RouterConfig(
-            **{
-                **base.__dict__,
-                "default_mode": self.mode,
-                "block_size": self.engine.block_size,
-                "prefix_caching": self.engine.enable_prefix_caching,
-                "abort_fence_s": self.reservation_ttl_s,
-            }
-        )
-
-
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+__all__ = ["Deployment", "DeploymentConfig"]
 
 
 class Deployment:
-    def __init__(self, config: DeploymentConfig) -> None:
+    """``progress``, when given, hears one line per start-up stage (Ray, workers placed, model loaded,
+    listening)."""
+
+    def __init__(self, config: DeploymentConfig, progress: Callable[[str], None] | None = None) -> None:
         self.config = config
+        self._progress = progress
         self.decode_workers: list[WorkerHandle] = []
         self.prefill_workers: list[WorkerHandle] = []
         self.routers: list[Any] = []  # RouterProcess actor handles
@@ -155,8 +75,13 @@ class Deployment:
             raise RuntimeError("deployment not started, or started without explorer_port")
         return f"http://{self.config.explorer_host}:{self.explorer_port}/"
 
+    def _stage(self, started: float, text: str) -> None:
+        if self._progress is not None:
+            self._progress(f"[{time.monotonic() - started:5.1f} s] {text}")
+
     def start(self) -> Deployment:
         cfg = self.config
+        started = time.monotonic()
         model_config = ModelConfig.load(cfg.engine.model)
         engine_config = cfg.engine.with_model_defaults(model_config)  # fail fast, here, on bad config
         if not ray.is_initialized():
@@ -165,19 +90,20 @@ class Deployment:
                 os.environ.setdefault(RAY_WORKER_NICENESS_ENV, "0")
             ray.init(address=cfg.address, **kwargs)
             self._started_ray = True
+        self._stage(started, f"Ray {'started' if self._started_ray else 'joined'} ({cfg.address or 'local'})")
         use_gpu = engine_config.device.startswith("cuda") or (
             engine_config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
         )
         if not use_gpu and engine_config.torch_threads is None and cfg.address is None:
             # CPU workers on this machine share its cores: oversubscribed OpenMP threads collapse
-            workers = cfg.num_decode_workers + cfg.num_prefill_workers
+            workers = cfg.num_decode_workers + cfg.prefill_worker_count
             engine_config = replace(engine_config, torch_threads=max(1, (os.cpu_count() or 1) // workers))
         transport_config = cfg.transport_config
         if transport_config is None and cfg.transport == "grpc":
             # a push stream ends when its request fails; only this deployment's workers may push
             transport_config = GrpcConfig(push_timeout_s=cfg.push_timeout_s, secret=secrets.token_hex(16))
         try:
-            placement = place_workers(cfg.num_prefill_workers, cfg.num_decode_workers, use_gpu)  # fails fast
+            placement = place_workers(cfg.prefill_worker_count, cfg.num_decode_workers, use_gpu)  # fails fast
             common = {"max_concurrency": 10_000, "max_restarts": cfg.worker_max_restarts}
             decode_cls, prefill_cls = ray.remote(DecodeWorker), ray.remote(PrefillWorker)
             decode_options = {**placement.actor_options(DECODE), **common}
@@ -188,14 +114,17 @@ class Deployment:
                     wid, engine_config, cfg.transport, transport_config, cfg.reservation_ttl_s
                 )
                 self.decode_workers.append(WorkerHandle(wid, "decode", actor))
-            for i in range(cfg.num_prefill_workers):
+            for i in range(cfg.prefill_worker_count):
                 wid = f"prefill-{i}"
                 actor = prefill_cls.options(**prefill_options, **self._identity(wid)).remote(
                     wid, engine_config, cfg.transport, transport_config, cfg.push_timeout_s
                 )
                 self.prefill_workers.append(WorkerHandle(wid, "prefill", actor))
+            self._stage(started, f"workers placed: {', '.join(w.worker_id for w in self.workers)}")
             self.worker_info = ray.get([w.actor.ready.remote() for w in self.workers], timeout=300)
+            self._stage(started, f"model {cfg.engine.model} loaded on {len(self.workers)} workers")
             self._start_routers(engine_config)
+            self._stage(started, f"listening on {self.address}")
         except BaseException:
             self.stop()
             raise

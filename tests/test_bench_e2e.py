@@ -17,8 +17,10 @@ def test_pdserve_bench_writes_results_report_and_plots(tmp_path):
         [
             "--architectures",
             "colocated,disaggregated",
-            "--workers",
-            "2",
+            "--prefill-workers",
+            "1",
+            "--decode-workers",
+            "1",
             "--num-requests",
             "6",
             "--rate",

@@ -144,6 +144,17 @@ def test_playground_is_pdserve_sim_demo(tmp_path: Path):
     assert result["assumptions"]["kind"] == "roofline" and result["assumptions"]["hardware"] == "H100"
 
 
+def test_playground_calls_the_simulators_library_api_not_its_command_line(monkeypatch):
+    import pdserve.sim.cli as sim_cli
+
+    def no_parser() -> None:
+        pytest.fail("the playground built pdserve sim's command-line parser")
+
+    monkeypatch.setattr(sim_cli, "build_parser", no_parser)
+    result = run_playground(PlaygroundSettings(prompt_len=2048, chunk_size=512, num_decodes=4))
+    assert [run["chunked"] for run in result["runs"]] == [True, False]
+
+
 def test_playground_disaggregated_has_a_timeline_per_instance():
     result = run_playground(PlaygroundSettings.parse({"mode": "disaggregated", "prefill": 1, "decode": 2}))
     on, _ = result["runs"]
@@ -715,7 +726,7 @@ def test_every_refusal_names_a_label_on_the_page(page, sim_url: str):
     page.check("#long32k")
     page.locator("#chunk_size").fill("5")  # 32k in chunks of 32 ...
     seq = ready_seq(page, seq)
-    command = "--instances 8 --demo-prompt-len 32768 --demo-chunk 32 "  # ... on 8 instances: past the work limit
+    command = "--decode-workers 8 --demo-prompt-len 32768 --demo-chunk 32 "  # ... on 8 instances: past the work limit
     refused(eight_instances, "Chunk size", "fewer instances", "pdserve sim --demo", command)
     page.fill("#instances", "1")
     page.press("#instances", "Tab")

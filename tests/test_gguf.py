@@ -153,7 +153,7 @@ def test_cli_generate_offline_answers_with_the_chat_template(capsys):
     assert main(["generate", "--offline", "--model", "smollm2", "What is the capital of France?"]) == 0
     out = capsys.readouterr()
     assert "Paris" in out.out
-    assert "finish_reason=stop" in out.err
+    assert "finish reason: stop" in out.err
 
 
 def test_tokenizer_matches_transformers(engine, hf_tokenizer):

@@ -118,3 +118,144 @@ def test_options_load_without_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert set(engine_fields()) == {f.name for f in fields(EngineConfig)}
+
+
+# ---- one declaration per setting, in every command --------------------------------------------------------
+
+COMMANDS = ("generate", "serve", "status", "demo")
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every pdserve subcommand's parser, by name."""
+    main = pdserve_parser()
+    sub = next(a for a in main._actions if isinstance(a, argparse._SubParsersAction))
+    parsers = {name: sub.choices[name] for name in COMMANDS}
+    return {**parsers, "bench": bench_parser(), "sim": sim_parser()}
+
+
+def _declared() -> list[tuple[type, str]]:
+    from pdserve.deployment_config import DeploymentConfig
+    from pdserve.options import option_fields
+    from pdserve.router.policy import RouterConfig
+    from pdserve.sim.api import SimSettings
+
+    return [
+        (cls, name)
+        for cls in (EngineConfig, DeploymentConfig, RouterConfig, SimSettings)
+        for name in option_fields(cls)
+    ]
+
+
+def test_every_command_takes_a_setting_by_its_one_declared_flag_and_default():
+    from pdserve import options
+
+    parsers = _parsers()
+    seen: dict[tuple[type, str], set[str]] = {}
+    for command, parser in parsers.items():
+        by_dest = {a.dest: a for a in parser._actions}
+        for cls, name in _declared():
+            if name not in options.offered(parser, cls):
+                continue
+            action = by_dest[name]
+            seen.setdefault((cls, name), set()).add(command)
+            f = {f.name: f for f in fields(cls)}[name]
+            assert action.option_strings == [options.option_flag(cls, name)], (command, name)
+            expected = 50051 if (command, name) == ("serve", "port") else f.default
+            assert action.default == expected, (command, name, action.default)
+            assert tuple(action.choices or ()) == tuple(f.metadata.get("choices", ())), (command, name)
+    assert seen[(EngineConfig, "block_size")] >= {"generate", "serve", "bench", "sim"}
+    from pdserve.deployment_config import DeploymentConfig
+    from pdserve.router.policy import RouterConfig
+
+    assert seen[(DeploymentConfig, "num_prefill_workers")] == {"serve", "bench", "sim"}
+    assert seen[(DeploymentConfig, "num_decode_workers")] == {"serve", "bench", "sim"}
+    assert seen[(DeploymentConfig, "transport")] == {"serve", "bench", "demo"}
+    assert seen[(RouterConfig, "auto_min_remote_tokens")] == {"serve", "bench", "sim"}
+
+
+def test_no_command_has_another_name_for_the_worker_counts():
+    for command, parser in _parsers().items():
+        flags = {s for a in parser._actions for s in a.option_strings}
+        assert not flags & {"--workers", "--prefill", "--decode", "--instances"}, command
+        transport = [a for a in parser._actions if "--transport" in a.option_strings]
+        assert all(tuple(a.choices) == ("nixl", "grpc") for a in transport), command
+
+
+def test_the_hand_off_deadlines_have_one_default_everywhere():
+    import inspect
+
+    from pdserve.decode_node.worker import DecodeWorker
+    from pdserve.deployment_config import DeploymentConfig
+    from pdserve.kv_transfer.grpc_transport import GrpcConfig
+    from pdserve.prefill_node.worker import PrefillWorker
+    from pdserve.router.policy import RouterConfig
+
+    config = DeploymentConfig()
+    push = {
+        config.push_timeout_s,
+        GrpcConfig().push_timeout_s,
+        inspect.signature(PrefillWorker.__init__).parameters["push_timeout_s"].default,
+    }
+    ttl = {
+        config.reservation_ttl_s,
+        RouterConfig().abort_fence_s,
+        inspect.signature(DecodeWorker.__init__).parameters["reservation_ttl_s"].default,
+    }
+    assert len(push) == 1 and len(ttl) == 1, (push, ttl)
+    changed = DeploymentConfig(reservation_ttl_s=30.0, push_timeout_s=5.0)
+    assert changed.router_config().abort_fence_s == 30.0
+    with pytest.raises(ValueError, match="push_timeout_s"):
+        DeploymentConfig(reservation_ttl_s=10.0, push_timeout_s=9.0)
+    with pytest.raises(ValueError, match="transport"):
+        DeploymentConfig(transport="carrier-pigeon")
+
+
+def test_serve_options_reach_the_deployment_config():
+    from pdserve.cli.main import deployment_config_from_args
+
+    argv = ["serve", "--mode", "auto", "--decode-workers", "2", "--transport", "grpc", "--push-timeout-s", "5"]
+    argv += ["--reservation-ttl-s", "30", "--auto-min-remote-tokens", "8", "--routers", "2", "--no-prefix-caching"]
+    config = deployment_config_from_args(pdserve_parser().parse_args(argv))
+    assert (config.mode, config.num_prefill_workers, config.num_decode_workers) == ("auto", 1, 2)
+    assert (config.transport, config.push_timeout_s, config.reservation_ttl_s) == ("grpc", 5.0, 30.0)
+    assert config.num_routers == 2 and config.port == 50051 and not config.engine.enable_prefix_caching
+    router = config.router_config()
+    assert (router.auto_min_remote_tokens, router.abort_fence_s, router.default_mode) == (8, 30.0, "auto")
+    colocated = deployment_config_from_args(pdserve_parser().parse_args(["serve"]))
+    assert (colocated.num_prefill_workers, colocated.num_decode_workers) == (0, 1)
+
+
+def _help_entries(text: str) -> list[str]:
+    """One string per option of a --help text (its flag line and the lines that continue it)."""
+    entries: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            entries.append(line.strip())
+        elif entries and line.startswith("        ") and line.strip():
+            entries[-1] += " " + line.strip()
+        elif not line.strip() or not line.startswith(" "):
+            entries.append("")  # a new section: nothing continues across it
+    return [e for e in entries if e]
+
+
+@pytest.mark.parametrize("command", [*COMMANDS, "bench", "sim"])
+def test_help_shows_each_default_once_and_no_markup(command: str):
+    parser = _parsers()[command]
+    text = parser.format_help()
+    assert "``" not in text and "::" not in text
+    entries = _help_entries(text)
+    assert len(entries) > 3
+    for entry in entries:
+        assert "(default: True)" not in entry and "(default: False)" not in entry, entry
+        assert "(default: None)" not in entry and "(default: )" not in entry, entry
+        assert entry.count("default:") <= 1, entry  # a flag may be named --default-x
+    switches = [e for e in entries if e.startswith("--no-")]
+    if command in ("generate", "serve", "bench", "sim"):
+        assert any(" ".join(e.split()).startswith("--no-chunked-prefill turn off") for e in switches), switches
+
+
+def test_main_help_lists_every_subcommand():
+    text = pdserve_parser().format_help()
+    for name in (*COMMANDS, "bench", "sim"):
+        assert f"\n    {name} " in text, name
+    assert "``" not in text

@@ -12,6 +12,7 @@ from pdserve.bench.metrics import compute_metrics
 from pdserve.bench.workloads import (
     WorkloadRequest,
     WorkloadSpec,
+    build_workload,
     interference_workload,
     random_workload,
     shared_prefix_workload,
@@ -376,9 +377,9 @@ def test_cli_run_writes_every_file(tmp_path):
             "ttft=300,tpot=50",
             "--max-chunk-tokens",
             "512",
-            "--prefill",
+            "--prefill-workers",
             "1",
-            "--decode",
+            "--decode-workers",
             "1",
             "--quiet",
         ]
@@ -444,3 +445,21 @@ def test_cli_demo_sweep_and_errors(tmp_path, capsys):
         )
         == 2
     )
+
+
+def test_library_api_settings_to_results():
+    from pdserve.sim import SimSettings, Simulation
+
+    requests = build_workload(WorkloadSpec(kind="random", num_requests=12, rate=20.0, seed=3)).requests
+    sim = Simulation(SimSettings(mode="all", prefill_workers=1, decode_workers=3, slo="ttft=300,tpot=50"))
+    runs = sim.architectures(requests)
+    assert [r.name for r in runs] == ["colocated x4", "disaggregated 1P:3D", "auto 1P:3D"]
+    assert all(len(r.result.records) == len(requests) for r in runs) and sim.slo_ms == {"ttft": 300.0, "tpot": 50.0}
+    alone = Simulation(SimSettings(mode="colocated", decode_workers=2)).architectures(requests)
+    assert [r.name for r in alone] == ["colocated x2"]  # alone, colocated has the decode workers (as in serve)
+    demo = Simulation(SimSettings(mode="disaggregated", decode_workers=2)).demo(4096, 512, 8)
+    assert demo.architecture == "disaggregated 1P:2D" and demo.chunk_size == 512
+    with pytest.raises(ValueError, match="unknown"):
+        Simulation(SimSettings(hardware="abacus"))
+    with pytest.raises(ValueError, match="decode_workers"):
+        SimSettings(decode_workers=0)

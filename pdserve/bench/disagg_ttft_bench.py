@@ -18,6 +18,7 @@ import time
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.router.client import Client
+from pdserve.transport_config import TRANSPORTS
 
 
 def run_once(client: Client, prompt: list[int], mode: str) -> dict:
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=4096)
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--transport", default="nixl", choices=["nixl", "grpc"])
+    p.add_argument("--transport", default="nixl", choices=TRANSPORTS)
     p.add_argument("--torch-threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per worker)")
     args = p.parse_args(argv)

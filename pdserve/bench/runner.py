@@ -1,17 +1,17 @@
 # Over 500 lines: the runner drives every target (in-process deployments, a gRPC router, an HTTP server) and sweep.
 """``pdserve bench``: the A/B benchmark of the real system, one architecture after another.
 
-Each architecture gets a fresh deployment with the same number of workers (colocated: N decode
-workers; disaggregated and auto: P prefill + N-P decode), a warm-up that is left out of the figures,
-then the workload, sent on its arrival schedule from an asyncio client that timestamps every token.
+Each architecture gets a fresh deployment on the same number of workers (disaggregated and
+auto: ``--prefill-workers`` P + ``--decode-workers`` D; colocated: P + D workers), a warm-up that is
+left out of the figures, then the workload, sent on its arrival schedule from an asyncio client
+that timestamps every token.
 With ``--target HOST:PORT`` it runs against a router that is already serving (the architectures
 then name the per-request mode override). ``--target http://HOST:PORT`` sends the same workload to any
 OpenAI-compatible server instead (streaming ``/v1/completions`` with token-id prompts, ``ignore_eos`` and
 ``return_token_ids``; pdserve's own HTTP API, vLLM, ...), with the same per-token client timestamps.
 Writes results.json, report.md and PNG plots.
 
-    pdserve bench --architectures colocated,disaggregated,auto --workers 2 --workload random \
-        --num-requests 64 --rate 4 --slo ttft=2000,tpot=200 --out results/ab
+    pdserve bench --architectures colocated,disaggregated,auto --num-requests 64 --rate 4 --out results/ab
     pdserve bench --architectures colocated,disaggregated --repeats 3 ...   # median and spread of each figure
     pdserve bench --sweep chunk=128,256,512,1024 --workload interference --out results/sweep
 """
@@ -43,10 +43,21 @@ from pdserve.bench.workloads import (
     uniform_workload,
     workload_spec_from_args,
 )
+from pdserve.deployment_config import DeploymentConfig
 from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.engine.options import add_engine_arguments, engine_config_from_args
 from pdserve.messages import StepStats
+from pdserve.options import (
+    RawDescriptionHelpFormatter,
+    add_config_arguments,
+    config_from_args,
+    config_values,
+    option_fields,
+    plain_text,
+)
+from pdserve.router.policy import RouterConfig
 from pdserve.sim.cli import parse_sweep
+from pdserve.transport_config import TransportConfig
 
 ARCHITECTURES = ("colocated", "disaggregated", "auto")
 
@@ -273,6 +284,31 @@ def measure(
     return MeasuredRun(records, steps, moved, duration)
 
 
+def target_problem(target: str, timeout_s: float = 10.0) -> str | None:
+    """Why ``target`` (a router's ``HOST:PORT`` or an ``http(s)://`` server) cannot be benchmarked, in one
+    line naming it; None when it answers."""
+    if is_http_target(target):
+        import urllib.error
+        import urllib.request
+
+        try:
+            urllib.request.urlopen(target.rstrip("/") + "/v1/models", timeout=timeout_s).close()
+        except urllib.error.HTTPError:
+            return None  # it answers (an auth error or a missing route shows in the requests' failures)
+        except (urllib.error.URLError, OSError) as e:
+            return f"cannot reach {target}: {getattr(e, 'reason', e)}"
+        return None
+    from pdserve.router.client import Client
+
+    try:
+        with Client(target, timeout_s=timeout_s) as client:
+            client.health()
+    except grpc.RpcError as e:
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return f"cannot reach {target}: {e.code().name}: {e.details()}"
+    return None
+
+
 def warmup_requests(n: int, seed: int) -> list[WorkloadRequest]:
     """Requests that warm a deployment up before a measured run (left out of its figures)."""
     return uniform_workload(n, (32, 256), (8, 8), seed=seed + 12345, prefix="warmup", label="warmup")
@@ -281,26 +317,25 @@ def warmup_requests(n: int, seed: int) -> list[WorkloadRequest]:
 # ---- deployments ---------------------------------------------------------------------------------------
 
 
-def deployment_config(architecture: str, args: argparse.Namespace, engine: EngineConfig):
-    from pdserve.deployment import DeploymentConfig
-    from pdserve.router.policy import RouterConfig
+def worker_counts(args: argparse.Namespace) -> tuple[int, int]:
+    """``(prefill, decode)`` workers of the disaggregated and auto deployments; colocated gets their sum."""
+    prefill = 1 if args.num_prefill_workers is None else args.num_prefill_workers
+    if prefill < 0 or args.num_decode_workers < 1:
+        raise ValueError("--prefill-workers must be >= 0 and --decode-workers >= 1")
+    return prefill, args.num_decode_workers
 
-    n = args.workers
+
+def deployment_config(architecture: str, args: argparse.Namespace, engine: EngineConfig) -> DeploymentConfig:
+    prefill, decode = worker_counts(args)
     if architecture == "colocated":
-        prefill, decode = 0, n
-    else:
-        prefill = args.prefill_workers or max(1, n // 2)
-        decode = n - prefill
-        if decode < 1:
-            raise ValueError(f"--workers {n} with --prefill-workers {prefill} leaves no decode worker")
+        prefill, decode = 0, prefill + decode
+    values = config_values(DeploymentConfig, args)
     return DeploymentConfig(
+        **{**values, "num_prefill_workers": prefill, "num_decode_workers": decode},
         engine=engine,
         mode=architecture,
-        num_prefill_workers=prefill,
-        num_decode_workers=decode,
-        transport=args.transport,
         port=0,
-        router=RouterConfig(auto_min_remote_tokens=args.auto_min_remote_tokens),
+        router=config_from_args(RouterConfig, args),
     )
 
 
@@ -309,7 +344,7 @@ def engine_config(args: argparse.Namespace, chunk: int | None = None) -> EngineC
 
     ``chunk`` (the sweep) caps each request's chunk and raises the budget by ``max_num_seqs``, so that
     decodes never squeeze the chunk."""
-    threads = args.torch_threads or max(1, (os.cpu_count() or 2) // max(1, args.workers))
+    threads = args.torch_threads or max(1, (os.cpu_count() or 2) // max(1, sum(worker_counts(args))))
     if chunk is None:
         return engine_config_from_args(args, torch_threads=threads)
     return engine_config_from_args(
@@ -361,27 +396,25 @@ def run_architecture(
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="pdserve bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="pdserve bench", description=plain_text(__doc__ or ""), formatter_class=RawDescriptionHelpFormatter
     )
     g = p.add_argument_group("architectures")
     g.add_argument(
         "--architectures", default="colocated,disaggregated", help=f"comma-separated, from {', '.join(ARCHITECTURES)}"
     )
-    g.add_argument(
-        "--workers",
-        type=int,
-        default=2,
-        help="workers per architecture (the same for each); --torch-threads defaults to cores // workers",
+    add_config_arguments(
+        p,
+        DeploymentConfig,
+        only=("num_prefill_workers", "num_decode_workers", *option_fields(TransportConfig)),
+        title="deployments",
+        description="colocated runs on prefill + decode workers, all colocated",
     )
-    g.add_argument("--prefill-workers", type=int, default=None, help="disaggregated/auto: default workers // 2")
-    g.add_argument("--transport", default="nixl", choices=["nixl", "grpc"])
     g.add_argument(
         "--target",
         default=None,
         help="HOST:PORT of a running router, or http://HOST:PORT of any OpenAI-compatible server "
         "(no deployment is started)",
     )
-    g.add_argument("--auto-min-remote-tokens", type=int, default=512)
     g.add_argument("--warmup", type=int, default=4, help="warm-up requests per architecture (not measured)")
     g.add_argument(
         "--repeats",
@@ -390,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="runs per architecture, each on a fresh deployment; the report gives every figure's median and "
         "spread (min–max) and calls out only differences beyond the spread",
     )
+    add_config_arguments(p, RouterConfig, title="router")
     add_engine_arguments(p, exclude=("seed",))  # --seed seeds the workload
     add_workload_arguments(p)
     p.add_argument("--max-output", type=int, default=None, help="shortcut: cap every output length")
@@ -430,8 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         bad = [a for a in archs if a not in ARCHITECTURES]
         if bad or not archs:
             raise ValueError(f"--architectures: unknown {bad} (choose from {', '.join(ARCHITECTURES)})")
-        if args.workers < 1:
-            raise ValueError("--workers must be >= 1")
+        if worker_counts(args)[0] == 0 and set(archs) - {"colocated"}:
+            raise ValueError("--prefill-workers 0: disaggregated and auto need at least one prefill worker")
         if args.repeats < 1:
             raise ValueError("--repeats must be >= 1")
         kind = args.workload or ("interference" if args.sweep else "random")
@@ -440,6 +474,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
         return 2
+    if args.target:
+        problem = target_problem(args.target)
+        if problem is not None:
+            print(f"pdserve bench: error: {problem}", file=sys.stderr)
+            return 1
 
     started_ray = False
     if not args.target and not ray.is_initialized():
@@ -455,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
             config=_config(args, kind),
             slo_ms=slo,
             itl_target_ms=args.itl_target_ms,
-            title=f"pdserve A/B benchmark ({kind} workload, {args.workers} workers each)",
+            title=f"pdserve A/B benchmark ({kind} workload, {sum(worker_counts(args))} workers each)",
         )
         print()
         print(markdown_table([(r.name, r.metrics(slo), r.kv_bytes_moved) for r in runs]))
@@ -523,7 +562,11 @@ def _sweep(args: argparse.Namespace, chunks: list[int], requests: list[WorkloadR
 
 
 def _config(args: argparse.Namespace, kind: str) -> dict[str, Any]:
-    d = {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()}
+    d = {
+        k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
+        for k, v in vars(args).items()
+        if not k.startswith("_")  # the parser's own records
+    }
     d["workload"] = kind
     return d
 

@@ -51,6 +51,7 @@ from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.client import AsyncClient, GenerateChunk
 from pdserve.router.policy import MODES, RouterConfig
 from pdserve.router.wire import GRPC_OPTIONS, worker_stats_from_proto
+from pdserve.transport_config import TRANSPORTS
 
 MAX_MODEL_LEN = 1024
 AUTO_MIN_REMOTE_TOKENS = 128  # auto sends longer uncached prompts to the prefill pool, shorter ones stay local
@@ -512,7 +513,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--decode-workers", type=int, default=2)
     p.add_argument("--prefill-workers", type=int, default=1)
-    p.add_argument("--transport", choices=("nixl", "grpc"), default="nixl")
+    p.add_argument("--transport", choices=TRANSPORTS, default="nixl")
     p.add_argument("--kv-blocks", type=int, default=3072, help="KV blocks per worker (16 tokens each)")
     p.add_argument("--drain-timeout-s", type=float, default=120.0, help="how long in-flight streams may take to end")
     p.add_argument("--json", help="also write the per-phase and total figures here")

@@ -50,6 +50,7 @@ from typing import Any, NamedTuple
 from pdserve.bench.metrics import RequestRecord, compute_metrics
 from pdserve.bench.workloads import TOKEN_ID_HIGH, WorkloadRequest, WorkloadSpec, build_workload
 from pdserve.messages import StepStats
+from pdserve.transport_config import TRANSPORTS
 
 ARCHITECTURES = ("colocated", "disaggregated", "auto")
 FIGURES = ("TTFT p50", "TTFT p99", "ITL p50", "ITL p99")
@@ -88,7 +89,7 @@ class Run(NamedTuple):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="bench", choices=["tiny", "bench"])
-    p.add_argument("--transport", default="nixl", choices=["nixl", "grpc"])
+    p.add_argument("--transport", default="nixl", choices=TRANSPORTS)
     p.add_argument("--chunk", type=int, default=256, help="token budget per step (max_num_batched_tokens)")
     p.add_argument("--repeats", type=int, default=3, help="measured runs of each workload and architecture")
     p.add_argument("--streams", type=int, default=10)
@@ -149,7 +150,7 @@ def bench_arguments(args: argparse.Namespace) -> argparse.Namespace:
     prefix caching (the repeats send the same prompts again)."""
     from pdserve.bench.runner import build_parser as bench_parser
 
-    argv = ["--model", args.model, "--workers", "2", "--transport", args.transport]
+    argv = ["--model", args.model, "--prefill-workers", "1", "--decode-workers", "1", "--transport", args.transport]
     argv += ["--max-num-batched-tokens", str(args.chunk), "--torch-threads", "1", "--no-progress", "--warmup", "6"]
     argv += ["--no-prefix-caching"]  # a repeat must not find the previous repeat's prompts in the cache
     return bench_parser().parse_args(argv)

@@ -9,8 +9,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
-from typing import Any
 
 from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.engine.config import PRESETS
@@ -32,31 +32,6 @@ AUTO_MIN_REMOTE_TOKENS = 96
 MAX_ANSWER_TOKENS = 48
 
 
-def _fmt_meta(meta: dict) -> str:
-    keys = (
-        "mode",
-        "prefill_worker",
-        "decode_worker",
-        "ttft_s",
-        "queue_s",
-        "prefill_s",
-        "kv_transfer_s",
-        "kv_transfer_bytes",
-        "num_prompt_tokens",
-        "num_output_tokens",
-        "num_cached_tokens",
-        "e2e_s",
-    )
-    parts = []
-    for k in keys:
-        v = meta.get(k)
-        if isinstance(v, float):
-            v = f"{v * 1000:.1f}ms" if k.endswith("_s") else f"{v:.3f}"
-        if v not in (None, ""):
-            parts.append(f"{k}={v}")
-    return " ".join(parts)
-
-
 def describe_model(model: str) -> str:
     if model in PRESETS:
         return f"{model} (random-weight preset, byte tokenizer: its answers are noise)"
@@ -70,8 +45,8 @@ def ask_questions(args: argparse.Namespace) -> None:
     all at once; print the answers in order, each with its request's metadata."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from pdserve.cli.output import format_metadata
     from pdserve.deployment import Deployment, DeploymentConfig
-    from pdserve.engine.tokenizer import load_tokenizer
     from pdserve.router.client import Client
     from pdserve.router.policy import RouterConfig
 
@@ -96,20 +71,18 @@ def ask_questions(args: argparse.Namespace) -> None:
         f"default mode=auto (remote prefill from {AUTO_MIN_REMOTE_TOKENS} prompt tokens) ...",
         flush=True,
     )
-    with Deployment(config) as deployment:
+    with Deployment(config, progress=lambda line: print(line, file=sys.stderr, flush=True)) as deployment:
         print(f"router listening on {deployment.address} (started in {time.time() - t0:.1f} s)\n", flush=True)
-        tokenizer = load_tokenizer(args.model)
-        assert tokenizer is not None
         params = SamplingParams(max_tokens=MAX_ANSWER_TOKENS, temperature=0.0)
         with Client(deployment.address) as client:
 
-            def ask(mode: str, question: str) -> tuple[str, dict]:
-                prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}])
+            def ask(mode: str, question: str) -> tuple[str, str]:
                 text: list[str] = []
-                meta: dict[str, Any] = {}
-                for chunk in client.generate(prompt, params, mode=mode):
+                final = None
+                for chunk in client.generate(question, params, mode=mode, apply_chat_template=True):
                     text.append(chunk.text)
-                    meta = chunk.metadata._asdict() if chunk.metadata else meta
+                    final = chunk
+                meta = format_metadata(final.metadata, final.finish_reason, indent=" " * 16) if final else ""
                 return " ".join("".join(text).split()), meta
 
             with ThreadPoolExecutor(len(DEMO_QUESTIONS)) as pool:
@@ -118,7 +91,7 @@ def ask_questions(args: argparse.Namespace) -> None:
                 shown = question if len(question) <= 100 else question[:60] + " ... " + question[-40:]
                 print(f"[{mode:>13}] Q: {shown}")
                 print(f"                A: {answer}")
-                print(f"                {_fmt_meta(meta)}\n", flush=True)
+                print(f"{meta}\n", flush=True)
             for w in client.stats():
                 print(
                     f"worker {w.worker_id:>10} ({w.role}): blocks total={w.blocks_total} "
@@ -168,8 +141,10 @@ def _run_parts(args: argparse.Namespace, t0: float) -> int:
                 args.bench_model,
                 "--architectures",
                 "colocated,disaggregated,auto",
-                "--workers",
-                "2",
+                "--prefill-workers",
+                "1",
+                "--decode-workers",
+                "1",
                 "--num-requests",
                 "24",
                 "--rate",

@@ -1,30 +1,53 @@
-"""``pdserve``: generate (offline or from a router), serve, status, bench, sim."""
+"""pdserve: serve an LLM with chunked prefill and disaggregated prefill/decode on Ray; benchmark and simulate it.
+
+Commands: generate (offline, or from a running deployment), serve, status, demo, bench, sim.
+"""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pdserve.messages import WorkerStats
 
 import argparse
 import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from pdserve.deployment_config import AUTH_TOKEN_ENV, DEFAULT_PORT, DeploymentConfig
 from pdserve.engine.options import add_engine_arguments, engine_config_from_args
+from pdserve.options import (
+    HelpFormatter,
+    RawDescriptionHelpFormatter,
+    add_config_arguments,
+    config_from_args,
+    config_values,
+    option_fields,
+    plain_text,
+)
+from pdserve.router.policy import MODES, RouterConfig
+from pdserve.transport_config import TransportConfig
+
+if TYPE_CHECKING:
+    from pdserve.messages import WorkerStats
+    from pdserve.router.client import Client
+
+
+class ServerUnreachable(Exception):
+    """A command got no answer from its server: one line names the address and the cause."""
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of this much probability")
+    g.add_argument("--seed", type=int, default=None, help="the sampler's seed (default: random)")
+    g.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens, past end-of-sequence")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from pdserve.cli.output import format_metadata
     from pdserve.engine import SamplingParams
 
     params = SamplingParams(
@@ -37,29 +60,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     if args.offline:
         return _generate_offline(args, params)
-
-    prompt = args.prompt
-    if args.chat:  # the router takes text: render the conversation here, with --model's template
-        from pdserve.engine.tokenizer import load_tokenizer
-
-        tokenizer = load_tokenizer(args.model)
-        if tokenizer is None:
-            print(f"error: --chat needs a tokenizer; {args.model} has none", file=sys.stderr)
-            return 2
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    with _client(args) as client:
+    with _rpc_errors(args.target), _client(args) as client:
         final = None
-        for chunk in client.generate(prompt, params, mode=args.mode):
+        for chunk in client.generate(args.prompt, params, mode=args.mode, apply_chat_template=not args.raw):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             final = chunk
         sys.stdout.write("\n")
-        if final is not None and final.metadata is not None:
-            print(f"[{final.metadata._asdict()}]", file=sys.stderr)
+    if final is not None:
+        print(format_metadata(final.metadata, final.finish_reason), file=sys.stderr)
     return 0
 
 
-def _generate_offline(args: argparse.Namespace, params) -> int:
+def _generate_offline(args: argparse.Namespace, params: Any) -> int:
+    from pdserve.cli.output import format_fields
     from pdserve.engine import LLMEngine
 
     engine = LLMEngine(engine_config_from_args(args))
@@ -67,7 +81,7 @@ def _generate_offline(args: argparse.Namespace, params) -> int:
         print("error: this model has no tokenizer.json; offline text generation needs one", file=sys.stderr)
         return 2
     prompt = args.prompt
-    if args.chat or (args.chat is None and not engine.tokenizer.chat_template.is_plain):
+    if not args.raw and not engine.tokenizer.chat_template.is_plain:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     rid = engine.add_request(prompt, params)
     reason = None
@@ -78,116 +92,68 @@ def _generate_offline(args: argparse.Namespace, params) -> int:
                 sys.stdout.flush()
                 reason = out.finish_reason
     sys.stdout.write("\n")
-    request_stats = engine.step_history
-    print(
-        f"[finish_reason={reason.value if reason else None} steps={len(request_stats)} "
-        f"model={args.model} device={engine.device}]",
-        file=sys.stderr,
-    )
+    fields = [
+        ("finish reason", reason.value if reason else "none"),
+        ("steps", str(len(engine.step_history))),
+        ("model", args.model),
+        ("device", str(engine.device)),
+    ]
+    print(format_fields(fields), file=sys.stderr)
     return 0
 
 
 def _add_client_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="127.0.0.1:50051", help="router address")
-    p.add_argument(
-        "--auth-token", default=os.environ.get("PDSERVE_AUTH_TOKEN"), help="bearer token ($PDSERVE_AUTH_TOKEN)"
+    g = p.add_argument_group("server")
+    g.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="the router's HOST:PORT")
+    g.add_argument(
+        "--auth-token",
+        default=os.environ.get(AUTH_TOKEN_ENV),
+        help=f"bearer token to send (default: ${AUTH_TOKEN_ENV})",
     )
-    p.add_argument("--tls-ca", default=None, help="PEM file of the CA to trust: connect with TLS")
+    g.add_argument("--tls-ca", default=None, help="PEM file of the CA to trust: connect with TLS")
 
 
-def _client(args: argparse.Namespace):
+def _client(args: argparse.Namespace) -> Client:
     from pdserve.router.client import Client
 
-    ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+    try:
+        ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+    except OSError as e:
+        raise ValueError(f"--tls-ca: cannot read {args.tls_ca}: {e.strerror}") from None
     return Client(args.target, auth_token=args.auth_token, root_certificates=ca)
 
 
-def _add_deployment_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--mode",
-        default="colocated",
-        choices=["colocated", "disaggregated", "auto"],
-        help="default mode (requests may override it)",
-    )
-    p.add_argument("--prefill-workers", type=int, default=None, help="default: 0 colocated, else 1")
-    p.add_argument("--decode-workers", type=int, default=1)
-    p.add_argument("--transport", default="nixl", choices=["nixl", "grpc"], help="KV transport")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--routers", type=int, default=1, help="router processes, all on --port (SO_REUSEPORT)")
-    p.add_argument(
-        "--auth-token",
-        default=os.environ.get("PDSERVE_AUTH_TOKEN"),
-        help="require this bearer token ($PDSERVE_AUTH_TOKEN)",
-    )
-    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve the client API over TLS")
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    p.add_argument(
-        "--http-port",
-        type=int,
-        default=None,
-        help="also serve the OpenAI-compatible HTTP API (and /metrics) on --host at this port; default: off",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="Prometheus /metrics of router i on this port + i (default: off; /metrics is on --http-port too)",
-    )
-    p.add_argument(
-        "--explorer-port",
-        type=int,
-        default=None,
-        help="serve the explorer page (playground and live view) on --explorer-host at this port; default: off",
-    )
-    p.add_argument("--explorer-host", default="127.0.0.1", help="the explorer's address (loopback by default)")
-    p.add_argument("--address", default=None, help="Ray cluster to join ('auto' or host:port); default: local")
-    p.add_argument("--auto-min-remote-tokens", type=int, default=512)
-    p.add_argument("--auto-max-prefill-queue-tokens", type=int, default=16384)
-    p.add_argument(
-        "--max-queue-time-s",
-        type=float,
-        default=None,
-        help="refuse (RESOURCE_EXHAUSTED / HTTP 429) a request still without its first token after this long; "
-        "default: no bound",
-    )
-    p.add_argument(
-        "--stream-interval",
-        type=int,
-        default=1,
-        help="tokens per streamed message after the first (a request may ask for its own); 1: every token",
-    )
+@contextmanager
+def _rpc_errors(target: str) -> Iterator[None]:
+    """Turn a failed call into ``ServerUnreachable`` with one line: the address, the status, the cause."""
+    import grpc
+
+    try:
+        yield
+    except grpc.RpcError as e:
+        code, details = e.code(), (e.details() or "").strip()
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise ServerUnreachable(f"cannot reach {target}: {code.name}: {details}") from None
+        raise ServerUnreachable(f"{target} answered {code.name}: {details}") from None
 
 
-def deployment_config_from_args(args: argparse.Namespace):
-    from pdserve.deployment import DeploymentConfig
-    from pdserve.router.policy import RouterConfig
+def add_deployment_arguments(p: argparse.ArgumentParser) -> None:
+    """The deployment's options (``DeploymentConfig``, its transport, and the router's): ``pdserve serve``."""
+    transport = option_fields(TransportConfig)
+    add_config_arguments(p, DeploymentConfig, only=transport, title="KV transport")
+    add_config_arguments(p, DeploymentConfig, exclude=transport, title="deployment")
+    add_config_arguments(p, RouterConfig, title="router")
+    p.set_defaults(port=DEFAULT_PORT)
 
-    prefill = args.prefill_workers if args.prefill_workers is not None else (0 if args.mode == "colocated" else 1)
+
+def deployment_config_from_args(args: argparse.Namespace) -> DeploymentConfig:
+    """The ``DeploymentConfig`` of ``add_deployment_arguments``' and the engine's options in ``args``."""
+    values = config_values(DeploymentConfig, args)
     return DeploymentConfig(
+        **values,
         engine=engine_config_from_args(args),
-        mode=args.mode,
-        num_prefill_workers=prefill,
-        num_decode_workers=args.decode_workers,
-        transport=args.transport,
-        host=args.host,
-        port=args.port,
-        num_routers=args.routers,
-        http_port=args.http_port,
-        metrics_port=args.metrics_port,
-        explorer_port=args.explorer_port,
-        explorer_host=args.explorer_host,
-        address=args.address,
-        detached_workers=args.address is not None,  # on a cluster, a restarted `serve` finds its workers
-        auth_token=args.auth_token,
-        tls_cert_file=args.tls_cert,
-        tls_key_file=args.tls_key,
-        router=RouterConfig(
-            auto_min_remote_tokens=args.auto_min_remote_tokens,
-            auto_max_prefill_queue_tokens=args.auto_max_prefill_queue_tokens,
-            max_queue_time_s=args.max_queue_time_s,
-            stream_interval=args.stream_interval,
-        ),
+        router=config_from_args(RouterConfig, args),
+        detached_workers=values["address"] is not None,  # on a cluster, a restarted `serve` finds its workers
     )
 
 
@@ -197,12 +163,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from pdserve.deployment import Deployment
 
-    deployment = Deployment(deployment_config_from_args(args)).start()
+    config = deployment_config_from_args(args)
+    print(
+        f"starting pdserve: {config.num_prefill_workers} prefill + {config.num_decode_workers} decode workers "
+        f"of {config.engine.model}, mode={config.mode}, transport={config.transport}",
+        file=sys.stderr,
+        flush=True,
+    )
+    deployment = Deployment(config, progress=lambda line: print(line, file=sys.stderr, flush=True)).start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     workers = ", ".join(w.worker_id for w in deployment.workers)
     print(
-        f"pdserve listening on {deployment.address} (mode={args.mode}, transport={args.transport}, "
+        f"pdserve listening on {deployment.address} (mode={config.mode}, transport={config.transport}, "
         f"routers: {len(deployment.routers)}, workers: {workers}); Ctrl-C stops",
         flush=True,
     )
@@ -239,14 +212,8 @@ def format_status(workers: list[WorkerStats]) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import grpc
-
-    try:
-        with _client(args) as client:
-            workers = client.stats()
-    except grpc.RpcError as e:
-        print(f"error: no answer from {args.target}: {e.code().name} {e.details()}", file=sys.stderr)
-        return 1
+    with _rpc_errors(args.target), _client(args) as client:
+        workers = client.stats()
     print(format_status(workers))
     return 0
 
@@ -257,42 +224,58 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
 
-    g = sub.add_parser("generate", help="stream a completion (in-process with --offline, else from a router)")
-    g.add_argument("prompt")
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def _subcommand(sub: Any, name: str, help_text: str, func: Callable[[argparse.Namespace], int]) -> Any:
+    p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
+    p.set_defaults(func=func)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description=plain_text(__doc__ or ""), formatter_class=RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = _subcommand(
+        sub, "generate", "stream a completion (in-process with --offline, else from a router)", cmd_generate
+    )
+    g.add_argument("prompt", help="the text to answer (the user's turn of a chat, unless --raw)")
     g.add_argument("--offline", action="store_true", help="run the engine in this process")
     g.add_argument(
-        "--chat",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="send the prompt as a user turn through the model's chat template "
-        "(default: offline, when the model ships a template; from a router, no)",
+        "--raw",
+        action="store_true",
+        help="send the prompt as is (default: as the user's turn through the model's chat template, when it has one)",
     )
+    g.add_argument("--mode", default=None, choices=MODES, help="this request's mode (default: the deployment's)")
     _add_client_args(g)
-    g.add_argument("--mode", default=None, choices=["colocated", "disaggregated", "auto"])
     _add_sampling_args(g)
     add_engine_arguments(g, exclude=("seed",), title="engine (with --offline)")  # --seed: the sampling seed
-    g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("serve", help="start (or join) a Ray cluster, place the workers, serve gRPC")
+    s = _subcommand(sub, "serve", "start (or join) a Ray cluster, place the workers, serve gRPC", cmd_serve)
     add_engine_arguments(s)
-    _add_deployment_args(s)
-    s.set_defaults(func=cmd_serve)
+    add_deployment_arguments(s)
 
-    st = sub.add_parser("status", help="per-worker table of a running router: role, node, device, KV, load")
+    st = _subcommand(sub, "status", "per-worker table of a running router: role, node, device, KV, load", cmd_status)
     _add_client_args(st)
-    st.set_defaults(func=cmd_status)
 
-    d = sub.add_parser("demo", help="the main job: a local deployment, requests in every mode, a short A/B bench")
+    d = _subcommand(
+        sub, "demo", "the main job: a local deployment, requests in every mode, a short A/B bench", cmd_demo
+    )
     d.add_argument("--model", default="smollm2", help="the model that answers the questions")
     d.add_argument("--bench-model", default="tiny", help="the model the A/B benchmark serves")
-    d.add_argument("--transport", default="nixl", choices=["nixl", "grpc"])
+    add_config_arguments(d, DeploymentConfig, only=("transport",), title="KV transport")
     d.add_argument("--out", default="results/demo", help="where the benchmark writes its report")
-    d.add_argument("--skip-bench", action="store_true")
-    d.set_defaults(func=cmd_demo)
+    d.add_argument("--skip-bench", action="store_true", help="only the questions, no benchmark")
     for name, (_, help_text) in PASSTHROUGH.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
@@ -318,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except ServerUnreachable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -30,6 +30,7 @@ from pdserve.kv_transfer import TransferTarget, make_transport
 from pdserve.messages import StepEvents, TokenUpdate, WorkerRequestStats, WorkerStats
 from pdserve.placement import current_node
 from pdserve.priority import restore_normal_priority
+from pdserve.transport_config import DEFAULT_RESERVATION_TTL_S
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class DecodeWorker:
         engine_config: EngineConfig,
         transport: str = "nixl",
         transport_config: Any = None,
-        reservation_ttl_s: float = 60.0,
+        reservation_ttl_s: float = DEFAULT_RESERVATION_TTL_S,
     ) -> None:
         restore_normal_priority()  # Ray starts workers at niceness 15
         self.worker_id = worker_id

@@ -86,7 +86,7 @@ class ExplorerApi:
         return FileResponse(STATIC / "index.html", media_type="text/html")
 
     async def options(self) -> dict[str, Any]:
-        from pdserve.sim.cli import DEFAULT_CALIBRATION
+        from pdserve.sim import DEFAULT_CALIBRATION
         from pdserve.sim.profiles import CPU_MEASURED, HARDWARE, MODELS
 
         hardware = list(HARDWARE)

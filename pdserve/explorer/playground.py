@@ -2,10 +2,11 @@
 
 A ``PlaygroundSettings`` is what the page's controls say. ``PlaygroundSettings.parse`` checks a JSON
 body and raises ``SettingError`` (naming the control) for anything out of range. ``run_playground``
-turns the settings into the ``pdserve sim`` command line that means the same, builds the simulator
-exactly as that command does, and runs the demo twice: as set, and with chunking flipped (so the page
-can show the unchunked spike against the chunked timeline). Nothing here is a copy of the simulator's
-logic: the figures are ``run_chunked_prefill_demo``'s, the same numbers ``pdserve sim --demo`` prints.
+turns the settings into the simulator's ``SimSettings`` (``pdserve.sim``'s library API, which ``pdserve
+sim`` calls too) and runs the demo twice: as set, and with chunking flipped (so the page can show the
+unchunked spike against the chunked timeline). Nothing here is a copy of the simulator's logic: the
+figures are ``Simulation.demo``'s, the same numbers ``pdserve sim --demo`` prints for the command line
+``sim_argv`` shows.
 
 What the page explains from a run (``with_run_detail``: each step's kind and roofline split, the
 arrival and first token; ``cost_model_assumptions``) and its chunk-size sweep (``run_chunk_sweep``) are
@@ -24,6 +25,7 @@ from pdserve.explorer.timeline import step_row
 
 if TYPE_CHECKING:  # the simulator is imported when a run is asked for, not with the router
     from pdserve.messages import StepStats
+    from pdserve.sim import SimSettings
     from pdserve.sim.cost_model import CostModel
     from pdserve.sim.demo import DemoResult
 
@@ -116,14 +118,30 @@ class PlaygroundSettings:
     def total_instances(self) -> int:
         return self.instances if self.mode == "colocated" else self.prefill + self.decode
 
+    def sim_settings(self) -> SimSettings:
+        """The simulator's settings of this demo."""
+        from pdserve.sim import SimSettings
+
+        colocated = self.mode == "colocated"
+        return SimSettings(
+            hardware=self.hardware,
+            model_profile=self.model,
+            tp=self.tp,
+            mode=self.mode,
+            prefill_workers=None if colocated else self.prefill,
+            decode_workers=self.instances if colocated else self.decode,
+            itl_target_ms=self.itl_target_ms,
+        )
+
     def sim_argv(self) -> list[str]:
-        """The ``pdserve sim`` arguments that run this demo (chunking on and off both: ``--demo``)."""
+        """The ``pdserve sim`` arguments that run this demo (chunking on and off both: ``--demo``), for
+        people to run it themselves."""
         argv = ["--demo", "--hardware", self.hardware, "--model-profile", self.model, "--tp", str(self.tp)]
         argv += ["--mode", self.mode]
         if self.mode == "colocated":
-            argv += ["--instances", str(self.instances)]
+            argv += ["--decode-workers", str(self.instances)]
         else:
-            argv += ["--prefill", str(self.prefill), "--decode", str(self.decode)]
+            argv += ["--prefill-workers", str(self.prefill), "--decode-workers", str(self.decode)]
         argv += ["--demo-prompt-len", str(self.prompt_len), "--demo-chunk", str(self.chunk_size)]
         argv += ["--demo-decodes", str(self.num_decodes), "--itl-target-ms", f"{self.itl_target_ms:g}"]
         return argv
@@ -179,43 +197,29 @@ def run_playground(settings: PlaygroundSettings) -> dict[str, Any]:
 
     Raises SettingError for settings the chosen profile cannot take (a prompt past the model's context,
     a model that does not fit the GPUs, a scenario larger than the KV cache)."""
-    from pdserve.sim.cli import build_parser, demo_architecture, make_setup
-    from pdserve.sim.demo import run_chunked_prefill_demo
+    from pdserve.sim import Simulation
 
     started = time.perf_counter()
-    argv = settings.sim_argv()
-    args = build_parser().parse_args(argv)
     try:
-        setup = make_setup(args, lambda *a: None)
+        sim = Simulation(settings.sim_settings())
     except ValueError as e:
         raise SettingError("hardware", str(e)) from None
-    _check_fits(settings, setup.cost_model)
-    if settings.num_decodes >= setup.config.max_num_seqs:
+    _check_fits(settings, sim.cost_model)
+    if settings.num_decodes >= sim.config.max_num_seqs:
         raise SettingError(
             "num_decodes",
-            f"at most {setup.config.max_num_seqs - 1} (max_num_seqs is "
-            f"{setup.config.max_num_seqs} and the long prompt needs a place)",
+            f"at most {sim.config.max_num_seqs - 1} (max_num_seqs is "
+            f"{sim.config.max_num_seqs} and the long prompt needs a place)",
         )
     chunks = (settings.chunk_size, None) if settings.chunking else (None, settings.chunk_size)
-    runs = [
-        run_chunked_prefill_demo(
-            setup.cost_model,
-            settings.prompt_len,
-            chunk,
-            settings.num_decodes,
-            settings.itl_target_ms,
-            architecture=demo_architecture(args),
-            base=setup.config,
-        )
-        for chunk in chunks
-    ]
+    runs = [sim.demo(settings.prompt_len, chunk, settings.num_decodes) for chunk in chunks]
     return {
         "settings": asdict(settings),
-        "command": shlex.join(["pdserve", "sim", *argv]),
-        "cost_model": setup.cost_model.name,
-        "kv_capacity_tokens": setup.cost_model.kv_capacity_tokens(),  # checked by _check_fits
-        "runs": [with_run_detail(_run_json(r, setup.cost_model), r, setup.cost_model) for r in runs],
-        "assumptions": cost_model_assumptions(setup.cost_model),
+        "command": shlex.join(["pdserve", "sim", *settings.sim_argv()]),
+        "cost_model": sim.cost_model.name,
+        "kv_capacity_tokens": sim.cost_model.kv_capacity_tokens(),  # checked by _check_fits
+        "runs": [with_run_detail(_run_json(r, sim.cost_model), r, sim.cost_model) for r in runs],
+        "assumptions": cost_model_assumptions(sim.cost_model),
         "elapsed_s": time.perf_counter() - started,
     }
 
@@ -369,16 +373,14 @@ def run_chunk_sweep(settings: PlaygroundSettings) -> dict[str, Any]:
     largest prefill throughput whose p99 ITL meets it). A chunk size past the page's work limit, or past
     the sweep's (``SWEEP_MAX_WORK`` for all its runs, the largest chunks first), is listed as skipped.
     Raises SettingError as ``run_playground`` does."""
-    from pdserve.sim.cli import build_parser, demo_architecture, make_setup
-    from pdserve.sim.demo import run_chunked_prefill_demo
+    from pdserve.sim import Simulation
 
     started = time.perf_counter()
-    args = build_parser().parse_args(settings.sim_argv())
     try:
-        setup = make_setup(args, lambda *a: None)
+        sim = Simulation(settings.sim_settings())
     except ValueError as e:
         raise SettingError("hardware", str(e)) from None
-    _check_fits(settings, setup.cost_model)
+    _check_fits(settings, sim.cost_model)
     points: list[dict[str, Any]] = []
     budget = SWEEP_MAX_WORK
     for chunk in sorted((c for c in SWEEP_CHUNKS if c <= max(settings.prompt_len, SWEEP_CHUNKS[0])), reverse=True):
@@ -393,15 +395,7 @@ def run_chunk_sweep(settings: PlaygroundSettings) -> dict[str, Any]:
         if budget < 0:  # the smaller chunks cost the most: the sweep stops before them
             points.append({**point, "skipped": f"past the sweep's work limit ({SWEEP_MAX_WORK:,} request-steps)"})
             continue
-        r = run_chunked_prefill_demo(
-            setup.cost_model,
-            settings.prompt_len,
-            chunk,
-            settings.num_decodes,
-            settings.itl_target_ms,
-            architecture=demo_architecture(args),
-            base=setup.config,
-        )
+        r = sim.demo(settings.prompt_len, chunk, settings.num_decodes)
         ttft_s = r.long_prompt_ttft_ms / 1000.0
         point.update(
             p99_itl_ms=window_p99_itl_ms(r),

@@ -45,6 +45,7 @@ from pdserve.kv_transfer.base import (
     pool_bytes_view,
 )
 from pdserve.proto import kv_transfer_pb2 as pb
+from pdserve.transport_config import DEFAULT_PUSH_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class GrpcConfig:
     message_bytes: int = 2 * _MIB
     max_message_bytes: int = 64 * _MIB
     server_threads: int = 4
-    push_timeout_s: float = 120.0
+    push_timeout_s: float = DEFAULT_PUSH_TIMEOUT_S
     secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:

@@ -32,10 +32,9 @@ from pdserve.kv_transfer import ChunkNotification, PushHandle, TransferTarget, m
 from pdserve.messages import WorkerStats
 from pdserve.placement import current_node
 from pdserve.priority import restore_normal_priority
+from pdserve.transport_config import DEFAULT_PUSH_TIMEOUT_S, PUSH_MARGIN_S
 
 log = logging.getLogger(__name__)
-
-PUSH_MARGIN_S = 2.0  # a push must be over (done or timed out) this long before the reservation expires
 
 
 class ReservationTimeout(Exception):
@@ -95,7 +94,7 @@ class PrefillWorker:
         engine_config: EngineConfig,
         transport: str = "nixl",
         transport_config: Any = None,
-        push_timeout_s: float = 20.0,
+        push_timeout_s: float = DEFAULT_PUSH_TIMEOUT_S,
     ) -> None:
         restore_normal_priority()  # Ray starts workers at niceness 15
         self.worker_id = worker_id

@@ -24,41 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rpdserve.proto\x12\x07pdserve\"\x9f\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x11.pdserve.TokenIdsH\x00\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.pdserve.SamplingParams\x12\x1b\n\x04mode\x18\x05 \x01(\x0e\x32\r.pdserve.Mode\x12\x17\n\x0fstream_interval\x18\x06 \x01(\rB\x08\n\x06prompt\"\xf4\x02\n\x0fRequestMetadata\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x04mode\x18\x02 \x01(\x0e\x32\r.pdserve.Mode\x12\x16\n\x0eprefill_worker\x18\x03 \x01(\t\x12\x15\n\rdecode_worker\x18\x04 \x01(\t\x12\x0f\n\x07queue_s\x18\x05 \x01(\x01\x12\x11\n\tprefill_s\x18\x06 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x07 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x08 \x01(\x04\x12\x0e\n\x06ttft_s\x18\t \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\n \x01(\x01\x12\x19\n\x11num_prompt_tokens\x18\x0b \x01(\r\x12\x19\n\x11num_output_tokens\x18\x0c \x01(\r\x12\x19\n\x11num_cached_tokens\x18\r \x01(\r\x12\x19\n\x11second_token_time\x18\x0e \x01(\x01\x12\x0e\n\x06router\x18\x0f \x01(\t\x12\x10\n\x08\x66\x61llback\x18\x10 \x01(\t\"\x88\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12*\n\x08metadata\x18\x05 \x01(\x0b\x32\x18.pdserve.RequestMetadata\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x8a\x01\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x1b\n\x13num_prefill_workers\x18\x03 \x01(\r\x12\x1a\n\x12num_decode_workers\x18\x04 \x01(\r\x12#\n\x0c\x64\x65\x66\x61ult_mode\x18\x05 \x01(\x0e\x32\r.pdserve.Mode\":\n\x0cStatsRequest\x12\x15\n\rinclude_steps\x18\x01 \x01(\x08\x12\x13\n\x0bsteps_since\x18\x02 \x01(\x01\"\x90\x02\n\nStepRecord\x12\x0f\n\x07started\x18\x01 \x01(\x01\x12\x12\n\nduration_s\x18\x02 \x01(\x01\x12\x1a\n\x12num_prefill_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_decode_tokens\x18\x04 \x01(\r\x12\x10\n\x08num_seqs\x18\x05 \x01(\r\x12\x1a\n\x12num_context_tokens\x18\x06 \x01(\x04\x12\x12\n\nschedule_s\x18\x07 \x01(\x01\x12\x15\n\rnum_preempted\x18\x08 \x01(\r\x12!\n\x19num_decode_context_tokens\x18\t \x01(\x04\x12\x1a\n\x12num_kv_read_tokens\x18\n \x01(\x04\x12\x0e\n\x06worker\x18\x0b \x01(\t\"\xfc\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0c\x62locks_total\x18\x03 \x01(\r\x12\x13\n\x0b\x62locks_free\x18\x04 \x01(\r\x12\x15\n\rblocks_cached\x18\x05 \x01(\r\x12\x13\n\x0b\x62locks_used\x18\x06 \x01(\r\x12\x13\n\x0bnum_running\x18\x07 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\r\x12\x1a\n\x12num_remote_pending\x18\t \x01(\r\x12\x18\n\x10tokens_in_flight\x18\n \x01(\x04\x12\x11\n\tnum_steps\x18\x0b \x01(\x04\x12\x16\n\x0ekv_bytes_moved\x18\x0c \x01(\x04\x12\"\n\x05steps\x18\r \x03(\x0b\x32\x13.pdserve.StepRecord\x12\x0c\n\x04node\x18\x0e \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\r\n\x05state\x18\x10 \x01(\t\x12\x19\n\x11kv_pushes_refused\x18\x11 \x01(\x04\"S\n\rStatsResponse\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.pdserve.WorkerStats\x12\x1b\n\x13num_active_requests\x18\x02 \x01(\r*H\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tCOLOCATED\x10\x01\x12\x11\n\rDISAGGREGATED\x10\x02\x12\x08\n\x04\x41UTO\x10\x03\x32\xf7\x01\n\x07PDServe\x12\x41\n\x08Generate\x12\x18.pdserve.GenerateRequest\x1a\x19.pdserve.GenerateResponse0\x01\x12\x36\n\x05\x41\x62ort\x12\x15.pdserve.AbortRequest\x1a\x16.pdserve.AbortResponse\x12\x39\n\x06Health\x12\x16.pdserve.HealthRequest\x1a\x17.pdserve.HealthResponse\x12\x36\n\x05Stats\x12\x15.pdserve.StatsRequest\x1a\x16.pdserve.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rpdserve.proto\x12\x07pdserve\"\x9f\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x11.pdserve.TokenIdsH\x00\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.pdserve.SamplingParams\x12\x1b\n\x04mode\x18\x05 \x01(\x0e\x32\r.pdserve.Mode\x12\x17\n\x0fstream_interval\x18\x06 \x01(\r\x12\x1b\n\x13\x61pply_chat_template\x18\x07 \x01(\x08\x42\x08\n\x06prompt\"\xf4\x02\n\x0fRequestMetadata\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x04mode\x18\x02 \x01(\x0e\x32\r.pdserve.Mode\x12\x16\n\x0eprefill_worker\x18\x03 \x01(\t\x12\x15\n\rdecode_worker\x18\x04 \x01(\t\x12\x0f\n\x07queue_s\x18\x05 \x01(\x01\x12\x11\n\tprefill_s\x18\x06 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x07 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x08 \x01(\x04\x12\x0e\n\x06ttft_s\x18\t \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\n \x01(\x01\x12\x19\n\x11num_prompt_tokens\x18\x0b \x01(\r\x12\x19\n\x11num_output_tokens\x18\x0c \x01(\r\x12\x19\n\x11num_cached_tokens\x18\r \x01(\r\x12\x19\n\x11second_token_time\x18\x0e \x01(\x01\x12\x0e\n\x06router\x18\x0f \x01(\t\x12\x10\n\x08\x66\x61llback\x18\x10 \x01(\t\"\x88\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12*\n\x08metadata\x18\x05 \x01(\x0b\x32\x18.pdserve.RequestMetadata\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x8a\x01\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x1b\n\x13num_prefill_workers\x18\x03 \x01(\r\x12\x1a\n\x12num_decode_workers\x18\x04 \x01(\r\x12#\n\x0c\x64\x65\x66\x61ult_mode\x18\x05 \x01(\x0e\x32\r.pdserve.Mode\":\n\x0cStatsRequest\x12\x15\n\rinclude_steps\x18\x01 \x01(\x08\x12\x13\n\x0bsteps_since\x18\x02 \x01(\x01\"\x90\x02\n\nStepRecord\x12\x0f\n\x07started\x18\x01 \x01(\x01\x12\x12\n\nduration_s\x18\x02 \x01(\x01\x12\x1a\n\x12num_prefill_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_decode_tokens\x18\x04 \x01(\r\x12\x10\n\x08num_seqs\x18\x05 \x01(\r\x12\x1a\n\x12num_context_tokens\x18\x06 \x01(\x04\x12\x12\n\nschedule_s\x18\x07 \x01(\x01\x12\x15\n\rnum_preempted\x18\x08 \x01(\r\x12!\n\x19num_decode_context_tokens\x18\t \x01(\x04\x12\x1a\n\x12num_kv_read_tokens\x18\n \x01(\x04\x12\x0e\n\x06worker\x18\x0b \x01(\t\"\xfc\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0c\x62locks_total\x18\x03 \x01(\r\x12\x13\n\x0b\x62locks_free\x18\x04 \x01(\r\x12\x15\n\rblocks_cached\x18\x05 \x01(\r\x12\x13\n\x0b\x62locks_used\x18\x06 \x01(\r\x12\x13\n\x0bnum_running\x18\x07 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\r\x12\x1a\n\x12num_remote_pending\x18\t \x01(\r\x12\x18\n\x10tokens_in_flight\x18\n \x01(\x04\x12\x11\n\tnum_steps\x18\x0b \x01(\x04\x12\x16\n\x0ekv_bytes_moved\x18\x0c \x01(\x04\x12\"\n\x05steps\x18\r \x03(\x0b\x32\x13.pdserve.StepRecord\x12\x0c\n\x04node\x18\x0e \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\r\n\x05state\x18\x10 \x01(\t\x12\x19\n\x11kv_pushes_refused\x18\x11 \x01(\x04\"S\n\rStatsResponse\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.pdserve.WorkerStats\x12\x1b\n\x13num_active_requests\x18\x02 \x01(\r*H\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tCOLOCATED\x10\x01\x12\x11\n\rDISAGGREGATED\x10\x02\x12\x08\n\x04\x41UTO\x10\x03\x32\xf7\x01\n\x07PDServe\x12\x41\n\x08Generate\x12\x18.pdserve.GenerateRequest\x1a\x19.pdserve.GenerateResponse0\x01\x12\x36\n\x05\x41\x62ort\x12\x15.pdserve.AbortRequest\x1a\x16.pdserve.AbortResponse\x12\x39\n\x06Health\x12\x16.pdserve.HealthRequest\x1a\x17.pdserve.HealthResponse\x12\x36\n\x05Stats\x12\x15.pdserve.StatsRequest\x1a\x16.pdserve.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODE']._serialized_start=1959
-  _globals['_MODE']._serialized_end=2031
+  _globals['_MODE']._serialized_start=1988
+  _globals['_MODE']._serialized_end=2060
   _globals['_SAMPLINGPARAMS']._serialized_start=27
   _globals['_SAMPLINGPARAMS']._serialized_end=186
   _globals['_TOKENIDS']._serialized_start=188
   _globals['_TOKENIDS']._serialized_end=211
   _globals['_GENERATEREQUEST']._serialized_start=214
-  _globals['_GENERATEREQUEST']._serialized_end=414
-  _globals['_REQUESTMETADATA']._serialized_start=417
-  _globals['_REQUESTMETADATA']._serialized_end=789
-  _globals['_GENERATERESPONSE']._serialized_start=792
-  _globals['_GENERATERESPONSE']._serialized_end=928
-  _globals['_ABORTREQUEST']._serialized_start=930
-  _globals['_ABORTREQUEST']._serialized_end=964
-  _globals['_ABORTRESPONSE']._serialized_start=966
-  _globals['_ABORTRESPONSE']._serialized_end=996
-  _globals['_HEALTHREQUEST']._serialized_start=998
-  _globals['_HEALTHREQUEST']._serialized_end=1013
-  _globals['_HEALTHRESPONSE']._serialized_start=1016
-  _globals['_HEALTHRESPONSE']._serialized_end=1154
-  _globals['_STATSREQUEST']._serialized_start=1156
-  _globals['_STATSREQUEST']._serialized_end=1214
-  _globals['_STEPRECORD']._serialized_start=1217
-  _globals['_STEPRECORD']._serialized_end=1489
-  _globals['_WORKERSTATS']._serialized_start=1492
-  _globals['_WORKERSTATS']._serialized_end=1872
-  _globals['_STATSRESPONSE']._serialized_start=1874
-  _globals['_STATSRESPONSE']._serialized_end=1957
-  _globals['_PDSERVE']._serialized_start=2034
-  _globals['_PDSERVE']._serialized_end=2281
+  _globals['_GENERATEREQUEST']._serialized_end=443
+  _globals['_REQUESTMETADATA']._serialized_start=446
+  _globals['_REQUESTMETADATA']._serialized_end=818
+  _globals['_GENERATERESPONSE']._serialized_start=821
+  _globals['_GENERATERESPONSE']._serialized_end=957
+  _globals['_ABORTREQUEST']._serialized_start=959
+  _globals['_ABORTREQUEST']._serialized_end=993
+  _globals['_ABORTRESPONSE']._serialized_start=995
+  _globals['_ABORTRESPONSE']._serialized_end=1025
+  _globals['_HEALTHREQUEST']._serialized_start=1027
+  _globals['_HEALTHREQUEST']._serialized_end=1042
+  _globals['_HEALTHRESPONSE']._serialized_start=1045
+  _globals['_HEALTHRESPONSE']._serialized_end=1183
+  _globals['_STATSREQUEST']._serialized_start=1185
+  _globals['_STATSREQUEST']._serialized_end=1243
+  _globals['_STEPRECORD']._serialized_start=1246
+  _globals['_STEPRECORD']._serialized_end=1518
+  _globals['_WORKERSTATS']._serialized_start=1521
+  _globals['_WORKERSTATS']._serialized_end=1901
+  _globals['_STATSRESPONSE']._serialized_start=1903
+  _globals['_STATSRESPONSE']._serialized_end=1986
+  _globals['_PDSERVE']._serialized_start=2063
+  _globals['_PDSERVE']._serialized_end=2310
 # @@protoc_insertion_point(module_scope)

@@ -43,20 +43,22 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "mode", "stream_interval")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "mode", "stream_interval", "apply_chat_template")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    APPLY_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
     sampling: SamplingParams
     mode: Mode
     stream_interval: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[Mode, str]] = ..., stream_interval: _Optional[int] = ...) -> None: ...
+    apply_chat_template: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[Mode, str]] = ..., stream_interval: _Optional[int] = ..., apply_chat_template: _Optional[bool] = ...) -> None: ...
 
 class RequestMetadata(_message.Message):
     __slots__ = ("request_id", "mode", "prefill_worker", "decode_worker", "queue_s", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "ttft_s", "e2e_s", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "second_token_time", "router", "fallback")

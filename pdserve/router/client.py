@@ -33,6 +33,7 @@ def _request(
     mode: str | None,
     request_id: str | None,
     stream_interval: int = 0,
+    apply_chat_template: bool = False,
 ) -> pb.GenerateRequest:
     sampling = params_to_proto(params or SamplingParams())
     if mode is not None and mode not in MODE_ENUMS:
@@ -44,6 +45,7 @@ def _request(
         sampling=sampling,
         mode=MODE_ENUMS[mode] if mode else pb.MODE_UNSPECIFIED,
         stream_interval=stream_interval,
+        apply_chat_template=apply_chat_template,
     )
     if isinstance(prompt, str):
         req.text = prompt
@@ -94,14 +96,19 @@ class Client:
         mode: str | None = None,
         request_id: str | None = None,
         stream_interval: int = 0,
+        apply_chat_template: bool = False,
     ) -> Iterator[GenerateChunk]:
         """Stream chunks; raises ``grpc.RpcError`` (with the server's status and message) on failure.
 
         Closing the iterator early cancels the request on the server. ``stream_interval``: tokens per
-        chunk after the first (0: the deployment's).
+        chunk after the first (0: the deployment's). ``apply_chat_template``: the text prompt is the
+        user's turn of a conversation, which the router renders with its model's chat template (as is
+        when the model ships none).
         """
         call = self._stub.Generate(
-            _request(prompt, params, mode, request_id, stream_interval), timeout=self.timeout_s, metadata=self._md
+            _request(prompt, params, mode, request_id, stream_interval, apply_chat_template),
+            timeout=self.timeout_s,
+            metadata=self._md,
         )
         try:
             for resp in call:
@@ -151,9 +158,13 @@ class AsyncClient:
         mode: str | None = None,
         request_id: str | None = None,
         stream_interval: int = 0,
+        apply_chat_template: bool = False,
     ) -> AsyncGenerator[GenerateChunk, None]:
+        """``Client.generate``, for asyncio."""
         call = self._stub.Generate(
-            _request(prompt, params, mode, request_id, stream_interval), timeout=self.timeout_s, metadata=self._md
+            _request(prompt, params, mode, request_id, stream_interval, apply_chat_template),
+            timeout=self.timeout_s,
+            metadata=self._md,
         )
         try:
             async for resp in call:

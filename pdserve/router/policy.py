@@ -13,30 +13,45 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pdserve.engine.block_manager import compute_block_hashes
+from pdserve.options import option
+from pdserve.transport_config import DEFAULT_RESERVATION_TTL_S
 
 MODES = ("colocated", "disaggregated", "auto")
 
 
 @dataclass(frozen=True)
 class RouterConfig:
+    """A router's policy and limits. Fields with a help text are command-line options (``pdserve.options``);
+    the deployment sets the others from its own settings."""
+
     default_mode: str = "colocated"
     block_size: int = 16
-    auto_min_remote_tokens: int = 512  # auto: prefill remotely when more uncached prompt tokens than this...
-    auto_max_prefill_queue_tokens: int = 16384  # ...and some prefill worker has fewer tokens queued than this
-    max_active_requests: int = 4096  # requests in flight through one router; beyond this, RESOURCE_EXHAUSTED
-    max_queued_requests: int = 512  # requests waiting for their first token; beyond this, RESOURCE_EXHAUSTED
-    max_queued_prompt_tokens: int = 262144  # their prompt tokens; beyond this, RESOURCE_EXHAUSTED
-    max_request_bytes: int = 8 << 20  # a larger request body is refused before it is parsed (gRPC and HTTP)
-    default_chat_max_tokens: int = 1024  # HTTP chat requests that name no max_tokens get at most this many
-    reserve_timeout_s: float = 60.0  # how long a prefill may wait for its decode worker to have room
-    abort_fence_s: float = 60.0  # how long an abort waits for the prefill worker to confirm its pushes are over
-    stream_idle_timeout_s: float = 600.0  # a stream with no token for this long fails with UNAVAILABLE
-    # a request still without its first token this long after it arrived is refused with RESOURCE_EXHAUSTED
-    # (HTTP 429) and aborted on its workers, rather than served late; None = wait as long as it takes
-    max_queue_time_s: float | None = None
-    prefix_index_blocks: int = 65536  # per decode worker
+    auto_min_remote_tokens: int = option(
+        512, "auto mode: prefill remotely when a prompt has more uncached tokens than this..."
+    )
+    auto_max_prefill_queue_tokens: int = option(
+        16384, "...and some prefill worker has fewer prompt tokens queued than this"
+    )
+    max_active_requests: int = option(4096, "requests in flight through one router; beyond this, RESOURCE_EXHAUSTED")
+    max_queued_requests: int = option(512, "requests waiting for their first token; beyond this, RESOURCE_EXHAUSTED")
+    max_queued_prompt_tokens: int = option(
+        262144, "prompt tokens of the requests waiting for their first token; beyond this, RESOURCE_EXHAUSTED"
+    )
+    max_request_bytes: int = option(8 << 20, "a larger request body is refused before it is parsed (gRPC and HTTP)")
+    default_chat_max_tokens: int = option(1024, "HTTP chat requests that name no max_tokens get at most this many")
+    reserve_timeout_s: float = option(60.0, "seconds a prefill may wait for its decode worker to have room")
+    abort_fence_s: float = DEFAULT_RESERVATION_TTL_S  # an abort waits this long for the prefill worker's confirmation
+    stream_idle_timeout_s: float = option(600.0, "a stream with no token for this many seconds fails with UNAVAILABLE")
+    max_queue_time_s: float | None = option(
+        None,
+        "refuse (RESOURCE_EXHAUSTED / HTTP 429) a request still without its first token after this many seconds, "
+        "and abort it on its workers, rather than serve it late; default: no bound",
+    )
+    prefix_index_blocks: int = option(65536, "prompt blocks the router remembers per decode worker (prefix routing)")
     prefix_caching: bool = True  # the workers cache prefixes; if not, the view remembers nothing
-    stream_interval: int = 1  # tokens per streamed message after the first; a request may ask for its own
+    stream_interval: int = option(
+        1, "tokens per streamed message after the first (a request may ask for its own); 1: every token"
+    )
 
     def __post_init__(self) -> None:
         if self.default_mode not in MODES:

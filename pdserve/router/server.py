@@ -19,6 +19,7 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.engine.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.grpc_reflection import V1_SERVICE, V1ALPHA_SERVICE, enable_reflection
@@ -82,6 +83,13 @@ def _why_undecodable(raw: bytes, string_fields: dict[int, str]) -> str:
     return "request: not a valid protobuf message"
 
 
+def user_turn_prompt(tokenizer: Tokenizer | None, text: str) -> str:
+    """``text`` as the user's turn through the model's chat template; as is for a model without one."""
+    if tokenizer is None or tokenizer.chat_template.is_plain:
+        return text
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
 class PDServeServicer(pb_grpc.PDServeServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -97,6 +105,13 @@ class PDServeServicer(pb_grpc.PDServeServicer):
         if which is None:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "prompt: give text or token_ids")
         prompt = request.text if which == "text" else request.token_ids.ids
+        if request.apply_chat_template:
+            if which != "text":
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "apply_chat_template: needs a text prompt")
+            try:
+                prompt = await asyncio.to_thread(user_turn_prompt, self.router.tokenizer, request.text)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"apply_chat_template: {e}")
         if request.mode not in MODE_NAMES:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"mode: unknown value {request.mode}")
         req = GenerateInput(

@@ -6,7 +6,7 @@ workload on the chosen architecture(s) and writes a report):
 - default: colocated, disaggregated and/or auto runs of one workload → ``--out`` (results.json, report.md,
   PNGs); ``--mode both`` (the default) runs colocated and disaggregated, ``--mode all`` adds auto
 - ``--demo``: the chunked-prefill demo (8k prompt, chunk 1024, 24 decodes, 50 ms ITL target by
-  default, on one colocated instance unless ``--mode``/``--instances``/``--prefill``/``--decode`` say
+  default, on one colocated instance unless ``--mode``/``--prefill-workers``/``--decode-workers`` say
   otherwise) plus the 32k chunking off-vs-on worst-ITL ratio
 - ``--sweep chunk=128,256,...``: chunk-size sweep, P99 ITL vs prefill throughput and the knee
 - ``--pd-search N``: colocated vs every P:D split of N GPUs, disaggregated and auto, goodput per GPU
@@ -30,107 +30,77 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from pdserve.bench.workloads import add_workload_arguments, workload_spec_from_args
+from pdserve.deployment_config import DeploymentConfig
 from pdserve.engine.options import add_engine_arguments, engine_config_from_args
-from pdserve.sim.config import ENGINE_OPTIONS, SimConfig
+from pdserve.options import HelpFormatter, add_config_arguments, config_values, plain_text
+from pdserve.router.policy import RouterConfig
+from pdserve.sim.api import DEFAULT_CALIBRATION, SimSettings, Simulation
+from pdserve.sim.config import ENGINE_OPTIONS
 
 if TYPE_CHECKING:
     from pdserve.bench.metrics import SweepPoint
     from pdserve.bench.report import RunData
-    from pdserve.sim.cost_model import CostModel
 
-DEFAULT_CALIBRATION = os.path.join("results", "cpu-profile.json")
 DEFAULT_OUT = os.path.join("results", "sim")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pdserve.sim.profiles import HARDWARE_NAMES, MODELS
-
     p = argparse.ArgumentParser(
-        prog="pdserve sim",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="pdserve sim", description=plain_text(__doc__.split("\n\n")[0]), formatter_class=HelpFormatter
     )
-    g = p.add_argument_group("hardware and model")
-    g.add_argument("--hardware", default="H100", help=f"one of {', '.join(HARDWARE_NAMES)}")
-    g.add_argument(
-        "--model-profile",
-        default=None,
-        help=f"one of {', '.join(MODELS)} (default Llama-3-8B; cpu-measured: the calibrated model)",
+    add_config_arguments(p, SimSettings, title="hardware, model and architecture")
+    add_config_arguments(
+        p,
+        DeploymentConfig,
+        only=("num_prefill_workers", "num_decode_workers"),
+        title="workers",
+        description="disaggregated and auto: these instances; colocated: prefill + decode instances when compared "
+        "with the others, else decode instances",
     )
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per instance")
-    g.add_argument("--calibration", default=DEFAULT_CALIBRATION, help="cpu-measured profile JSON to read")
-    g.add_argument(
-        "--combine", choices=("max", "sum"), default="max", help="roofline: max(compute, memory) or their sum"
-    )
-
-    g = p.add_argument_group("architecture")
-    g.add_argument(
-        "--mode",
-        choices=("colocated", "disaggregated", "auto", "both", "all"),
-        default="both",
-        help="both: colocated and disaggregated; all: and auto",
-    )
-    g.add_argument(
-        "--instances",
-        type=int,
-        default=None,
-        help="colocated instances (default: prefill + decode, so A/B runs use the same GPUs)",
-    )
-    g.add_argument("--prefill", type=int, default=1, help="disaggregated: prefill instances")
-    g.add_argument("--decode", type=int, default=1, help="disaggregated: decode instances")
-    g.add_argument("--kv-bandwidth", type=float, default=None, help="KV link GB/s (default: the hardware's)")
-    g.add_argument("--kv-latency-us", type=float, default=None, help="KV link latency in microseconds")
-    g.add_argument(
-        "--auto-min-remote-tokens",
-        type=int,
-        default=SimConfig().auto_min_remote_tokens,
-        help="auto: prefill remotely above this many uncached prompt tokens (the router's threshold)",
-    )
-    g.add_argument(
-        "--no-tail",
-        action="store_true",
-        help="cpu-measured: leave out the machine's measured slowdown and latency tails",
-    )
-
+    add_config_arguments(p, RouterConfig, only=("auto_min_remote_tokens",), title="router")
     add_engine_arguments(p, only=ENGINE_OPTIONS)
-
     add_workload_arguments(p)
-
-    g = p.add_argument_group("targets and output")
-    g.add_argument("--slo", default="", help="e.g. ttft=200,tpot=50 (ms)")
-    g.add_argument("--itl-target-ms", type=float, default=50.0)
+    g = p.add_argument_group("output")
     g.add_argument("--out", default=DEFAULT_OUT, help="results directory")
-
     _add_action_arguments(p)
     _add_goodput_arguments(p)
     return p
 
 
 def _add_goodput_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("goodput, cost profile file, JSON")
+    g = p.add_argument_group("goodput and JSON")
     g.add_argument(
         "--goodput",
         action="store_true",
         help="per architecture of --mode: SLO attainment and goodput per GPU (the highest rate at which "
         "--attainment of the requests meet every --slo), found by a rate search",
     )
-    g.add_argument(
-        "--cost-profile",
-        default=None,
-        metavar="FILE.json",
-        help="step costs from per-phase polynomials in a file (replaces --hardware and --model-profile; "
-        "see docs/simulator.md for the format)",
-    )
     g.add_argument("--json", action="store_true", help="print the result as JSON on stdout (nothing else)")
+
+
+def settings_from_args(args: argparse.Namespace) -> SimSettings:
+    """The ``SimSettings`` of ``build_parser``'s options. Raises ValueError for bad values."""
+    if args.num_requests is not None and args.num_requests < 1:
+        raise ValueError("--num-requests must be >= 1")
+    return SimSettings(
+        **config_values(SimSettings, args),
+        prefill_workers=args.num_prefill_workers,
+        decode_workers=args.num_decode_workers,
+        engine=engine_config_from_args(args),
+        auto_min_remote_tokens=args.auto_min_remote_tokens,
+        seed=args.seed,
+    )
 
 
 def _add_action_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("actions")
     g.add_argument("--demo", action="store_true", help="the chunked-prefill demo and the 32k off/on ratio")
-    g.add_argument("--demo-prompt-len", type=int, default=8192)
-    g.add_argument("--demo-chunk", type=int, default=1024)
-    g.add_argument("--demo-decodes", type=int, default=24)
-    g.add_argument("--demo-long-prompt-len", type=int, default=32768)
+    g.add_argument("--demo-prompt-len", type=int, default=8192, help="demo: the long prompt's tokens")
+    g.add_argument("--demo-chunk", type=int, default=1024, help="demo: the chunk size")
+    g.add_argument("--demo-decodes", type=int, default=24, help="demo: the decodes running alongside")
+    g.add_argument(
+        "--demo-long-prompt-len", type=int, default=32768, help="demo: the prompt of the chunking off/on ratio"
+    )
     g.add_argument("--pd-search", type=int, default=None, metavar="N", help="P:D search over N GPUs")
     g.add_argument("--attainment", type=float, default=0.9, help="pd search: SLO attainment target")
     g.add_argument("--no-rate-search", action="store_true", help="pd search: only the workload's own rate")
@@ -146,14 +116,14 @@ def _add_action_arguments(p: argparse.ArgumentParser) -> None:
         const=DEFAULT_CALIBRATION,
         default=None,
         metavar="PATH",
-        help=f"measure the engine, write the cpu-measured JSON (default {DEFAULT_CALIBRATION})",
+        help=f"measure the engine, write the cpu-measured JSON to PATH (without PATH: {DEFAULT_CALIBRATION})",
     )
-    g.add_argument("--calibrate-model", default="bench", choices=("tiny", "bench"))
+    g.add_argument("--calibrate-model", default="bench", choices=("tiny", "bench"), help="calibration: the model")
     g.add_argument("--calibrate-quick", action="store_true", help="a tiny grid (seconds)")
-    g.add_argument("--calibrate-budget-s", type=float, default=40.0)
+    g.add_argument("--calibrate-budget-s", type=float, default=40.0, help="calibration: seconds to spend")
     g.add_argument("--torch-threads", type=int, default=None, help="calibration: torch threads of the engine")
     g.add_argument("--sweep", default=None, metavar="chunk=128,256,...", help="chunk-size sweep")
-    g.add_argument("--quiet", action="store_true")
+    g.add_argument("--quiet", action="store_true", help="print nothing but errors")
     g.add_argument("--serve", action="store_true", help="serve the explorer's playground page (Ctrl-C stops)")
     g.add_argument("--serve-host", default="127.0.0.1", help="--serve: the address to listen on")
     g.add_argument("--serve-port", type=int, default=8088, help="--serve: the port (0 = any free port)")
@@ -171,41 +141,6 @@ def parse_sweep(text: str) -> list[int]:
     if not sizes or any(s < 1 for s in sizes):
         raise ValueError(f"--sweep: give positive chunk sizes, got {values!r}")
     return sizes
-
-
-def make_cost_model(
-    hardware: str,
-    model_profile: str | None,
-    tp: int = 1,
-    calibration: str = DEFAULT_CALIBRATION,
-    combine: str = "max",
-) -> tuple[Any, dict[str, Any]]:
-    """``(cost model, SimConfig fields it implies)`` for the named profiles: the KV link of the hardware,
-    and for cpu-measured the deployment latencies and the machine's slowdown it measured too."""
-    from pdserve.sim.cost_model import LinearCostModel, RooflineCostModel
-    from pdserve.sim.profiles import CPU_MEASURED, get_hardware, get_model, load_linear_profile
-
-    if hardware.lower() == CPU_MEASURED:
-        prof = load_linear_profile(calibration)
-        name = model_profile or prof.model
-        if name.lower() != prof.model.lower():
-            raise ValueError(f"hardware cpu-measured: {calibration} was measured on model {prof.model!r}, not {name!r}")
-        if tp != 1:
-            raise ValueError("hardware cpu-measured: --tp is not modelled (measured on one process)")
-        return LinearCostModel(prof, get_model(name)), prof.sim_settings()
-    hw = get_hardware(hardware)
-    link = {"kv_link_bw": hw.kv_link_bw, "kv_link_latency_s": hw.kv_link_latency_s}
-    return RooflineCostModel(hw, get_model(model_profile or "Llama-3-8B"), tp, combine), link
-
-
-@dataclass(frozen=True)
-class SimSetup:
-    """What every action of one ``pdserve sim`` call shares: the cost model, the engine settings, the SLOs."""
-
-    cost_model: CostModel
-    config: SimConfig
-    slo_ms: dict[str, float]
-    say: Callable[..., None]
 
 
 @dataclass(frozen=True)
@@ -238,30 +173,30 @@ def run(args: argparse.Namespace) -> int:
         calibrate_profile(args, say)
         if not (args.demo or args.sweep or args.pd_search):
             return 0
-    setup = make_setup(args, say)
+    sim = Simulation(settings_from_args(args))
     os.makedirs(args.out, exist_ok=True)
     actions = [(args.demo, run_demo), (args.sweep, run_sweep), (args.pd_search, run_pd_search)]
     actions.append((args.goodput, run_goodput))
-    findings = [action(args, setup) for wanted, action in actions if wanted]
+    findings = [action(args, sim, say) for wanted, action in actions if wanted]
     if not findings:
-        findings = [run_architectures(args, setup)]
+        findings = [run_architectures(args, sim, say)]
     files = write_report(
         args.out,
         [r for f in findings for r in f.runs],
         config=_merged(
             {
                 "hardware": args.hardware,
-                "model_profile": setup.cost_model.model.name,
+                "model_profile": sim.cost_model.model.name,
                 "tp": args.tp,
-                "cost_model": setup.cost_model.name,
-                "sim": setup.config.to_dict(),
+                "cost_model": sim.cost_model.name,
+                "sim": sim.config.to_dict(),
                 "seed": args.seed,
             },
             *(f.config for f in findings),
         ),
-        slo_ms=setup.slo_ms,
+        slo_ms=sim.slo_ms,
         itl_target_ms=args.itl_target_ms,
-        title=f"pdserve sim: {setup.cost_model.name}",
+        title=f"pdserve sim: {sim.cost_model.name}",
         sweep=next((f.sweep for f in findings if f.sweep), None),
         pd_rows=next((f.pd_rows for f in findings if f.pd_rows), None),
         extra=_merged(*(f.extra for f in findings)),
@@ -270,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     )
     say(f"wrote {files.report_md} and {len(files.all_paths()) - 1} other files in {args.out}")
     if args.json:
-        print(json.dumps(json_document(args, setup, findings), indent=2, default=_json_default))
+        print(json.dumps(json_document(args, sim, findings), indent=2, default=_json_default))
     return 0
 
 
@@ -318,46 +253,16 @@ def calibrate_profile(args: argparse.Namespace, say: Callable[..., None]) -> Non
         )
 
 
-def make_setup(args: argparse.Namespace, say: Callable[..., None]) -> SimSetup:
-    """Check the arguments; build the cost model and the simulated engine's settings."""
-    from pdserve.bench.metrics import parse_slo
-
-    for name in ("tp", "prefill", "decode", "num_requests"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    slo = parse_slo(args.slo)
-    cost_model, settings = cost_model_from_args(args)
-    if args.kv_bandwidth is not None:
-        settings["kv_link_bw"] = args.kv_bandwidth * 1e9
-    if args.kv_latency_us is not None:
-        settings["kv_link_latency_s"] = args.kv_latency_us * 1e-6
-    config = SimConfig.from_engine_config(
-        engine_config_from_args(args),
-        **settings,
-        step_tail=not args.no_tail,
-        seed=args.seed,
-        auto_min_remote_tokens=args.auto_min_remote_tokens,
-    )
-    return SimSetup(cost_model, config, slo, say)
-
-
-def run_demo(args: argparse.Namespace, setup: SimSetup) -> Findings:
+def run_demo(args: argparse.Namespace, sim: Simulation, say: Callable[..., None]) -> Findings:
     """``--demo``: the chunked-prefill demo, chunking on and off, and the long prompt's off/on ratio."""
     from pdserve.bench.plots import plot_step_timeline
-    from pdserve.sim.demo import compare_chunking, run_chunked_prefill_demo
 
-    cost_model = setup.cost_model
-    kw = dict(
-        num_decodes=args.demo_decodes,
-        itl_target_ms=args.itl_target_ms,
-        architecture=demo_architecture(args),
-        base=setup.config,
-    )
-    main_on = run_chunked_prefill_demo(cost_model, args.demo_prompt_len, args.demo_chunk, **kw)
-    main_off = run_chunked_prefill_demo(cost_model, args.demo_prompt_len, None, **kw)
-    cmp = compare_chunking(cost_model, args.demo_long_prompt_len, args.demo_chunk, **kw)
-    setup.say(main_on.summary())
-    setup.say(
+    cost_model = sim.cost_model
+    main_on = sim.demo(args.demo_prompt_len, args.demo_chunk, args.demo_decodes)
+    main_off = sim.demo(args.demo_prompt_len, None, args.demo_decodes)
+    cmp = sim.compare_chunking(args.demo_long_prompt_len, args.demo_chunk, args.demo_decodes)
+    say(main_on.summary())
+    say(
         f"{args.demo_long_prompt_len}-token prompt: worst decode stall "
         f"{cmp.off.worst_decode_stall_ms:.1f} ms "
         f"unchunked vs {cmp.on.worst_decode_stall_ms:.1f} ms with chunk {args.demo_chunk}: "
@@ -388,59 +293,39 @@ def run_demo(args: argparse.Namespace, setup: SimSetup) -> Findings:
     )
 
 
-def demo_architecture(args: argparse.Namespace) -> Any:
-    """The demo's architecture from ``--mode`` (both/all: colocated), ``--instances`` (default 1),
-    ``--prefill`` and ``--decode``."""
-    from pdserve.sim.demo import DemoArchitecture
-
-    mode = "colocated" if args.mode in ("both", "all") else args.mode
-    return DemoArchitecture(mode, args.instances or 1, args.prefill, args.decode)
-
-
-def run_sweep(args: argparse.Namespace, setup: SimSetup) -> Findings:
+def run_sweep(args: argparse.Namespace, sim: Simulation, say: Callable[..., None]) -> Findings:
     """``--sweep chunk=...``: P99 ITL against prefill throughput per chunk size, and the knee."""
     from pdserve.bench.metrics import find_knee
     from pdserve.bench.workloads import build_workload
-    from pdserve.sim.experiments import chunk_sweep
 
     sizes = parse_sweep(args.sweep)
     wl = build_workload(_spec(args, args.workload or "interference"))
-    sweep = chunk_sweep(
-        wl.requests,
-        setup.cost_model,
-        sizes,
-        setup.config,
-        num_instances=args.instances or 1,
-        max_concurrency=args.max_concurrency,
-    )
+    sweep = sim.chunk_sweep(wl.requests, sizes, max_concurrency=args.max_concurrency)
     knee = find_knee(sweep, args.itl_target_ms)
-    setup.say("chunk  P99 ITL ms  (whole run)  prefill tok/s  mean TTFT ms")
+    say("chunk  P99 ITL ms  (whole run)  prefill tok/s  mean TTFT ms")
     for pt in sweep:
-        setup.say(
+        say(
             f"{pt.chunk_size:5d}  {pt.p99_itl_ms:10.1f}  {pt.p99_itl_all_ms:11.1f}  "
             f"{pt.prefill_throughput_tok_s:13.0f}  {pt.mean_ttft_ms:12.1f}"
         )
-    setup.say(f"knee for {args.itl_target_ms:g} ms: " + (f"chunk {knee.chunk_size}" if knee else "none meets it"))
+    say(f"knee for {args.itl_target_ms:g} ms: " + (f"chunk {knee.chunk_size}" if knee else "none meets it"))
     return Findings(config={"sweep_workload": wl.spec.to_dict()}, sweep=sweep)
 
 
-def run_pd_search(args: argparse.Namespace, setup: SimSetup) -> Findings:
+def run_pd_search(args: argparse.Namespace, sim: Simulation, say: Callable[..., None]) -> Findings:
     """``--pd-search N``: colocated against every P:D split of N GPUs, goodput per GPU under the SLOs."""
-    from pdserve.sim.experiments import pd_search
 
     spec = _spec(args, args.workload or "random", default_requests=400)
-    pd_rows = pd_search(
+    progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    pd_rows = sim.pd_search(
         spec,
-        setup.cost_model,
         args.pd_search,
-        setup.slo_ms,
-        setup.config,
-        tp=args.tp,
         attainment=args.attainment,
         search_rate=not args.no_rate_search,
         min_duration_s=args.pd_min_duration,
+        progress=progress,
     )
-    pd_rows = rank_pd_rows(setup, pd_rows, args.attainment)
+    pd_rows = rank_pd_rows(say, pd_rows, args.attainment)
     return Findings(
         config={"pd_search_workload": spec.to_dict()},
         notes=[
@@ -451,63 +336,14 @@ def run_pd_search(args: argparse.Namespace, setup: SimSetup) -> Findings:
     )
 
 
-def cost_model_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
-    """``--cost-profile`` when given (it sets the model's KV size and the KV link; ``--kv-bandwidth``
-    and ``--kv-latency-us`` still override the link), else ``make_cost_model`` of the named profiles."""
-    if not args.cost_profile:
-        return make_cost_model(args.hardware, args.model_profile, args.tp, args.calibration, args.combine)
-    from pdserve.sim.cost_profile import PolynomialCostModel, load_cost_profile
-
-    if args.model_profile is not None:
-        raise ValueError("--cost-profile gives the model's sizes: drop --model-profile")
-    profile = load_cost_profile(args.cost_profile)
-    return PolynomialCostModel(profile), profile.sim_settings()
-
-
-def _architectures(args: argparse.Namespace, chunked: bool) -> list[Any]:
-    """The architectures ``--mode``, ``--instances``, ``--prefill`` and ``--decode`` name (as the
-    default action runs them)."""
-    from pdserve.sim.experiments import Architecture
-    from pdserve.sim.simulator import MODES
-
-    modes = {"both": ["colocated", "disaggregated"], "all": list(MODES)}.get(args.mode, [args.mode])
-    archs = []
-    for mode in modes:
-        if mode == "colocated":
-            n = args.instances or (args.prefill + args.decode if len(modes) > 1 else 1)
-            archs.append(Architecture(f"colocated x{n}", mode, 0, 0, n, chunked))
-        else:
-            n = args.prefill + args.decode
-            archs.append(
-                Architecture(f"{mode} {args.prefill}P:{args.decode}D", mode, args.prefill, args.decode, n, chunked)
-            )
-    return archs
-
-
-def run_goodput(args: argparse.Namespace, setup: SimSetup) -> Findings:
+def run_goodput(args: argparse.Namespace, sim: Simulation, say: Callable[..., None]) -> Findings:
     """``--goodput``: per architecture, the SLO attainments at the workload's rate and the goodput per
     GPU (rate search), best first."""
-    from pdserve.sim.experiments import rank_rows, search_goodput
-
-    if not setup.slo_ms:
-        raise ValueError("--goodput: give SLOs, e.g. --slo ttft=200,tpot=50")
     spec = _spec(args, args.workload or "random", default_requests=200)
-    rows = [
-        search_goodput(
-            arch,
-            spec,
-            setup.cost_model,
-            setup.slo_ms,
-            setup.config,
-            tp=args.tp,
-            attainment=args.attainment,
-            search_rate=not args.no_rate_search,
-            min_duration_s=args.pd_min_duration,
-        )
-        for arch in _architectures(args, setup.config.enable_chunked_prefill)
-    ]
-    rows = rank_rows(rows)
-    _say_goodput_rows(setup, rows, args.attainment)
+    rows = sim.goodput(
+        spec, attainment=args.attainment, search_rate=not args.no_rate_search, min_duration_s=args.pd_min_duration
+    )
+    _say_goodput_rows(say, rows, args.attainment)
     return Findings(
         config={"goodput_workload": spec.to_dict(), "attainment_target": args.attainment},
         notes=[_goodput_note(args, spec.num_requests)],
@@ -523,31 +359,31 @@ def _goodput_note(args: argparse.Namespace, num_requests: int) -> str:
     )
 
 
-def _say_goodput_rows(setup: SimSetup, rows: list[Any], attainment: float) -> None:
-    setup.say(f"{'rank':>4}  {'config':<26} goodput/GPU  SLO met  TTFT met  TPOT met  (at the workload's rate)")
+def _say_goodput_rows(say: Callable[..., None], rows: list[Any], attainment: float) -> None:
+    say(f"{'rank':>4}  {'config':<26} goodput/GPU  SLO met  TTFT met  TPOT met  (at the workload's rate)")
     for i, r in enumerate(rows, 1):
         goodput = "-" if r.goodput_per_gpu is None else f"{r.goodput_per_gpu:.3f}"
-        setup.say(
+        say(
             f"{i:>4}  {r.name:<26} {goodput:>11}  {100 * r.slo_attainment:6.0f}%  {100 * r.ttft_attainment:7.0f}%  "
             f"{100 * r.tpot_attainment:7.0f}%"
         )
-    setup.say(f"goodput: req/s per GPU at which {100 * attainment:.0f}% of requests meet every SLO")
+    say(f"goodput: req/s per GPU at which {100 * attainment:.0f}% of requests meet every SLO")
 
 
-def json_document(args: argparse.Namespace, setup: SimSetup, findings: list[Findings]) -> dict[str, Any]:
+def json_document(args: argparse.Namespace, sim: Simulation, findings: list[Findings]) -> dict[str, Any]:
     """``--json``: the result of every action run. ``architectures``: the goodput or P:D search rows,
     best first (``goodput_per_gpu``, ``ttft_attainment``, ``tpot_attainment``, ...); ``runs``: each
     simulated architecture's metrics; ``sweep``: the chunk sweep's points; plus the demo's figures."""
     doc: dict[str, Any] = {
-        "cost_model": setup.cost_model.name,
-        "model": setup.cost_model.model.name,
-        "slo_ms": dict(setup.slo_ms),
+        "cost_model": sim.cost_model.name,
+        "model": sim.cost_model.model.name,
+        "slo_ms": dict(sim.slo_ms),
         "out": args.out,
     }
     runs = [r for f in findings for r in f.runs]
     if runs:
         doc["runs"] = [
-            {"name": r.name, "num_gpus": r.meta.get("num_gpus"), **r.metrics(setup.slo_ms).to_dict()} for r in runs
+            {"name": r.name, "num_gpus": r.meta.get("num_gpus"), **r.metrics(sim.slo_ms).to_dict()} for r in runs
         ]
     rows = [row for f in findings for row in (f.pd_rows or [])]
     if rows:
@@ -569,43 +405,28 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-def rank_pd_rows(setup: SimSetup, rows: list[Any], attainment: float) -> list[Any]:
+def rank_pd_rows(say: Callable[..., None], rows: list[Any], attainment: float) -> list[Any]:
     """The P:D search's rows best first (goodput per GPU), printed."""
     from pdserve.sim.experiments import rank_rows
 
     ranked = rank_rows(rows)
-    _say_goodput_rows(setup, ranked, attainment)
-    setup.say(f"best per GPU: {ranked[0].name}")
+    _say_goodput_rows(say, ranked, attainment)
+    say(f"best per GPU: {ranked[0].name}")
     return ranked
 
 
-def run_architectures(args: argparse.Namespace, setup: SimSetup) -> Findings:
+def run_architectures(args: argparse.Namespace, sim: Simulation, say: Callable[..., None]) -> Findings:
     """The default action: the workload on colocated, disaggregated and/or auto instances."""
     from pdserve.bench.report import RunData, markdown_table
     from pdserve.bench.workloads import build_workload
-    from pdserve.sim.simulator import MODES, simulate
 
     spec = _spec(args, args.workload or "random")
-    wl = build_workload(spec)
-    modes = {"both": ["colocated", "disaggregated"], "all": list(MODES)}.get(args.mode, [args.mode])
     runs = []
-    for mode in modes:
-        n = args.instances or (args.prefill + args.decode if len(modes) > 1 else 1)
-        res = simulate(
-            wl.requests,
-            setup.cost_model,
-            setup.config,
-            mode=mode,
-            num_instances=n,
-            num_prefill=args.prefill,
-            num_decode=args.decode,
-            tp=args.tp,
-            max_concurrency=args.max_concurrency,
-        )
-        name = f"colocated x{n}" if mode == "colocated" else f"{mode} {args.prefill}P:{args.decode}D"
-        kv_moved = res.kv_bytes_moved if mode != "colocated" else None
-        runs.append(RunData(name, res.records, res.steps, kv_moved, meta={**res.config, "num_gpus": res.num_gpus}))
-    setup.say(markdown_table([(r.name, r.metrics(setup.slo_ms), r.kv_bytes_moved) for r in runs]))
+    for run in sim.architectures(build_workload(spec).requests, max_concurrency=args.max_concurrency):
+        res = run.result
+        kv_moved = res.kv_bytes_moved if run.mode != "colocated" else None
+        runs.append(RunData(run.name, res.records, res.steps, kv_moved, meta={**res.config, "num_gpus": res.num_gpus}))
+    say(markdown_table([(r.name, r.metrics(sim.slo_ms), r.kv_bytes_moved) for r in runs]))
     return Findings(runs=runs, config={"workload": spec.to_dict()})
 
 

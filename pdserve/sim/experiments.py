@@ -21,6 +21,7 @@ and vLLM's goodput (attaining requests per second) are also given at the workloa
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -282,11 +283,13 @@ def pd_search(
     requests: Sequence[WorkloadRequest] | None = None,
     min_duration_s: float = 0.0,
     auto: bool = True,
+    progress: Callable[[str], None] | None = None,
 ) -> list[PDRow]:
     """Colocated (chunked and unchunked) vs every P:D split of ``num_gpus // tp`` instances, on
     ``spec``'s workload and SLOs, in ``pd_architectures`` order (``rank_rows`` sorts them); each row
-    as ``search_goodput`` makes it. ``auto`` adds each split under the auto rule. Raises ValueError
-    without SLOs or with fewer than 2 instances."""
+    as ``search_goodput`` makes it. ``auto`` adds each split under the auto rule. ``progress`` hears a
+    line as each configuration starts, and one at the end. Raises ValueError without SLOs or with fewer
+    than 2 instances."""
     if not slo_ms:
         raise ValueError("pd search: give SLOs, e.g. --slo ttft=200,tpot=50")
     n = num_gpus // tp
@@ -294,12 +297,20 @@ def pd_search(
         raise ValueError(f"pd search: need at least 2 instances, got {num_gpus} GPUs at tp={tp}")
     cfg = config or SimConfig()
     base = list(requests) if requests is not None else build_workload(spec).requests
-    return [
-        search_goodput(
-            arch, spec, cost_model, slo_ms, cfg, tp, attainment, search_rate, iterations, base, min_duration_s
+    archs = pd_architectures(n, cfg.enable_chunked_prefill, auto)
+    rows = []
+    started = time.monotonic()
+    for i, arch in enumerate(archs):
+        if progress is not None:
+            progress(f"pd search [{i + 1}/{len(archs)}] {arch.name} ... ({time.monotonic() - started:.0f} s so far)")
+        rows.append(
+            search_goodput(
+                arch, spec, cost_model, slo_ms, cfg, tp, attainment, search_rate, iterations, base, min_duration_s
+            )
         )
-        for arch in pd_architectures(n, cfg.enable_chunked_prefill, auto)
-    ]
+    if progress is not None:
+        progress(f"pd search: {len(archs)} configurations in {time.monotonic() - started:.0f} s")
+    return rows
 
 
 def _merit(row: PDRow) -> tuple[float, float]:

@@ -1,0 +1,131 @@
+"""``DeploymentConfig``: what ``pdserve serve`` deploys, declared once (``pdserve.deployment`` runs it).
+
+Its fields with a help text are the deployment's command-line options (``pdserve.options``): ``pdserve
+serve``, ``pdserve bench`` and ``pdserve sim`` take their ``--prefill-workers``, ``--decode-workers``,
+``--transport``, ... from here. It extends ``TransportConfig`` (the KV hand-off's transport and deadlines).
+Light to import (no Ray, no torch): every command builds its parser from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pdserve.engine.config import EngineConfig
+from pdserve.options import option
+from pdserve.router.policy import MODES, RouterConfig
+from pdserve.transport_config import TransportConfig
+
+if TYPE_CHECKING:
+    from pdserve.router.server import ServerSecurity
+
+DEFAULT_PORT = 50051  # the command line's gRPC port (`pdserve serve --port`, `pdserve generate --target`)
+AUTH_TOKEN_ENV = "PDSERVE_AUTH_TOKEN"
+
+
+@dataclass(frozen=True)
+class DeploymentConfig(TransportConfig):
+    """A deployment: its workers, routers, addresses and access; ``engine`` and ``router`` are the
+    workers' and the routers' own settings. ``num_prefill_workers=None`` means 0 in colocated mode and
+    1 otherwise. Raises ``ValueError`` for settings no deployment can take."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    mode: str = option("colocated", "the mode of requests that ask for none", choices=MODES)
+    num_prefill_workers: int | None = option(
+        None, "prefill workers (default: 0 in colocated mode, else 1)", flag="--prefill-workers"
+    )
+    num_decode_workers: int = option(
+        1, "decode workers (in colocated mode, the workers that do both)", flag="--decode-workers"
+    )
+    transport_config: Any = None  # NixlConfig / GrpcConfig
+    host: str = option("127.0.0.1", "the routers' address")
+    port: int = option(0, "the routers' gRPC port (0: any free port)")
+    num_routers: int = option(1, "router processes, all on --port (SO_REUSEPORT)", flag="--routers")
+    http_port: int | None = option(
+        None, "also serve the OpenAI-compatible HTTP API (and /metrics) on --host at this port (0: any free)"
+    )
+    metrics_port: int | None = option(
+        None, "Prometheus /metrics of router i on this port + i (/metrics is on --http-port too)"
+    )
+    explorer_port: int | None = option(
+        None, "serve the explorer page (playground and live view) on --explorer-host at this port"
+    )
+    explorer_host: str = option("127.0.0.1", "the explorer's address (loopback by default)")
+    address: str | None = option(None, "Ray cluster to join ('auto' or host:port; default: start one here)")
+    router: RouterConfig | None = None  # None = defaults with `mode` as default_mode
+    worker_max_restarts: int = option(3, "Ray restarts a worker whose process died this many times")
+    # Named, detached workers outlive the process that started them: a router process that restarts
+    # (`pdserve serve --address auto` again) finds the running workers instead of starting a second set.
+    detached_workers: bool = False
+    auth_token: str | None = option(
+        None, "clients must send this bearer token (authorization: Bearer ...)", env=AUTH_TOKEN_ENV
+    )
+    tls_cert_file: str | None = option(
+        None, "PEM certificate chain: serve the client API (gRPC and HTTP) over TLS", flag="--tls-cert"
+    )
+    tls_key_file: str | None = option(None, "PEM private key of --tls-cert", flag="--tls-key")
+    ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_prefill_workers is None:
+            object.__setattr__(self, "num_prefill_workers", 0 if self.mode == "colocated" else 1)
+        if self.num_decode_workers < 1:
+            raise ValueError(f"num_decode_workers must be >= 1, got {self.num_decode_workers}")
+        if self.prefill_worker_count < 0:
+            raise ValueError(f"num_prefill_workers must be >= 0, got {self.num_prefill_workers}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode != "colocated" and self.prefill_worker_count < 1:
+            raise ValueError(f"mode {self.mode!r} needs num_prefill_workers >= 1")
+        if self.num_routers < 1:
+            raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
+        tls = self.tls_cert_file is not None and self.tls_key_file is not None
+        http_servers = (("http", self.http_port, self.host), ("explorer", self.explorer_port, self.explorer_host))
+        for name, port, host in http_servers:
+            if port is not None and self.auth_token and not tls and not _is_loopback(host):
+                raise ValueError(
+                    f"{name}_port on {host!r}: a token-protected HTTP server off loopback needs TLS "
+                    "(tls_cert_file and tls_key_file), or the token crosses the network in the clear"
+                )
+
+    @property
+    def prefill_worker_count(self) -> int:
+        """``num_prefill_workers`` as resolved on construction (None became 0 or 1)."""
+        if self.num_prefill_workers is None:
+            raise AssertionError("resolved in __post_init__")
+        return self.num_prefill_workers
+
+    def security(self) -> ServerSecurity:
+        """What the routers' gRPC servers require of clients; reads the TLS files (fails fast if unreadable)."""
+        from pdserve.router.server import ServerSecurity
+
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        cert = Path(self.tls_cert_file).read_bytes() if self.tls_cert_file else None
+        key = Path(self.tls_key_file).read_bytes() if self.tls_key_file else None
+        return ServerSecurity(self.auth_token, cert, key)
+
+    def router_config(self) -> RouterConfig:
+        base = self.router or RouterConfig()
+        return RouterConfig(
+            **{
+                **base.__dict__,
+                "default_mode": self.mode,
+                "block_size": self.engine.block_size,
+                "prefix_caching": self.engine.enable_prefix_caching,
+                "abort_fence_s": self.reservation_ttl_s,
+            }
+        )
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
