@@ -44,6 +44,14 @@ class DeploymentConfig:
     num_decode_workers: int = 1
     transport: str = "nixl"  # KV transport: nixl or grpc
     transport_config: Any = None  # NixlConfig / GrpcConfig
+    verify_kv: bool = field(
+        default=False,
+        metadata={"help": "send a CRC-32 of every pushed KV block and check it before decoding (slower)"},
+    )
+    kv_host: str = field(
+        default="",
+        metadata={"help": "address the gRPC KV transport binds to and advertises; default: this node's address"},
+    )
     host: str = "127.0.0.1"
     port: int = 0  # 0 = any free port
     num_routers: int = 1  # router processes, all on `port` (SO_REUSEPORT)
@@ -169,7 +177,9 @@ class Deployment:
         transport_config = cfg.transport_config
         if transport_config is None and cfg.transport == "grpc":
             # a push stream ends when its request fails; only this deployment's workers may push
-            transport_config = GrpcConfig(push_timeout_s=cfg.push_timeout_s, secret=secrets.token_hex(16))
+            transport_config = GrpcConfig(
+                host=cfg.kv_host, push_timeout_s=cfg.push_timeout_s, secret=secrets.token_hex(16)
+            )
         try:
             placement = place_workers(cfg.num_prefill_workers, cfg.num_decode_workers, use_gpu)  # fails fast
             common = {"max_concurrency": 10_000, "max_restarts": cfg.worker_max_restarts}
@@ -179,13 +189,13 @@ class Deployment:
             for i in range(cfg.num_decode_workers):
                 wid = f"decode-{i}"
                 actor = decode_cls.options(**decode_options, **self._identity(wid)).remote(
-                    wid, engine_config, cfg.transport, transport_config, cfg.reservation_ttl_s
+                    wid, engine_config, cfg.transport, transport_config, cfg.reservation_ttl_s, cfg.verify_kv
                 )
                 self.decode_workers.append(WorkerHandle(wid, "decode", actor))
             for i in range(cfg.num_prefill_workers):
                 wid = f"prefill-{i}"
                 actor = prefill_cls.options(**prefill_options, **self._identity(wid)).remote(
-                    wid, engine_config, cfg.transport, transport_config, cfg.push_timeout_s
+                    wid, engine_config, cfg.transport, transport_config, cfg.push_timeout_s, cfg.verify_kv
                 )
                 self.prefill_workers.append(WorkerHandle(wid, "prefill", actor))
             self.worker_info = ray.get([w.actor.ready.remote() for w in self.workers], timeout=300)

@@ -112,6 +112,14 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-workers", type=int, default=None, help="default: 0 colocated, else 1")
     p.add_argument("--decode-workers", type=int, default=1)
     p.add_argument("--transport", default="nixl", choices=["nixl", "grpc"], help="KV transport")
+    p.add_argument(
+        "--verify-kv",
+        action="store_true",
+        help="send a CRC-32 of every pushed KV block and check it before decoding (slower)",
+    )
+    p.add_argument(
+        "--kv-host", default="", help="address the gRPC KV transport binds to and advertises; default: this node's"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--routers", type=int, default=1, help="router processes, all on --port (SO_REUSEPORT)")
@@ -157,6 +165,8 @@ def deployment_config_from_args(args: argparse.Namespace):
         num_prefill_workers=prefill,
         num_decode_workers=args.decode_workers,
         transport=args.transport,
+        verify_kv=args.verify_kv,
+        kv_host=args.kv_host,
         host=args.host,
         port=args.port,
         num_routers=args.routers,
