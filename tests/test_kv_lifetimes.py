@@ -387,3 +387,23 @@ def test_a_dead_prefill_worker_releases_the_reservation_and_an_unavailable_one_d
         await p.settled()
 
     run(case)
+
+
+def test_a_step_that_samples_nothing_waits_for_the_device_before_its_kv_is_pushed(monkeypatch):
+    import torch
+
+    from pdserve.engine import model_runner
+
+    synced: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    model_runner.synchronize(torch.device("cpu"))
+    assert synced == []  # the CPU path is unchanged
+    model_runner.synchronize(torch.device("cuda:0"))
+    assert synced == [torch.device("cuda:0")]
+
+    steps: list[torch.device] = []
+    monkeypatch.setattr(model_runner, "synchronize", steps.append)
+    engine = LLMEngine(ENGINE)
+    engine.add_request(PROMPT, GREEDY, "chunked")
+    engine.step()  # the first 32-token chunk of 100: nothing sampled, KV to push
+    assert steps == [engine.device]
