@@ -349,6 +349,7 @@ class Router:
             return await prefill_ref
 
         call = asyncio.ensure_future(prefill())
+        call.add_done_callback(lambda f: f.cancelled() or f.exception())  # read even when no one awaits it
         watch = asyncio.ensure_future(request.next_updates())
         try:
             await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
