@@ -10,10 +10,11 @@ blocks that were not held for it, and nothing waited past its bound.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import random
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -53,7 +54,21 @@ class LocalActor:
 
         class Method:
             @staticmethod
-            def remote(*args: Any, **kwargs: Any) -> asyncio.Future:
+            def options(**_: Any) -> type:
+                return Method
+
+            @staticmethod
+            def remote(*args: Any, **kwargs: Any) -> Any:
+                if inspect.isasyncgenfunction(getattr(actor.obj, name)):  # a streaming call: awaitable items
+
+                    async def items() -> AsyncIterator[asyncio.Future]:
+                        async for item in getattr(actor.obj, name)(*args, **kwargs):
+                            done = asyncio.get_running_loop().create_future()
+                            done.set_result(item)
+                            yield done
+
+                    return items()
+
                 async def call() -> Any:
                     actor.calls.append(name)
                     if actor.dead:
@@ -407,3 +422,35 @@ def test_a_step_that_samples_nothing_waits_for_the_device_before_its_kv_is_pushe
     engine.add_request(PROMPT, GREEDY, "chunked")
     engine.step()  # the first 32-token chunk of 100: nothing sampled, KV to push
     assert steps == [engine.device]
+
+
+def test_the_router_starts_the_decode_before_the_client_reads_the_first_token(expected):
+    from pdserve.engine.config import ModelConfig
+    from pdserve.router.policy import RouterConfig
+    from pdserve.router.router import GenerateInput, ModelLimits, Router, WorkerHandle
+
+    async def case(p: Pair) -> None:
+        model = ModelConfig.load("tiny")
+        router = Router(
+            RouterConfig(default_mode="disaggregated"),
+            [WorkerHandle("decode-t", "decode", p.decode_actor)],
+            [WorkerHandle("prefill-t", "prefill", p.prefill_actor)],
+            ModelLimits(model.vocab_size, ENGINE.max_model_len),
+            None,
+            ROUTER + "-2",
+        )
+        await router.start(5)
+        try:
+            stream = router.generate(GenerateInput(None, PROMPT, GREEDY, "disaggregated"))
+            first = await stream.__anext__()
+            await asyncio.sleep(0.5)  # a slow reader: the next event is not asked for yet
+            assert "decode" in p.decode_actor.calls, "the decode waits for the client to read the first token"
+            tokens = list(first.token_ids)
+            async for event in stream:
+                tokens += event.token_ids
+            assert tokens == expected
+        finally:
+            await router.close()
+        await p.settled()
+
+    run(case)
