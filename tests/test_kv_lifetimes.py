@@ -454,3 +454,17 @@ def test_the_router_starts_the_decode_before_the_client_reads_the_first_token(ex
         await p.settled()
 
     run(case)
+
+
+def test_a_push_that_cannot_be_cancelled_ends_when_its_decode_worker_is_dead():
+    async def case(p: Pair) -> None:
+        p.sender.fault_for = lambda n: Fault("hang", cancellable=False) if n.is_last else None
+        await p.prefill_call("to-the-dead")
+        p.decode_actor.dead = True  # its process is gone (Ray says ActorDiedError): its memory with it
+        start = time.monotonic()
+        while "to-the-dead" in p.prefill._jobs or (await p.blocks_in_use())[0]:
+            assert time.monotonic() - start < 5, "the prefill worker holds its blocks for a dead receiver"
+            await asyncio.sleep(0.05)
+        assert time.monotonic() - start > 1.0  # not before the push timed out and would not cancel
+
+    run(case)

@@ -380,6 +380,11 @@ class DecodeWorker:
             node=self.node, device=str(self.aengine.engine.device), kv_pushes_refused=self.transport.num_pushes_refused
         )
 
+    async def receiver_id(self) -> str:
+        """The id of this process's KV receiver: a prefill worker whose pushes went to another id knows that
+        the process they were written into is gone."""
+        return self.target.target_id
+
     async def inject_fault(self, where: str = "step") -> None:
         """Fault tests: the next step raises inside the engine loop (as a bug or a device error would)."""
         self._fault = where

@@ -73,6 +73,9 @@ class _Job:
     push_index: int = 0
     handles: list[PushHandle] = field(default_factory=list)  # pushes in flight
     cancelling: list[PushHandle] = field(default_factory=list)  # cancelled pushes the transport has not let go yet
+    cancelling_since: float = 0.0  # monotonic: when the first of them could not be cancelled
+    receiver_probe: bool = False  # asking the decode worker whether its receiver still lives
+    receiver_gone: bool = False  # its receiving process is dead or replaced: no write of ours can land there
     last_pushed: bool = False
     push_started: dict[int, float] = field(default_factory=dict)  # id(handle) -> monotonic start
     aborted: asyncio.Future | None = None  # set by abort(): resolved once the job is torn down
@@ -329,7 +332,10 @@ class PrefillWorker:
     def _settle_pushes(self, engine: LLMEngine, job: _Job, now: float) -> None:
         """Drop finished pushes; a failed or overdue one fails the job (which cancels the others)."""
         if job.cancelling:
-            job.cancelling = [h for h in job.cancelling if not h.cancel()]
+            job.cancelling = [] if job.receiver_gone else [h for h in job.cancelling if not h.cancel()]
+            if job.cancelling and not job.receiver_probe and now - job.cancelling_since > self.push_timeout_s:
+                job.receiver_probe = True  # a write that will not cancel, for a while: is its target still there?
+                job.aio.call_soon_threadsafe(self._start_receiver_probe, job)
         in_flight: list[PushHandle] = []
         failure: str | None = None
         for handle in job.handles:
@@ -356,8 +362,33 @@ class PrefillWorker:
         for handle in job.handles:
             job.push_started.pop(id(handle), None)
             if not handle.cancel():
+                if not job.cancelling:
+                    job.cancelling_since = time.monotonic()
                 job.cancelling.append(handle)
         job.handles = []
+
+    def _start_receiver_probe(self, job: _Job) -> None:
+        probe = asyncio.ensure_future(self._probe_receiver(job))
+        self._notices.add(probe)
+        probe.add_done_callback(self._notices.discard)
+
+    async def _probe_receiver(self, job: _Job) -> None:
+        """Event loop: a push that the transport cannot cancel ends when the process it writes into is gone."""
+        from ray.exceptions import ActorDiedError
+
+        assert job.target is not None
+        try:
+            current = await asyncio.wait_for(job.decode.receiver_id.remote(), 10.0)
+        except ActorDiedError:
+            current = None
+        except Exception as e:  # unavailable or slow: ask again later
+            log.warning("%s: request %s: cannot reach its decode worker (%r)", self.worker_id, job.request_id, e)
+            current = job.target.target_id
+        if current != job.target.target_id:
+            log.warning("%s: request %s: its decode worker's process is gone", self.worker_id, job.request_id)
+            job.receiver_gone = True  # read by the loop thread on its next tick
+        job.cancelling_since = time.monotonic()
+        job.receiver_probe = False
 
     def _on_crash(self, error: BaseException) -> None:
         """The engine loop died: fail every prefill (the router prefills them locally), then exit."""
