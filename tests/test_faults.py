@@ -215,6 +215,8 @@ def test_a_decode_worker_dying_while_a_long_prefill_pushes_fails_fast_and_frees_
             wait_until(lambda: any(w.role == "prefill" and w.num_steps >= 3 for w in probe.stats()), 20, "pushes")
         killed = time.monotonic()
         ray.kill(d.decode_workers[0].actor, no_restart=False)  # Ray restarts it (worker_max_restarts)
+        time.sleep(0.5)
+        ray.get(prefill.stats.remote(), timeout=3)  # the prefill worker keeps answering
         thread.join(15)
         assert not thread.is_alive(), "the client got no answer"
         assert outcome["code"] == grpc.StatusCode.UNAVAILABLE, outcome
