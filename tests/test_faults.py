@@ -47,6 +47,7 @@ def deployment(**kwargs) -> Deployment:
         num_decode_workers=1,
         transport="grpc",
         verify_kv=True,  # every pushed block is checked on arrival
+        kv_host="127.0.0.1",  # tests stay on loopback
         reservation_ttl_s=4.0,
         push_timeout_s=1.0,
         router=RouterConfig(),

@@ -426,8 +426,9 @@ def test_push_between_two_ray_actors(ray_cluster: Any, kind: str) -> None:
     ray = ray_cluster
     Peer = ray.remote(num_cpus=0)(TransferPeer)
     # bfloat16 with random bytes: compare as bytes (NaN != NaN as floats)
-    receiver = Peer.remote(kind, NUM_BLOCKS, BLOCK_SHAPE, "bfloat16")
-    sender = Peer.remote(kind, NUM_BLOCKS + 8, BLOCK_SHAPE, "bfloat16")
+    config = GrpcConfig(host="127.0.0.1") if kind == "grpc" else None  # tests stay on loopback
+    receiver = Peer.remote(kind, NUM_BLOCKS, BLOCK_SHAPE, "bfloat16", config)
+    sender = Peer.remote(kind, NUM_BLOCKS + 8, BLOCK_SHAPE, "bfloat16", config)
     try:
         ray.get(sender.fill_random.remote(1234), timeout=60)
         target = ray.get(receiver.describe.remote(), timeout=60)

@@ -52,6 +52,7 @@ def deployment(**overrides) -> Deployment:
         num_decode_workers=1,
         transport="grpc",
         verify_kv=True,
+        kv_host="127.0.0.1",
         reservation_ttl_s=TTL_S,
         push_timeout_s=1.0,
     )
