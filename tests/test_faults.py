@@ -152,7 +152,9 @@ def test_kv_that_stops_arriving_ends_the_request_clearly_and_frees_both_sides(ra
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
             list(client.generate(PROMPT, GREEDY))
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "KV transfer deadline" in err.value.details()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        # the prefill worker gives up first (its pushes must end before the deadline), else the deadline passes
+        assert "KV was not all pushed" in err.value.details() or "KV transfer deadline" in err.value.details()
         assert time.monotonic() - started < 4.0 + 5  # the reservation TTL, plus slack
         assert_no_leaks(d)
         ray.get(d.prefill_workers[0].actor.inject_fault.remote(None))
