@@ -101,7 +101,9 @@ class Deployment:
         transport_config = cfg.transport_config
         if transport_config is None and cfg.transport == "grpc":
             # a push stream ends when its request fails; only this deployment's workers may push
-            transport_config = GrpcConfig(push_timeout_s=cfg.push_timeout_s, secret=secrets.token_hex(16))
+            transport_config = GrpcConfig(
+                host=cfg.kv_host, push_timeout_s=cfg.push_timeout_s, secret=secrets.token_hex(16)
+            )
         try:
             placement = place_workers(cfg.prefill_worker_count, cfg.num_decode_workers, use_gpu)  # fails fast
             common = {"max_concurrency": 10_000, "max_restarts": cfg.worker_max_restarts}
@@ -111,13 +113,13 @@ class Deployment:
             for i in range(cfg.num_decode_workers):
                 wid = f"decode-{i}"
                 actor: Any = decode_cls.options(**decode_options, **self._identity(wid)).remote(
-                    wid, engine_config, cfg.transport, transport_config, cfg.reservation_ttl_s
+                    wid, engine_config, cfg.transport, transport_config, cfg.reservation_ttl_s, cfg.verify_kv
                 )
                 self.decode_workers.append(WorkerHandle(wid, "decode", actor))
             for i in range(cfg.prefill_worker_count):
                 wid = f"prefill-{i}"
                 actor = prefill_cls.options(**prefill_options, **self._identity(wid)).remote(
-                    wid, engine_config, cfg.transport, transport_config, cfg.push_timeout_s
+                    wid, engine_config, cfg.transport, transport_config, cfg.push_timeout_s, cfg.verify_kv
                 )
                 self.prefill_workers.append(WorkerHandle(wid, "prefill", actor))
             self._stage(started, f"workers placed: {', '.join(w.worker_id for w in self.workers)}")

@@ -37,6 +37,8 @@ class TransportConfig:
         "seconds a decode worker holds blocks for KV that has not all arrived (and an abort waits for the "
         "prefill worker to confirm its pushes are over)",
     )
+    verify_kv: bool = option(False, "send a CRC-32 of every pushed KV block and check it before decoding (slower)")
+    kv_host: str = option("", "the address the gRPC KV transport binds to and advertises (default: this node's)")
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:

@@ -53,3 +53,30 @@ def test_a_crashing_step_fails_waiters_instead_of_hanging(engine):
     assert isinstance(loop.error, RuntimeError) and not loop.alive
     with pytest.raises(RuntimeError, match="boom"):
         loop.call(lambda e: None).result(1)
+
+
+def test_a_call_that_races_the_loop_dying_still_gets_its_answer(engine):
+    """A command queued just after the loop's last drain must fail, not wait forever."""
+    crash = threading.Event()
+
+    def on_tick(e):
+        if crash.is_set():
+            raise RuntimeError("injected loop crash")
+
+    loop = EngineLoop(engine, on_tick=on_tick)
+    commands = loop._commands
+
+    class LateQueue:  # the caller saw the loop alive; the loop dies before the command is queued
+        get, get_nowait = commands.get, commands.get_nowait
+
+        @staticmethod
+        def put(item):
+            crash.set()
+            loop._thread.join(10)
+            assert not loop._thread.is_alive()
+            commands.put(item)
+
+    loop._commands = LateQueue()  # type: ignore[assignment]
+    future = loop.call(lambda e: "ran")
+    with pytest.raises(RuntimeError, match=r"engine loop stopped.*injected loop crash"):
+        future.result(5)

@@ -46,6 +46,8 @@ def deployment(**kwargs) -> Deployment:
         num_prefill_workers=1,
         num_decode_workers=1,
         transport="grpc",
+        verify_kv=True,  # every pushed block is checked on arrival
+        kv_host="127.0.0.1",  # tests stay on loopback
         reservation_ttl_s=4.0,
         push_timeout_s=1.0,
         router=RouterConfig(),
@@ -78,8 +80,9 @@ def tokens_of(chunks) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
 
 
-def test_a_prefill_worker_dying_mid_prefill_falls_back_to_local_prefill_and_rejoins(ray_cluster, expected):
-    with deployment() as d, Client(d.address) as client:
+@pytest.mark.parametrize("transport", ["grpc", "nixl"])
+def test_a_prefill_worker_dying_mid_prefill_falls_back_to_local_prefill_and_rejoins(ray_cluster, expected, transport):
+    with deployment(transport=transport) as d, Client(d.address) as client:
         prefill = d.prefill_workers[0].actor
         ray.get(prefill.inject_fault.remote("slow_steps"))  # 10 chunks of 32 tokens, 200 ms each
         result: dict = {}
@@ -149,7 +152,9 @@ def test_kv_that_stops_arriving_ends_the_request_clearly_and_frees_both_sides(ra
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
             list(client.generate(PROMPT, GREEDY))
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "KV transfer deadline" in err.value.details()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        # the prefill worker gives up first (its pushes must end before the deadline), else the deadline passes
+        assert "KV was not all pushed" in err.value.details() or "KV transfer deadline" in err.value.details()
         assert time.monotonic() - started < 4.0 + 5  # the reservation TTL, plus slack
         assert_no_leaks(d)
         ray.get(d.prefill_workers[0].actor.inject_fault.remote(None))
@@ -173,3 +178,56 @@ def test_a_restarted_router_finds_the_running_workers(ray_cluster, expected):
         assert sorted(info["pid"] for info in second.worker_info) == pids
         assert tokens_of(client.generate(PROMPT, GREEDY)) == expected
         assert_no_leaks(second)
+
+
+LONG_PROMPT = [random.Random(11).randrange(256) for _ in range(900)]
+
+
+def prefill_blocks_back_at(d: Deployment, timeout_s: float) -> float:
+    """``time.monotonic()`` when every prefill worker that answers has all its KV blocks free or cached."""
+    with Client(d.address) as c:
+
+        def clean():
+            stats = [w for w in c.stats() if w.role == "prefill" and w.state == "serving"]
+            return stats and all(w.blocks_free + w.blocks_cached == w.blocks_total for w in stats)
+
+        wait_until(clean, timeout_s, "the prefill worker's KV blocks to be back", interval_s=0.05)
+    return time.monotonic()
+
+
+@pytest.mark.parametrize("transport", ["grpc", "nixl"])
+def test_a_decode_worker_dying_while_a_long_prefill_pushes_fails_fast_and_frees_the_prefill_side(
+    ray_cluster, expected, transport
+):
+    with deployment(transport=transport) as d, Client(d.address) as client:
+        prefill = d.prefill_workers[0].actor
+        ray.get(prefill.inject_fault.remote("slow_steps"))  # 29 chunks of 32 tokens, 200 ms each: pushing for ~6 s
+        outcome: dict = {}
+
+        def run() -> None:
+            try:
+                list(client.generate(LONG_PROMPT, GREEDY, mode="disaggregated"))
+                outcome["code"] = grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                outcome["code"], outcome["details"] = e.code(), e.details()
+            outcome["at"] = time.monotonic()
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        with Client(d.address) as probe:
+            wait_until(lambda: any(w.role == "prefill" and w.num_steps >= 3 for w in probe.stats()), 20, "pushes")
+        killed = time.monotonic()
+        ray.kill(d.decode_workers[0].actor, no_restart=False)  # Ray restarts it (worker_max_restarts)
+        time.sleep(0.5)
+        ray.get(prefill.stats.remote(), timeout=3)  # the prefill worker keeps answering
+        thread.join(15)
+        assert not thread.is_alive(), "the client got no answer"
+        assert outcome["code"] == grpc.StatusCode.UNAVAILABLE, outcome
+        assert outcome["at"] - killed < 10, outcome["at"] - killed
+        assert prefill_blocks_back_at(d, 10) - killed < 10
+        ray.get(prefill.inject_fault.remote(None))
+        wait_until(lambda: client.health().status == "serving", 60, "the decode worker to rejoin", interval_s=0.5)
+        for mode in ("disaggregated", "colocated"):  # the next requests in every mode succeed
+            chunks = list(client.generate(PROMPT, GREEDY, mode=mode))
+            assert tokens_of(chunks) == expected and chunks[-1].metadata.mode == mode
+        assert_no_leaks(d)

@@ -25,7 +25,7 @@ from pdserve.kv_transfer import (
     TransferTarget,
     make_transport,
 )
-from pdserve.kv_transfer.base import pool_bytes_view
+from pdserve.kv_transfer.base import block_checksums, pool_bytes_view
 from pdserve.kv_transfer.grpc_transport import GrpcConfig, _parse_payload, _serialize_payload
 from pdserve.kv_transfer.nixl_transport import NixlConfig
 from pdserve.kv_transfer.peer import TransferPeer
@@ -89,6 +89,7 @@ def _poll_until(transport: KVTransport, count: int, timeout_s: float = 10.0) -> 
         ChunkNotification("req-1", 0, 0, False),
         ChunkNotification("r", 7, 4096, True),
         ChunkNotification("リクエスト/ünïcode:42", 2**32 - 1, 2**63 - 1, True),
+        ChunkNotification("checked", 3, 64, False, first_block=5, block_checksums=(0, 1, 2**32 - 1)),
     ],
 )
 def test_chunk_notification_round_trip(notif: ChunkNotification) -> None:
@@ -245,6 +246,80 @@ def test_in_process_push_and_notification_only_push(pair: Pair) -> None:
     assert receiver.poll_notifications() == []  # each notification is returned once
 
 
+@pytest.mark.parametrize("pair", ["grpc"], indirect=True)  # NIXL: between processes, in the serving tests
+def test_block_checksums_travel_with_the_notification_and_match_the_copy(pair: Pair) -> None:
+    sums = block_checksums(pair.src_pool, [4, 2])
+    note = ChunkNotification("req-1", 0, 32, True, first_block=3, block_checksums=sums)
+    pair.sender.push(pair.target, [4, 2], [7, 30], note).wait(10.0)
+    assert _poll_until(pair.receiver, 1) == [note]
+    assert block_checksums(pair.dst_pool, [7, 30]) == sums != block_checksums(pair.dst_pool, [30, 7])
+
+
+@pytest.mark.parametrize("pair", KINDS, indirect=True)
+def test_cancel_after_a_push_landed_is_a_no_op(pair: Pair) -> None:
+    h = pair.sender.push(pair.target, [1], [2], _notif())
+    h.wait(10.0)
+    assert h.cancel() and h.done()
+
+
+def test_grpc_receiver_checks_and_copies_under_its_write_lock() -> None:
+    """A receiver that withdraws a reservation under ``write_lock`` gets no write of it afterwards."""
+    sender, receiver = make_transport("grpc"), make_transport("grpc")
+    try:
+        src = torch.randn((NUM_BLOCKS, *BLOCK_SHAPE))
+        sender.register_pool(src)
+        receiver.register_pool(dst := _pool())
+        target = receiver.describe()
+        reserved = {"req-1"}
+        receiver.set_push_filter(lambda rid, ids: rid in reserved)
+        with receiver.write_lock:  # a push arriving now waits: the check and copy hold this lock
+            h = sender.push(target, [1], [2], _notif())
+            time.sleep(0.5)
+            assert not dst[2].any() and not h.done()
+            reserved.clear()  # withdrawn while the push waits
+        with pytest.raises(KVTransferError, match="PERMISSION_DENIED"):
+            h.wait(10.0)
+        assert not dst[2].any() and receiver.num_pushes_refused == 1
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_grpc_cancel_stops_a_push_in_flight() -> None:
+    sender, receiver = make_transport("grpc"), make_transport("grpc")
+    try:
+        sender.register_pool(torch.randn((NUM_BLOCKS, *BLOCK_SHAPE)))
+        receiver.register_pool(_pool())
+        target = receiver.describe()
+        with receiver.write_lock:  # the stream cannot finish
+            h = sender.push(target, [1], [2], _notif())
+            time.sleep(0.2)
+            assert h.cancel()
+            with pytest.raises(KVTransferError, match=r"cancelled|CANCELLED"):
+                h.wait(2.0)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_grpc_receiver_binds_and_advertises_the_node_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    assert GrpcConfig().bind_host() == "127.0.0.1"  # outside Ray
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.2")  # this node, as Ray knows it
+    receiver = make_transport("grpc")
+    try:
+        receiver.register_pool(_pool())
+        assert receiver.describe().address.startswith("127.0.0.2:")
+        explicit = make_transport("grpc", GrpcConfig(host="127.0.0.1"))
+        explicit.register_pool(_pool())
+        assert explicit.describe().address.startswith("127.0.0.1:")
+        explicit.close()
+    finally:
+        receiver.close()
+
+
 def test_grpc_push_to_a_closed_receiver_fails_within_its_deadline() -> None:
     sender = make_transport("grpc", GrpcConfig(push_timeout_s=5.0))
     receiver = make_transport("grpc")
@@ -351,8 +426,9 @@ def test_push_between_two_ray_actors(ray_cluster: Any, kind: str) -> None:
     ray = ray_cluster
     Peer = ray.remote(num_cpus=0)(TransferPeer)
     # bfloat16 with random bytes: compare as bytes (NaN != NaN as floats)
-    receiver = Peer.remote(kind, NUM_BLOCKS, BLOCK_SHAPE, "bfloat16")
-    sender = Peer.remote(kind, NUM_BLOCKS + 8, BLOCK_SHAPE, "bfloat16")
+    config = GrpcConfig(host="127.0.0.1") if kind == "grpc" else None  # tests stay on loopback
+    receiver = Peer.remote(kind, NUM_BLOCKS, BLOCK_SHAPE, "bfloat16", config)
+    sender = Peer.remote(kind, NUM_BLOCKS + 8, BLOCK_SHAPE, "bfloat16", config)
     try:
         ray.get(sender.fill_random.remote(1234), timeout=60)
         target = ray.get(receiver.describe.remote(), timeout=60)

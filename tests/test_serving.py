@@ -58,6 +58,8 @@ def _deployment(transport: str) -> Deployment:
             num_prefill_workers=1,
             num_decode_workers=1,
             transport=transport,
+            verify_kv=True,  # every pushed block is checked on arrival
+            kv_host="127.0.0.1",  # tests stay on loopback
             port=0,
             router=RouterConfig(auto_min_remote_tokens=64),
         )
@@ -269,6 +271,8 @@ def test_two_routers_share_one_port_and_serve_the_same_tokens(ray_cluster, expec
         num_prefill_workers=1,
         num_decode_workers=1,
         transport="grpc",
+        verify_kv=True,
+        kv_host="127.0.0.1",
         num_routers=2,
         router=RouterConfig(auto_min_remote_tokens=64),
     )

@@ -1,15 +1,18 @@
 """How long each fault of ``tests/test_faults.py`` takes to reach its clear outcome (the tests only bound it).
 
-One fresh deployment per fault, configured as in those tests (``tiny`` preset, gRPC KV transport, one
-prefill and one decode worker unless said otherwise, reservation TTL 4 s, push timeout 1 s); each row
-times the fault from the moment it is caused to the client's outcome, then to every KV block free or
-cached on the workers that answer (through ``Stats``), then to the deployment serving with that worker again.
+One fresh deployment per fault, configured as in those tests (``tiny`` preset, gRPC KV transport unless
+the row names one, ``verify_kv`` on, one prefill and one decode worker unless said otherwise, reservation
+TTL 4 s, push timeout 1 s); each row times the fault from the moment it is caused to the client's outcome,
+then to every KV block free or cached on the workers that answer (through ``Stats``), then to the
+deployment serving with that worker again.
 
-    python bench/fault_timings.py        # about 2 minutes on 2 cores
+    python bench/fault_timings.py                 # every fault, about 4 minutes on 2 cores
+    python bench/fault_timings.py --only push     # the faults whose name contains "push"
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
 import time
@@ -48,6 +51,8 @@ def deployment(**overrides) -> Deployment:
         num_prefill_workers=1,
         num_decode_workers=1,
         transport="grpc",
+        verify_kv=True,
+        kv_host="127.0.0.1",
         reservation_ttl_s=TTL_S,
         push_timeout_s=1.0,
     )
@@ -81,6 +86,41 @@ async def freed_after(address: str, since: float) -> float:
     return time.monotonic() - since
 
 
+LONG_PROMPT = [random.Random(11).randrange(256) for _ in range(900)]
+
+
+async def decode_killed_mid_push(d: Deployment, expected: list[int]) -> Timing:
+    """A 900-token prompt is being prefilled (slowed to 200 ms a chunk) and pushed when its decode worker dies."""
+    async with AsyncClient(d.address) as client:
+        ray.get(d.prefill_workers[0].actor.inject_fault.remote("slow_steps"))
+        task = asyncio.create_task(stream_prompt(client, LONG_PROMPT, GREEDY))
+        await until(lambda: _any_stats(client, lambda w: w.role == "prefill" and w.num_steps >= 3))
+        killed = time.monotonic()
+        ray.kill(d.decode_workers[0].actor, no_restart=False)
+        outcome, _ = await task
+        outcome_s = time.monotonic() - killed
+        freed_s = await freed_after(d.address, killed)
+        ray.get(d.prefill_workers[0].actor.inject_fault.remote(None))
+        await until(lambda: _health_is(client, "serving"))
+        for mode in ("disaggregated", "colocated"):
+            done, tokens = await stream_prompt(client, PROMPT, GREEDY, mode)
+            assert done == "completed" and tokens == expected, (mode, done)
+        serving_s = time.monotonic() - killed
+    return Timing(f"decode worker killed mid-push ({d.config.transport})", outcome, outcome_s, freed_s, serving_s)
+
+
+async def stream_prompt(
+    client: AsyncClient, prompt: list[int], params: SamplingParams, mode: str | None = None
+) -> tuple[str, list]:
+    tokens: list[int] = []
+    try:
+        async for chunk in client.generate(prompt, params, mode=mode):
+            tokens += chunk.token_ids
+    except grpc.aio.AioRpcError as e:
+        return e.code().name, tokens
+    return "completed", tokens
+
+
 async def prefill_killed(d: Deployment, expected: list[int]) -> Timing:
     async with AsyncClient(d.address) as client:
         ray.get(d.prefill_workers[0].actor.inject_fault.remote("slow_steps"))
@@ -100,7 +140,8 @@ async def prefill_killed(d: Deployment, expected: list[int]) -> Timing:
 
         await until(disaggregated_again)
         serving_s = time.monotonic() - killed
-    return Timing("prefill worker killed mid-prefill", f"{outcome} (local prefill)", outcome_s, freed_s, serving_s)
+    fault = f"prefill worker killed mid-push ({d.config.transport})"
+    return Timing(fault, f"{outcome} (local prefill)", outcome_s, freed_s, serving_s)
 
 
 async def mid_stream(d: Deployment, fault: str, cause: Callable[[AsyncClient], Awaitable[None]]) -> Timing:
@@ -186,31 +227,44 @@ async def _health_is(client: AsyncClient, status: str) -> bool:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="", help="run only the faults whose name contains this")
+    args = parser.parse_args()
     expected = LLMEngine(ENGINE).generate([PROMPT], GREEDY)[0].token_ids
     colocated = {"mode": "colocated", "num_prefill_workers": 0}
-    scenarios: list[tuple[dict, Callable[[Deployment], Coroutine[Any, Any, Timing]]]] = [
-        ({}, lambda d: prefill_killed(d, expected)),
-        ({**colocated, "num_decode_workers": 2}, decode_killed),
-        (colocated, engine_crashed),
-        ({}, kv_stalled),
-        ({}, client_deadline),
+    scenarios: list[tuple[str, dict, Callable[[Deployment], Coroutine[Any, Any, Timing]]]] = [
+        *[
+            (f"prefill worker killed mid-push ({t})", {"transport": t}, lambda d: prefill_killed(d, expected))
+            for t in ("grpc", "nixl")
+        ],
+        *[
+            (f"decode worker killed mid-push ({t})", {"transport": t}, lambda d: decode_killed_mid_push(d, expected))
+            for t in ("grpc", "nixl")
+        ],
+        ("decode worker killed mid-stream", {**colocated, "num_decode_workers": 2}, decode_killed),
+        ("engine loop crash", colocated, engine_crashed),
+        ("KV stops arriving", {}, kv_stalled),
+        ("client deadline", {}, client_deadline),
     ]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         rows: list[Timing] = []
-        for overrides, measure in scenarios:
+        for name, overrides, measure in scenarios:
+            if args.only not in name:
+                continue
             d = deployment(**overrides)
             try:
                 rows.append(asyncio.run(measure(d)))
             finally:
                 d.stop()
-        rows.append(router_restart(expected))
+        if args.only in "router restart (detached workers)":
+            rows.append(router_restart(expected))
     finally:
         ray.shutdown()
-    print(f"{'fault':<36} {'client outcome':<32} {'outcome s':>9} {'freed s':>7} {'serving s':>9}")
+    print(f"{'fault':<42} {'client outcome':<32} {'outcome s':>9} {'freed s':>7} {'serving s':>9}")
     for r in rows:
         serving = "-" if r.serving_s is None else f"{r.serving_s:.2f}"
-        print(f"{r.fault:<36} {r.outcome:<32} {r.outcome_s:>9.2f} {r.freed_s:>7.2f} {serving:>9}")
+        print(f"{r.fault:<42} {r.outcome:<32} {r.outcome_s:>9.2f} {r.freed_s:>7.2f} {serving:>9}")
     return 0
 
 

@@ -99,6 +99,15 @@ class AsyncEngine:
         submitted, between steps. Returns the future of its result."""
         return asyncio.wrap_future(self.loop.call(fn), loop=self._bind())
 
+    def call_soon(self, fn: Callable[[], Any]) -> None:
+        """Thread-safe: run ``fn()`` on the event loop (e.g. from the loop thread, to start a task)."""
+        self._bind_loop().call_soon_threadsafe(fn)
+
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        if self._aio is None:
+            raise RuntimeError("AsyncEngine.call_soon before any run() or events(): no event loop yet")
+        return self._aio
+
     # ---- request ownership (event loop) ----------------------------------------------------------
     def claim(self, request_id: str, subscriber_id: str) -> None:
         """Route ``request_id``'s updates to ``subscriber_id``. ValueError when it is taken or unknown."""

@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar
 
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
@@ -57,6 +57,8 @@ class EngineLoop:
             future.set_exception(RuntimeError(f"engine loop stopped: {self.error!r}"))
             return future
         self._commands.put((fn, future))
+        if self._stop.is_set():  # stopped meanwhile: its last drain may have run before this put
+            self._fail_pending()
         return future
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -116,4 +118,7 @@ class EngineLoop:
             except queue.Empty:
                 return
             if not future.done():
-                future.set_exception(RuntimeError(f"engine loop stopped: {self.error!r}"))
+                try:
+                    future.set_exception(RuntimeError(f"engine loop stopped: {self.error!r}"))
+                except InvalidStateError:
+                    pass  # resolved meanwhile

@@ -32,6 +32,12 @@ def allocate_kv_cache(
     return torch.zeros((num_blocks, *kv_block_shape(config, block_size)), dtype=dtype, device=device)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued kernels (CUDA); a no-op on the CPU, whose kernels are synchronous."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class StepResult:
     """Sampled tokens for the chunks that sample, keyed by request id; logits when asked for."""
 
@@ -73,6 +79,8 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         sampling = [c for c in output.chunks if c.samples]
         if not sampling:
+            # nothing sampled means nothing waited for the kernels: the KV they write may be pushed next
+            synchronize(hidden.device)
             return StepResult({}, {} if keep_logits else None)
         last_index, flat = [], 0
         for chunk in output.chunks:

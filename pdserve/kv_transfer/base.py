@@ -25,6 +25,7 @@ import struct
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,13 +36,31 @@ TRANSPORT_KINDS: tuple[str, ...] = ("nixl", "grpc")
 DEFAULT_WAIT_S = 30.0
 
 _NOTIF_MAGIC = b"PDKV1"
+_NOTIF_MAGIC_CHECKED = b"PDKV2"  # with block checksums: first_block, count, then one u32 per block
 _NOTIF_HEADER = struct.Struct("<IQB")  # chunk_index, tokens_done, is_last
+_CHECKSUM_HEADER = struct.Struct("<II")  # first_block, number of checksums
 _U32_MAX = 2**32 - 1
 _U63_MAX = 2**63 - 1
 
 
 class KVTransferError(RuntimeError):
     """A push was accepted but failed while in flight (peer gone, network error, rejected)."""
+
+
+def block_checksum(data: Any) -> int:
+    """CRC-32 of one block's bytes (a buffer, or a uint8 tensor on the CPU)."""
+    if isinstance(data, torch.Tensor):
+        data = data.numpy()
+    return zlib.crc32(memoryview(data).cast("B"))
+
+
+def block_checksums(pool: torch.Tensor, block_ids: Sequence[int]) -> tuple[int, ...]:
+    """CRC-32 of each of ``pool``'s blocks ``block_ids``, in that order (copies them to the host first)."""
+    if not block_ids:
+        return ()
+    view = pool_bytes_view(pool)
+    host = view.index_select(0, torch.tensor(list(block_ids), dtype=torch.long, device=view.device)).cpu()
+    return tuple(block_checksum(host[k]) for k in range(host.shape[0]))
 
 
 @dataclass(frozen=True)
@@ -53,47 +72,76 @@ class ChunkNotification:
         chunk_index: 0-based index of the prefill chunk that produced the KV (< 2**32).
         tokens_done: prompt tokens whose KV is complete on the receiver after this push.
         is_last: True on the request's final push.
+        first_block: with ``block_checksums``: the index, in the request's reserved block list, of the
+            first block this push carries (the push carries consecutive blocks of that list).
+        block_checksums: empty, or the CRC-32 (:func:`block_checksum`) of every block of the push, in
+            order, as the sender read them; the receiver may verify its copy against them.
     """
 
     request_id: str
     chunk_index: int
     tokens_done: int
     is_last: bool
+    first_block: int = 0
+    block_checksums: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"request_id must be a non-empty str, got {self.request_id!r}")
-        if isinstance(self.chunk_index, bool) or not isinstance(self.chunk_index, int):
-            raise ValueError(f"chunk_index must be an int, got {self.chunk_index!r}")
-        if not 0 <= self.chunk_index <= _U32_MAX:
-            raise ValueError(f"chunk_index must be in [0, 2**32), got {self.chunk_index}")
+        for name in ("chunk_index", "first_block"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+            if not 0 <= value <= _U32_MAX:
+                raise ValueError(f"{name} must be in [0, 2**32), got {value}")
         if isinstance(self.tokens_done, bool) or not isinstance(self.tokens_done, int):
             raise ValueError(f"tokens_done must be an int, got {self.tokens_done!r}")
         if not 0 <= self.tokens_done <= _U63_MAX:
             raise ValueError(f"tokens_done must be in [0, 2**63), got {self.tokens_done}")
         if not isinstance(self.is_last, bool):
             raise ValueError(f"is_last must be a bool, got {self.is_last!r}")
+        if not isinstance(self.block_checksums, tuple) or not all(
+            isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= _U32_MAX for c in self.block_checksums
+        ):
+            raise ValueError(f"block_checksums must be a tuple of u32 ints, got {self.block_checksums!r}")
+        if len(self.block_checksums) > _U32_MAX:
+            raise ValueError("too many block_checksums")
 
     def to_bytes(self) -> bytes:
-        """Compact binary form: magic, fixed header, UTF-8 request id."""
+        """Compact binary form: magic, fixed header, [checksums,] UTF-8 request id."""
         header = _NOTIF_HEADER.pack(self.chunk_index, self.tokens_done, int(self.is_last))
-        return _NOTIF_MAGIC + header + self.request_id.encode("utf-8")
+        if not self.block_checksums:
+            return _NOTIF_MAGIC + header + self.request_id.encode("utf-8")
+        sums = _CHECKSUM_HEADER.pack(self.first_block, len(self.block_checksums))
+        sums += struct.pack(f"<{len(self.block_checksums)}I", *self.block_checksums)
+        return _NOTIF_MAGIC_CHECKED + header + sums + self.request_id.encode("utf-8")
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ChunkNotification:
         """Inverse of :meth:`to_bytes`. Raises ``ValueError`` on anything else."""
         data = bytes(data)
         fixed = len(_NOTIF_MAGIC) + _NOTIF_HEADER.size
-        if len(data) <= fixed or not data.startswith(_NOTIF_MAGIC):
+        checked = data.startswith(_NOTIF_MAGIC_CHECKED)
+        if len(data) <= fixed or not (checked or data.startswith(_NOTIF_MAGIC)):
             raise ValueError(f"not a ChunkNotification ({len(data)} bytes: {data[:16]!r}...)")
         chunk_index, tokens_done, is_last = _NOTIF_HEADER.unpack_from(data, len(_NOTIF_MAGIC))
         if is_last not in (0, 1):
             raise ValueError(f"corrupt ChunkNotification: is_last byte {is_last}")
+        first_block, sums = 0, ()
+        if checked:
+            if len(data) < fixed + _CHECKSUM_HEADER.size:
+                raise ValueError("corrupt ChunkNotification: truncated checksums")
+            first_block, count = _CHECKSUM_HEADER.unpack_from(data, fixed)
+            fixed += _CHECKSUM_HEADER.size
+            if len(data) <= fixed + 4 * count:
+                raise ValueError("corrupt ChunkNotification: truncated checksums")
+            sums = struct.unpack_from(f"<{count}I", data, fixed)
+            fixed += 4 * count
         try:
             request_id = data[fixed:].decode("utf-8")
         except UnicodeDecodeError as e:
             raise ValueError(f"corrupt ChunkNotification: request id is not UTF-8 ({e})") from None
-        return cls(request_id, chunk_index, tokens_done, bool(is_last))
+        return cls(request_id, chunk_index, tokens_done, bool(is_last), first_block, tuple(sums))
 
 
 @dataclass(frozen=True)
@@ -248,6 +296,14 @@ class PushHandle(abc.ABC):
         without a progress thread), so waiting code should call this or :meth:`wait`.
         """
 
+    @abc.abstractmethod
+    def cancel(self) -> bool:
+        """Non-blocking. Stop the push; True once none of its data can still be written into the
+        receiver's pool (it finished, failed, or was cancelled), False when the transport could not
+        stop it yet (it may still land: call again later). After a True, :meth:`done` raises
+        :class:`KVTransferError` unless the push had already completed. Idempotent.
+        """
+
     def wait(self, timeout_s: float = DEFAULT_WAIT_S) -> None:
         """Block until :meth:`done` is True. Raises ``TimeoutError`` after ``timeout_s``
         seconds (the push stays in flight and may still complete), or :class:`KVTransferError`.
@@ -292,11 +348,18 @@ class KVTransport(abc.ABC):
         self._closed = False
         self._push_filter: Callable[[str, list[int]], bool] | None = None
         self.num_pushes_refused = 0  # incoming pushes this receiver turned away (see set_push_filter)
+        self.write_lock = threading.Lock()  # see set_push_filter
 
     @property
     def target_id(self) -> str:
         """The id that this transport's :class:`TransferTarget` carries."""
         return self._id
+
+    @property
+    def checks_pushes(self) -> bool:
+        """True when this receiver sees every push arrive and applies the push filter (gRPC); False for
+        one-sided writes (NIXL), where only the sender can say that its writes are over."""
+        return False
 
     @property
     def layout(self) -> PoolLayout | None:
@@ -308,6 +371,9 @@ class KVTransport(abc.ABC):
 
         Transports that see each push arrive (gRPC) refuse any other push and count it in
         ``num_pushes_refused``; a one-sided transport (NIXL WRITE) cannot check, and ignores it.
+        A checking transport holds ``write_lock`` from the check through the copy of the blocks, so a
+        receiver that withdraws a reservation while holding ``write_lock`` knows that no write of it
+        is in progress and none can start after.
         """
         self._push_filter = accepts
 

@@ -1,10 +1,13 @@
 """gRPC KV transport: a client-streaming ``PushBlocks`` RPC per push.
 
 Receiver: ``describe()`` starts a synchronous ``grpc.server`` (thread pool) on the configured
-host (127.0.0.1 by default) and port (0 = any free port; the bound port is reported in the
-target's ``address``). Each incoming stream is validated message by message and its blocks are
-copied into ``pool[dst]`` on the pool's device; after the stream's last message the notification
-is queued for ``poll_notifications``.
+host (by default this node's address as Ray knows it, so that senders on other nodes reach it)
+and port (0 = any free port; the bound port is reported in the target's ``address``). Each
+incoming stream is validated message by message and its blocks are copied into ``pool[dst]`` on
+the pool's device; after the stream's last message the notification is queued for
+``poll_notifications``. The push filter's check and the copy of each message happen under the
+transport's ``write_lock``, so a receiver that withdraws a reservation under that lock knows that no
+later byte of it is written.
 
 Sender: one cached channel and a single-thread executor per target (pushes to one target run in
 order, each in the background). A push streams ``BlockPayload`` messages of whole blocks, packed
@@ -26,6 +29,7 @@ import collections
 import concurrent.futures as cf
 import hmac
 import logging
+import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -61,7 +65,9 @@ class GrpcConfig:
     """Knobs of the gRPC transport.
 
     Attributes:
-        host: interface the receiver's server binds to and advertises.
+        host: interface the receiver's server binds to and advertises. Empty (the default): this
+            node's address, ``ray.util.get_node_ip_address()`` (``127.0.0.1`` outside Ray), so that
+            senders on other nodes can reach it.
         port: server port; 0 binds any free port (reported by ``describe()``).
         message_bytes: senders pack whole blocks into messages of up to this many payload bytes
             (at least one block per message). 1-4 MiB all work; 2 MiB measured best on the
@@ -74,7 +80,7 @@ class GrpcConfig:
             with a secret refuses (UNAUTHENTICATED, counted) any push that does not carry it.
     """
 
-    host: str = "127.0.0.1"
+    host: str = ""
     port: int = 0
     message_bytes: int = 2 * _MIB
     max_message_bytes: int = 64 * _MIB
@@ -91,6 +97,14 @@ class GrpcConfig:
             raise ValueError("server_threads must be >= 1")
         if self.push_timeout_s <= 0:
             raise ValueError("push_timeout_s must be > 0")
+
+    def bind_host(self) -> str:
+        """The host the receiver binds to and advertises (``host``, or this node's address)."""
+        if self.host:
+            return self.host
+        import ray
+
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
     def channel_options(self) -> list[tuple[str, int]]:
         return [
@@ -178,14 +192,42 @@ def _serialize_payload(header: pb.BlockPayload, chunks: Sequence[Any], nbytes: i
     return b"".join([header.SerializeToString(), _DATA_TAG, _varint(nbytes), *chunks])
 
 
+class _Cancel:
+    """Shared by a push's handle and its sender thread: set once, stops the stream."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cancelled = False
+        self.call: Any = None  # the running RPC (a grpc.Future), once started
+
+
 class GrpcPushHandle(PushHandle):
     """Handle of one push stream running on the sender's per-target thread."""
 
-    def __init__(self, future: cf.Future[Any], notification: ChunkNotification, num_blocks: int, num_bytes: int):
+    def __init__(
+        self,
+        future: cf.Future[Any],
+        notification: ChunkNotification,
+        num_blocks: int,
+        num_bytes: int,
+        cancel: _Cancel | None = None,
+    ):
         self._future = future
+        self._cancel = cancel or _Cancel()
         self.notification = notification
         self.num_blocks = num_blocks
         self.num_bytes = num_bytes
+
+    def cancel(self) -> bool:
+        """Stops the stream; the receiver checks and writes every message under its ``write_lock``, so
+        once it has withdrawn the reservation nothing of this push is written there."""
+        with self._cancel.lock:
+            self._cancel.cancelled = True
+            call = self._cancel.call
+        self._future.cancel()
+        if call is not None:
+            call.cancel()
+        return True
 
     def done(self) -> bool:
         if not self._future.done():
@@ -201,7 +243,7 @@ class GrpcPushHandle(PushHandle):
 
     def _raise_if_failed(self) -> None:
         if self._future.cancelled():
-            raise KVTransferError(f"push {self.notification} was cancelled (transport closed)")
+            raise KVTransferError(f"push {self.notification} was cancelled")
         exc = self._future.exception()
         if exc is None:
             return
@@ -257,27 +299,33 @@ class _Servicer:
                 )
             if n:
                 ids = list(msg.dst_block_ids)
-                if accepts is not None and not accepts(request_id, ids):
-                    self._refuse(
-                        context,
-                        grpc.StatusCode.PERMISSION_DENIED,
-                        f"no reservation of {request_id!r} holds these blocks",
-                    )
                 if max(ids) >= layout.num_blocks:
                     context.abort(
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"dst block id {max(ids)} out of range [0, {layout.num_blocks})",
                     )
                 bb = layout.block_bytes
-                if host is not None:  # CPU pool: one memcpy per block, no torch dispatch
-                    for k, d in enumerate(ids):
-                        host[d] = data[k * bb : (k + 1) * bb]
-                else:
-                    src = torch.frombuffer(data, dtype=torch.uint8).view(n, bb).to(view.device)
-                    # one copy_ per block (index_copy_ would work too on accelerators; on CPU it
-                    # runs an element-wise kernel and is 10-100x slower than memcpy)
-                    for k, d in enumerate(ids):
-                        view[d].copy_(src[k])
+                src = None if host is not None else torch.frombuffer(data, dtype=torch.uint8).view(n, bb)
+                with t.write_lock:  # the check and the copy are one step for a receiver withdrawing blocks
+                    accepted = accepts is None or accepts(request_id, ids)
+                    if accepted:
+                        if host is not None:  # CPU pool: one memcpy per block, no torch dispatch
+                            for k, d in enumerate(ids):
+                                host[d] = data[k * bb : (k + 1) * bb]
+                        else:
+                            assert src is not None
+                            src = src.to(view.device)
+                            # one copy_ per block (index_copy_ would work too on accelerators; on CPU
+                            # it runs an element-wise kernel and is 10-100x slower than memcpy)
+                            for k, d in enumerate(ids):
+                                view[d].copy_(src[k])
+                            torch.accelerator.synchronize(view.device)  # written before the lock is let go
+                if not accepted:
+                    self._refuse(
+                        context,
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        f"no reservation of {request_id!r} holds these blocks",
+                    )
                 blocks += n
             if msg.HasField("notification"):
                 notice = msg.notification
@@ -285,11 +333,16 @@ class _Servicer:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push stream ended without a notification")
         assert notice is not None
         try:
-            notification = ChunkNotification(notice.request_id, notice.chunk_index, notice.tokens_done, notice.is_last)
+            notification = ChunkNotification(
+                notice.request_id,
+                notice.chunk_index,
+                notice.tokens_done,
+                notice.is_last,
+                notice.first_block,
+                tuple(notice.block_checksums),
+            )
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad notification: {e}")
-        if view.device.type != "cpu":
-            torch.accelerator.synchronize(view.device)  # data visible before the notification
         t._deliver(notification)
         return pb.PushAck(blocks_written=blocks, bytes_written=blocks * layout.block_bytes)
 
@@ -304,6 +357,7 @@ class _Push:
     src: list[int]
     dst: list[int]
     notification: ChunkNotification
+    cancel: _Cancel = field(default_factory=_Cancel)
 
 
 @dataclass
@@ -323,8 +377,13 @@ class GrpcTransport(KVTransport):
         self.config = config or GrpcConfig()
         self._server: grpc.Server | None = None
         self._port: int | None = None
+        self._host = ""
         self._notifications: collections.deque[ChunkNotification] = collections.deque()
         self._peers: dict[str, _Peer] = {}
+
+    @property
+    def checks_pushes(self) -> bool:
+        return True
 
     @property
     def port(self) -> int | None:
@@ -342,7 +401,7 @@ class GrpcTransport(KVTransport):
     def _receiver_address(self, pool: torch.Tensor) -> dict[str, Any]:
         if self._server is None:
             self._start_server()
-        return {"address": f"{self.config.host}:{self._port}"}
+        return {"address": f"{self._host}:{self._port}"}
 
     def _start_server(self) -> None:
         server = grpc.server(
@@ -357,14 +416,15 @@ class GrpcTransport(KVTransport):
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(_SERVICE.full_name, {"PushBlocks": handler}),)
         )
+        host = self.config.bind_host()
         try:
-            port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+            port = server.add_insecure_port(f"{host}:{self.config.port}")
         except RuntimeError as e:
-            raise RuntimeError(f"cannot bind the KV gRPC server to {self.config.host}:{self.config.port}: {e}") from e
+            raise RuntimeError(f"cannot bind the KV gRPC server to {host}:{self.config.port}: {e}") from e
         if port == 0:
-            raise RuntimeError(f"cannot bind the KV gRPC server to {self.config.host}:{self.config.port}")
+            raise RuntimeError(f"cannot bind the KV gRPC server to {host}:{self.config.port}")
         server.start()
-        self._server, self._port = server, port
+        self._server, self._port, self._host = server, port, host
 
     def _deliver(self, notification: ChunkNotification) -> None:
         with self._lock:
@@ -384,9 +444,10 @@ class GrpcTransport(KVTransport):
             raise ValueError(f"unknown target: {target!r} has no gRPC address")
         peer = self._peer(target)
         assert self._pool is not None and self._layout is not None
-        push = _Push(target, self._pool, self._layout.block_bytes, src, dst, notification)
+        cancel = _Cancel()
+        push = _Push(target, self._pool, self._layout.block_bytes, src, dst, notification, cancel)
         future = peer.executor.submit(self._run_push, peer, push)
-        return GrpcPushHandle(future, notification, len(src), len(src) * push.block_bytes)
+        return GrpcPushHandle(future, notification, len(src), len(src) * push.block_bytes, cancel)
 
     def _peer(self, target: TransferTarget) -> _Peer:
         peer = self._peers.get(target.target_id)
@@ -413,9 +474,13 @@ class GrpcTransport(KVTransport):
             chunk_index=notification.chunk_index,
             tokens_done=notification.tokens_done,
             is_last=notification.is_last,
+            first_block=notification.first_block,
+            block_checksums=notification.block_checksums,
         )
         starts = range(0, len(src), per_msg) if src else range(1)
         for start in starts:
+            if push.cancel.cancelled:
+                return  # the stream is being cancelled: read nothing more of the pool
             s_ids, d_ids = src[start : start + per_msg], dst[start : start + per_msg]
             chunks: list[Any]
             if flat is not None:
@@ -435,7 +500,15 @@ class GrpcTransport(KVTransport):
             metadata = [(_REQUEST_KEY, push.notification.request_id)]
             if self.config.secret:
                 metadata.append((_SECRET_KEY, self.config.secret))
-            ack = peer.push_blocks(self._messages(push), timeout=self.config.push_timeout_s, metadata=metadata)
+            with push.cancel.lock:
+                if push.cancel.cancelled:
+                    raise KVTransferError(f"push {push.notification} was cancelled")
+                call = push.cancel.call = peer.push_blocks.future(
+                    self._messages(push), timeout=self.config.push_timeout_s, metadata=metadata
+                )
+            ack = call.result()
+        except grpc.FutureCancelledError:
+            raise KVTransferError(f"push {push.notification} was cancelled") from None
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
             details = e.details() if hasattr(e, "details") else str(e)

@@ -137,6 +137,9 @@ class NixlPushHandle(PushHandle):
             return False
         raise self._error or KVTransferError(f"NIXL transfer failed: {self.notification}")
 
+    def cancel(self) -> bool:
+        return self._transport._cancel(self)
+
     def _fail(self, msg: str) -> None:
         self._error = KVTransferError(msg)
 
@@ -309,6 +312,28 @@ class NixlTransport(KVTransport):
                 self._release(handle, f"NIXL transfer failed (state {state}): {handle.notification}")
                 return "ERR"
             return state
+
+    def _cancel(self, handle: NixlPushHandle) -> bool:
+        """Release a WRITE that is still in flight; NIXL cancels it, or refuses (then it may still land)."""
+        with self._lock:
+            xfer = handle._xfer
+            if xfer is None:
+                return True
+            if self._closed or self._agent is None:
+                handle._fail("transport closed while the push was in flight")
+                return True
+            if self._agent.check_xfer_state(xfer) == "DONE":
+                self._release(handle, None)
+                return True
+            try:
+                xfer.release()  # an active transfer is cancelled; raises when it cannot be
+            except Exception as e:
+                logger.warning("NIXL could not cancel the push %s yet: %s", handle.notification, e)
+                return False
+            self._inflight.pop(id(handle), None)
+            handle._xfer = None
+            handle._fail(f"push {handle.notification} cancelled")
+            return True
 
     def _release(self, handle: NixlPushHandle, error: str | None) -> None:
         self._inflight.pop(id(handle), None)

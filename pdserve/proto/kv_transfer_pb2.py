@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\npdserve.kv\"\\\n\x0b\x43hunkNotice\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x13\n\x0btokens_done\x18\x03 \x01(\x04\x12\x0f\n\x07is_last\x18\x04 \x01(\x08\"\x8a\x01\n\x0c\x42lockPayload\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x15\n\rdst_block_ids\x18\x03 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12-\n\x0cnotification\x18\x05 \x01(\x0b\x32\x17.pdserve.kv.ChunkNotice\"8\n\x07PushAck\x12\x16\n\x0e\x62locks_written\x18\x01 \x01(\r\x12\x15\n\rbytes_written\x18\x02 \x01(\x04\x32K\n\nKVTransfer\x12=\n\nPushBlocks\x12\x18.pdserve.kv.BlockPayload\x1a\x13.pdserve.kv.PushAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\npdserve.kv\"\x8a\x01\n\x0b\x43hunkNotice\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x13\n\x0btokens_done\x18\x03 \x01(\x04\x12\x0f\n\x07is_last\x18\x04 \x01(\x08\x12\x13\n\x0b\x66irst_block\x18\x05 \x01(\r\x12\x17\n\x0f\x62lock_checksums\x18\x06 \x03(\r\"\x8a\x01\n\x0c\x42lockPayload\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x15\n\rdst_block_ids\x18\x03 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12-\n\x0cnotification\x18\x05 \x01(\x0b\x32\x17.pdserve.kv.ChunkNotice\"8\n\x07PushAck\x12\x16\n\x0e\x62locks_written\x18\x01 \x01(\r\x12\x15\n\rbytes_written\x18\x02 \x01(\x04\x32K\n\nKVTransfer\x12=\n\nPushBlocks\x12\x18.pdserve.kv.BlockPayload\x1a\x13.pdserve.kv.PushAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHUNKNOTICE']._serialized_start=33
-  _globals['_CHUNKNOTICE']._serialized_end=125
-  _globals['_BLOCKPAYLOAD']._serialized_start=128
-  _globals['_BLOCKPAYLOAD']._serialized_end=266
-  _globals['_PUSHACK']._serialized_start=268
-  _globals['_PUSHACK']._serialized_end=324
-  _globals['_KVTRANSFER']._serialized_start=326
-  _globals['_KVTRANSFER']._serialized_end=401
+  _globals['_CHUNKNOTICE']._serialized_start=34
+  _globals['_CHUNKNOTICE']._serialized_end=172
+  _globals['_BLOCKPAYLOAD']._serialized_start=175
+  _globals['_BLOCKPAYLOAD']._serialized_end=313
+  _globals['_PUSHACK']._serialized_start=315
+  _globals['_PUSHACK']._serialized_end=371
+  _globals['_KVTRANSFER']._serialized_start=373
+  _globals['_KVTRANSFER']._serialized_end=448
 # @@protoc_insertion_point(module_scope)

@@ -7,16 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ChunkNotice(_message.Message):
-    __slots__ = ("request_id", "chunk_index", "tokens_done", "is_last")
+    __slots__ = ("request_id", "chunk_index", "tokens_done", "is_last", "first_block", "block_checksums")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKENS_DONE_FIELD_NUMBER: _ClassVar[int]
     IS_LAST_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     chunk_index: int
     tokens_done: int
     is_last: bool
-    def __init__(self, request_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., tokens_done: _Optional[int] = ..., is_last: _Optional[bool] = ...) -> None: ...
+    first_block: int
+    block_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., tokens_done: _Optional[int] = ..., is_last: _Optional[bool] = ..., first_block: _Optional[int] = ..., block_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockPayload(_message.Message):
     __slots__ = ("target_id", "block_bytes", "dst_block_ids", "data", "notification")

@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
@@ -270,11 +270,18 @@ class Router:
         try:
             if route.mode == "disaggregated":
                 first = await self._within_queue_time(request, self._prefill_remotely(request, prompt, params))
-                if first is not None:  # the first token goes out before the decode worker is even told
+                if first is not None:
                     finished = first.finished
-                    yield first
-                    if not finished:
-                        await self._start_decode(request)
+                    # the decode worker is told at once, not once the client has read the first token:
+                    # a slow reader must not eat into the reservation's deadline
+                    decoding = None if finished else asyncio.ensure_future(self._start_decode(request))
+                    try:
+                        yield first
+                    finally:
+                        if decoding is not None and not decoding.done():
+                            await asyncio.shield(decoding)
+                    if decoding is not None:
+                        decoding.result()
             else:
                 await self._start_colocated(request, prompt, params)
             while not finished:
@@ -375,7 +382,9 @@ class Router:
         decode = self.workers[route.decode_worker].actor
         prefill = self.workers[route.prefill_worker].actor  # type: ignore[index]
         try:
-            result = await prefill.prefill.remote(request.key, prompt, params, decode, self.config.reserve_timeout_s)
+            result = await self._prefill_unless_decode_fails(
+                request, prefill.prefill.remote(request.key, prompt, params, decode, self.config.reserve_timeout_s)
+            )
         except (RayActorError, RayTaskError) as e:
             if _is_value_error(e):
                 raise RequestError("INVALID_ARGUMENT", _cause(e)) from None
@@ -388,12 +397,16 @@ class Router:
             log.warning(
                 "prefill %s failed on %s (%s); prefilling locally", route.prefill_worker, request.key, _cause(e)
             )
-            # a prefill process that is gone pushes nothing more; one that failed the request is asked first
-            gone = isinstance(e, RayActorError)
+            # a prefill process that is dead pushes nothing more; one that failed the request is asked first
+            gone = isinstance(e, ActorDiedError)
             await asyncio.shield(
                 self._abort_on_workers(request.key, route._replace(prefill_worker=None) if gone else route)
             )
             self._prefill_finished(request, prompt)
+            # a new key: the decode worker may still hold the old one's blocks until the prefill side confirms
+            self._by_key.pop(request.key, None)
+            request.key = f"{request.key}~local"
+            self._by_key[request.key] = request
             request.served = route._replace(mode="colocated", prefill_worker=None)
             request.fallback = f"prefill worker failed: {_cause(e)}"
             await self._start_colocated(request, prompt, params)
@@ -402,6 +415,30 @@ class Router:
         request.prefill = result
         self._prefill_finished(request, prompt)
         return self._event(request, [result.first_token])
+
+    async def _prefill_unless_decode_fails(self, request: InFlight, prefill_ref: Any) -> Any:
+        """The prefill call's result; UNAVAILABLE at once if the decode worker's stream fails meanwhile
+        (it died: nothing can decode this request), after stopping the prefill."""
+
+        async def prefill() -> Any:
+            return await prefill_ref
+
+        call = asyncio.ensure_future(prefill())
+        call.add_done_callback(lambda f: f.cancelled() or f.exception())  # read even when no one awaits it
+        watch = asyncio.ensure_future(request.next_updates())
+        try:
+            await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not watch.done():
+                watch.cancel()
+        updates = watch.result() if watch.done() and not watch.cancelled() else []
+        if call.done() or not any(u.error for u in updates):
+            request.pending[:0] = updates  # not for this phase: the main loop reads them
+            return await call
+        error = next(u.error for u in updates if u.error)
+        await asyncio.shield(self._abort_on_workers(request.key, request.route))
+        call.cancel()
+        raise RequestError("UNAVAILABLE", error)
 
     async def _start_decode(self, request: InFlight) -> None:
         """Hand the first token to the decode worker: it decodes once all the KV has landed."""
@@ -464,28 +501,26 @@ class Router:
         )
 
     async def _abort_on_workers(self, key: str, route: Route) -> None:
-        """Stop a request everywhere without ever freeing blocks that a live push can still write.
+        """Stop a request everywhere.
 
-        The prefill worker goes first: its abort returns once none of its pushes can land any more
-        (at most its push timeout), or fails at once if it is dead. Only then is the decode worker's
-        reservation freed; if the prefill worker neither confirms nor dies within the reservation's
-        TTL, the decode worker frees the blocks itself when the TTL expires.
+        The prefill worker goes first: its abort cancels the request's pushes and returns once none can
+        land any more. Then the decode worker: a reservation's blocks are its own, and it frees them only
+        once no push can still land (it asks the prefill worker itself, or its transport refuses late
+        writes), so this call is safe whatever the prefill worker answered. A decode worker whose event
+        stream is down is skipped: it died (a fresh process holds nothing of this request) or it lost this
+        router's stream, and then stops the router's requests itself.
         """
         if route.prefill_worker is not None:
             try:
                 await asyncio.wait_for(
                     self.workers[route.prefill_worker].actor.abort.remote(key), self.config.abort_fence_s
                 )
-            except (RayActorError, ActorUnavailableError):
-                pass  # a dead (or restarting) prefill worker pushes nothing more
-            except Exception as e:
-                log.warning(
-                    "abort of %s on %s unconfirmed (%s): its reservation expires by itself",
-                    key,
-                    route.prefill_worker,
-                    e,
-                )
-                return
+            except ActorDiedError:
+                pass  # a dead prefill worker pushes nothing more
+            except Exception as e:  # unavailable or slow: maybe still pushing; the decode worker fences it
+                log.warning("abort of %s on %s unconfirmed: %r", key, route.prefill_worker, e)
+        if not self.policy.is_available(route.decode_worker):
+            return
         try:
             await asyncio.wait_for(self.workers[route.decode_worker].actor.abort.remote(key), 30.0)
         except Exception as e:  # a dead worker has nothing left to abort
