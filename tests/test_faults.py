@@ -11,6 +11,7 @@ import time
 import grpc
 import pytest
 import ray
+from conftest import assert_no_leaks, wait_until
 
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
@@ -25,13 +26,6 @@ ENGINE = EngineConfig(
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True)
 PROMPT = [random.Random(3).randrange(256) for _ in range(300)]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -53,27 +47,6 @@ def deployment(**kwargs) -> Deployment:
         router=RouterConfig(),
     )
     return Deployment(DeploymentConfig(**{**defaults, **kwargs}))
-
-
-def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(interval_s)
-
-
-def assert_no_leaks(d: Deployment, timeout_s: float = 10.0) -> None:
-    """Every worker that answers has all its KV blocks free or cached (read through the Stats RPC)."""
-    with Client(d.address) as c:
-
-        def clean():
-            stats = [w for w in c.stats() if w.state == "serving"]
-            return stats and all(w.blocks_free + w.blocks_cached == w.blocks_total for w in stats)
-
-        wait_until(clean, timeout_s, "every KV block to be freed")
 
 
 def tokens_of(chunks) -> list[int]:
@@ -99,7 +72,7 @@ def test_a_prefill_worker_dying_mid_prefill_falls_back_to_local_prefill_and_rejo
         assert tokens_of(result["chunks"]) == expected
         assert metrics.mode == "colocated" and metrics.fallback.startswith("prefill worker failed")
         assert completed_s < 10, completed_s
-        assert_no_leaks(d)
+        assert_no_leaks(d, integrity=False)
 
         def disaggregated_again():  # the restarted worker rejoins the pool
             chunks = list(client.generate(PROMPT, GREEDY))
@@ -107,7 +80,7 @@ def test_a_prefill_worker_dying_mid_prefill_falls_back_to_local_prefill_and_rejo
             return chunks[-1].metadata.prefill_worker == "prefill-0"
 
         wait_until(disaggregated_again, 60, "the restarted prefill worker to serve again", interval_s=0.5)
-        assert_no_leaks(d)
+        assert_no_leaks(d, integrity=False)
 
 
 def test_a_decode_worker_dying_mid_stream_fails_fast_and_the_others_keep_serving(ray_cluster, expected):
@@ -127,7 +100,7 @@ def test_a_decode_worker_dying_mid_stream_fails_fast_and_the_others_keep_serving
         for _ in range(4):  # the survivor serves everything meanwhile
             assert tokens_of(client.generate(PROMPT, GREEDY)) == expected
         wait_until(lambda: client.health().status == "serving", 60, f"{victim} to rejoin", interval_s=0.5)
-        assert_no_leaks(d)
+        assert_no_leaks(d, integrity=False)
 
 
 def test_a_crashed_engine_loop_fails_its_requests_at_once_and_its_worker_is_replaced(ray_cluster, expected):
@@ -143,7 +116,7 @@ def test_a_crashed_engine_loop_fails_its_requests_at_once_and_its_worker_is_repl
         wait_until(lambda: not client.health().ok, 10, "Health to report NOT serving", interval_s=0.05)
         wait_until(lambda: client.health().ok, 60, "the replaced worker to serve", interval_s=0.5)
         assert tokens_of(client.generate(PROMPT, GREEDY)) == expected
-        assert_no_leaks(d)
+        assert_no_leaks(d, integrity=False)
 
 
 def test_kv_that_stops_arriving_ends_the_request_clearly_and_frees_both_sides(ray_cluster, expected):
@@ -156,7 +129,7 @@ def test_kv_that_stops_arriving_ends_the_request_clearly_and_frees_both_sides(ra
         # the prefill worker gives up first (its pushes must end before the deadline), else the deadline passes
         assert "KV was not all pushed" in err.value.details() or "KV transfer deadline" in err.value.details()
         assert time.monotonic() - started < 4.0 + 5  # the reservation TTL, plus slack
-        assert_no_leaks(d)
+        assert_no_leaks(d, integrity=False)
         ray.get(d.prefill_workers[0].actor.inject_fault.remote(None))
         assert tokens_of(client.generate(PROMPT, GREEDY)) == expected
 
@@ -166,7 +139,7 @@ def test_a_client_deadline_aborts_the_request_on_every_worker(ray_cluster):
         with pytest.raises(grpc.RpcError) as err:
             list(client.generate(PROMPT, SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)))
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert_no_leaks(d)
+        assert_no_leaks(d, integrity=False)
 
 
 def test_a_restarted_router_finds_the_running_workers(ray_cluster, expected):
@@ -177,7 +150,7 @@ def test_a_restarted_router_finds_the_running_workers(ray_cluster, expected):
     with deployment(detached_workers=True) as second, Client(second.address) as client:
         assert sorted(info["pid"] for info in second.worker_info) == pids
         assert tokens_of(client.generate(PROMPT, GREEDY)) == expected
-        assert_no_leaks(second)
+        assert_no_leaks(second, integrity=False)
 
 
 LONG_PROMPT = [random.Random(11).randrange(256) for _ in range(900)]
@@ -230,4 +203,4 @@ def test_a_decode_worker_dying_while_a_long_prefill_pushes_fails_fast_and_frees_
         for mode in ("disaggregated", "colocated"):  # the next requests in every mode succeed
             chunks = list(client.generate(PROMPT, GREEDY, mode=mode))
             assert tokens_of(chunks) == expected and chunks[-1].metadata.mode == mode
-        assert_no_leaks(d)
+        assert_no_leaks(d, integrity=False)

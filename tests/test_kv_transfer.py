@@ -6,7 +6,6 @@ every wait in them is bounded.
 
 from __future__ import annotations
 
-import os
 import pickle
 import time
 from collections.abc import Iterator
@@ -404,26 +403,11 @@ def test_grpc_receiver_validates_streams_from_the_generated_stub() -> None:
 # ------------------------------------------------------- across two processes
 
 
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[Any]:
-    import ray
-
-    pythonpath = [str(REPO_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(pythonpath)}},
-    )
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
 @pytest.mark.cluster
 @pytest.mark.parametrize("kind", KINDS)
-def test_push_between_two_ray_actors(ray_cluster: Any, kind: str) -> None:
-    ray = ray_cluster
+def test_push_between_two_ray_actors(ray_cluster: None, kind: str) -> None:
+    import ray
+
     Peer = ray.remote(num_cpus=0)(TransferPeer)
     # bfloat16 with random bytes: compare as bytes (NaN != NaN as floats)
     config = GrpcConfig(host="127.0.0.1") if kind == "grpc" else None  # tests stay on loopback

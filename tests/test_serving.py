@@ -11,6 +11,7 @@ import grpc
 import pytest
 import ray
 import torch
+from conftest import assert_no_leaks
 
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
@@ -43,13 +44,6 @@ def expected() -> list[list[int]]:
     return [c.token_ids for c in engine.generate(_prompts(), GREEDY)]
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _deployment(transport: str) -> Deployment:
     return Deployment(
         DeploymentConfig(
@@ -78,19 +72,6 @@ def client(deployment):
     with Client(deployment.address) as c:
         yield c
     assert_no_leaks(deployment)
-
-
-def assert_no_leaks(deployment: Deployment) -> None:
-    """Every worker ends with all its KV blocks free or cached (read through the Stats RPC)."""
-    deadline = time.monotonic() + 10
-    with Client(deployment.address) as c:
-        while True:
-            stats = c.stats()
-            if all(w.blocks_free + w.blocks_cached == w.blocks_total for w in stats):
-                break
-            assert time.monotonic() < deadline, f"KV blocks still in use: {stats}"
-            time.sleep(0.05)
-    deployment.check_integrity()
 
 
 def _run_concurrently(address: str, prompts: list[list[int]], mode: str | None, params=GREEDY):
