@@ -264,6 +264,7 @@ def test_bench_repeats_run_each_architecture_on_fresh_deployments(monkeypatch, t
         return MeasuredRun([_stream(r.request_id, 0.0, [gap] * 3) for r in requests], [], 0, 1.0), {}
 
     monkeypatch.setattr(runner, "run_architecture", fake_run)
+    monkeypatch.setattr(runner, "target_problem", lambda target: None)  # nothing listens on x:1
     argv = ["--architectures", "colocated,disaggregated", "--repeats", "3", "--num-requests", "2"]
     assert runner.main([*argv, "--target", "x:1", "--no-progress", "--out", str(tmp_path)]) == 0
     assert calls == ["colocated", "disaggregated"] * 3  # interleaved, one deployment per run
