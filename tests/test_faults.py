@@ -137,7 +137,7 @@ def test_kv_that_stops_arriving_ends_the_request_clearly_and_frees_both_sides(ra
 def test_a_client_deadline_aborts_the_request_on_every_worker(ray_cluster):
     with deployment() as d, Client(d.address, timeout_s=1.0) as client:
         with pytest.raises(grpc.RpcError) as err:
-            list(client.generate(PROMPT, SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)))
+            list(client.generate(PROMPT, SamplingParams(max_tokens=720, temperature=0.0, ignore_eos=True)))
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert_no_leaks(d, integrity=False)
 
