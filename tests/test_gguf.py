@@ -303,11 +303,11 @@ def test_the_demo_answers_through_the_router_in_every_mode(engine, capsys):
     ask_questions(argparse.Namespace(model="smollm2", transport="nixl"))
     out = capsys.readouterr().out
     answers = [line.split("A: ", 1)[1] for line in out.splitlines() if line.strip().startswith("A: ")]
-    metadata = [line for line in out.splitlines() if line.strip().startswith("mode=")]
+    metadata = [line for line in out.splitlines() if line.strip().startswith("mode:")]
     assert len(answers) == len(metadata) == len(DEMO_QUESTIONS)
     first = engine.tokenizer.apply_chat_template([{"role": "user", "content": DEMO_QUESTIONS[0][1]}])
     [expected] = engine.generate([first], SamplingParams(max_tokens=48, temperature=0.0))
     assert answers[0] == expected.text.strip() and "Paris" in answers[0]  # the offline engine's greedy answer
     assert all(len(answer.split()) >= 3 for answer in answers)  # words, every one
-    served_modes = [line.split()[0] for line in metadata]
-    assert served_modes == ["mode=colocated", "mode=disaggregated", "mode=colocated", "mode=disaggregated"]
+    served_modes = [line.split()[1] for line in metadata]  # "mode:   colocated"
+    assert served_modes == ["colocated", "disaggregated", "colocated", "disaggregated"]
