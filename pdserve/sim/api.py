@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from pdserve.bench.workloads import WorkloadRequest, WorkloadSpec
     from pdserve.sim.cost_model import CostModel
     from pdserve.sim.demo import ChunkingComparison, DemoArchitecture, DemoResult
-    from pdserve.sim.experiments import PDRow
+    from pdserve.sim.experiments import Architecture, PDRow
     from pdserve.sim.simulator import SimResult
 
 DEFAULT_CALIBRATION = os.path.join("results", "cpu-profile.json")
@@ -177,25 +177,37 @@ class Simulation:
         """``requests`` on each of the settings' architectures."""
         from pdserve.sim.simulator import simulate
 
-        s = self.settings
-        modes = s.modes
         runs = []
-        for mode in modes:
-            n = s.colocated_instances(comparing=len(modes) > 1)
+        for arch in self._architectures():
             result = simulate(
                 requests,
                 self.cost_model,
                 self.config,
-                mode=mode,
-                num_instances=n,
-                num_prefill=s.num_prefill,
-                num_decode=s.decode_workers,
-                tp=s.tp,
+                mode=arch.mode,
+                num_instances=arch.num_instances,
+                num_prefill=max(arch.num_prefill, 1),  # the counts a mode does not use must still be >= 1
+                num_decode=max(arch.num_decode, 1),
+                tp=self.settings.tp,
                 max_concurrency=max_concurrency,
             )
-            name = f"colocated x{n}" if mode == "colocated" else f"{mode} {s.num_prefill}P:{s.decode_workers}D"
-            runs.append(ArchitectureRun(name, mode, result))
+            runs.append(ArchitectureRun(arch.name, arch.mode, result))
         return runs
+
+    def _architectures(self) -> list[Architecture]:
+        """The settings' architectures, named as reports show them ("colocated x2", "disaggregated 1P:1D")."""
+        from pdserve.sim.experiments import Architecture
+
+        s, chunked = self.settings, self.config.enable_chunked_prefill
+        archs = []
+        for mode in s.modes:
+            if mode == "colocated":
+                n = s.colocated_instances(comparing=len(s.modes) > 1)
+                archs.append(Architecture(f"colocated x{n}", mode, 0, 0, n, chunked))
+            else:
+                name = f"{mode} {s.num_prefill}P:{s.decode_workers}D"
+                n = s.num_prefill + s.decode_workers
+                archs.append(Architecture(name, mode, s.num_prefill, s.decode_workers, n, chunked))
+        return archs
 
     def chunk_sweep(
         self, requests: Sequence[WorkloadRequest], chunk_sizes: Sequence[int], max_concurrency: int | None = None
@@ -244,20 +256,10 @@ class Simulation:
         """Per architecture of the settings: the SLO attainments at the workload's rate and the goodput
         per GPU (the highest rate at which ``attainment`` of the requests meet every SLO, by a rate
         search), best first. Raises ``ValueError`` without SLOs."""
-        from pdserve.sim.experiments import Architecture, rank_rows, search_goodput
+        from pdserve.sim.experiments import rank_rows, search_goodput
 
         if not self.slo_ms:
             raise ValueError("--goodput: give SLOs, e.g. --slo ttft=200,tpot=50")
-        s, chunked = self.settings, self.config.enable_chunked_prefill
-        archs = []
-        for mode in s.modes:
-            if mode == "colocated":
-                n = s.colocated_instances(comparing=len(s.modes) > 1)
-                archs.append(Architecture(f"colocated x{n}", mode, 0, 0, n, chunked))
-            else:
-                n = s.num_prefill + s.decode_workers
-                name = f"{mode} {s.num_prefill}P:{s.decode_workers}D"
-                archs.append(Architecture(name, mode, s.num_prefill, s.decode_workers, n, chunked))
         rows = [
             search_goodput(
                 arch,
@@ -265,12 +267,12 @@ class Simulation:
                 self.cost_model,
                 self.slo_ms,
                 self.config,
-                tp=s.tp,
+                tp=self.settings.tp,
                 attainment=attainment,
                 search_rate=search_rate,
                 min_duration_s=min_duration_s,
             )
-            for arch in archs
+            for arch in self._architectures()
         ]
         return rank_rows(rows)
 
