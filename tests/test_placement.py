@@ -187,6 +187,17 @@ def test_gpus_per_worker_option_reaches_the_config():
         config_from_args(DeploymentConfig, parser.parse_args(["--gpus-per-worker", "2.5"]))
 
 
+def test_serve_and_bench_take_gpus_per_worker():
+    from pdserve.bench.runner import build_parser as bench_parser
+    from pdserve.bench.runner import deployment_config, engine_config
+    from pdserve.cli.main import build_parser
+
+    args = bench_parser().parse_args(["--gpus-per-worker", "0.5", "--prefill-workers", "1"])
+    assert deployment_config("disaggregated", args, engine_config(args)).gpus_per_worker == 0.5
+    serve = build_parser().parse_args(["serve", "--gpus-per-worker", "0.25"])
+    assert config_from_args(DeploymentConfig, serve).gpus_per_worker == 0.25
+
+
 @pytest.mark.parametrize(
     ("device", "visible", "count", "expected"),
     [
