@@ -7,7 +7,8 @@
 # check's whole output is kept in the log directory named on the last line):
 #   1. engine vs transformers in bf16 on CUDA (random Llama): the engine's prompt logits are no further
 #      from transformers' fp32 logits than transformers' own bf16 logits are (within 2x), and its greedy
-#      tokens equal transformers' bf16 greedy tokens.
+#      tokens equal transformers' bf16 greedy tokens, or part from them only at a near-tie (the two
+#      tokens' logits within that bf16 noise), after 4 tokens at least.
 #   2. serving on a local Ray instance on one GPU: a prefill and two decode workers at --gpus-per-worker
 #      0.25, --device cuda:<that GPU> (each worker maps it to its cuda:0), float32 (bfloat16 batches are
 #      not bitwise batch-invariant), NIXL on device memory (VRAM): colocated, disaggregated and auto give
@@ -34,13 +35,17 @@ check() {  # check NAME COMMAND...: run with a time limit; its last output line 
   log="$logs/$number.log"
   timeout 240 "$@" >"$log" 2>&1
   rc=$?
-  last=$(grep -v '^[[:space:]]*$' "$log" | tail -n 1)
+  # the script's own last line, not a Ray worker's log line ("(DecodeWorker pid=...) ...") printed after it
+  last=$(grep -avE $'^[[:space:]]*$|^(\e\\[[0-9;]*m)?\\(' "$log" | tail -n 1)
   if [ "$rc" -eq 0 ] && [[ "$last" != *MISS* ]]; then
     echo "PASS  $number. $name ($((SECONDS - start)) s): $last"
   elif [ "$rc" -eq 0 ]; then
     echo "MISS  $number. $name ($((SECONDS - start)) s): $last"
     status=1
   else
+    local error
+    error=$(grep -aE '^[A-Za-z_][A-Za-z0-9_.]*(Error|Exception)(:|$)|^error:' "$log" | tail -n 1)
+    last=${error:-$last}
     [ "$rc" -eq 124 ] && last="timed out after 240 s; $last"
     echo "FAIL  $number. $name ($((SECONDS - start)) s, exit $rc): $last"
     status=1
@@ -87,8 +92,19 @@ ours = torch.cat(rows).float().to("cuda")
 err_ours, err_hf = (ours - ref32).abs().max().item(), (ref16 - ref32).abs().max().item()
 [got] = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
 assert err_ours <= 2 * err_hf + 1e-3, f"logits off fp32 by {err_ours:.3g}, transformers bf16 by {err_hf:.3g}"
-assert got.token_ids == want, f"greedy tokens differ: {got.token_ids} vs transformers {want}"
-print(f"max |logit - fp32|: engine {err_ours:.3g}, transformers bf16 {err_hf:.3g}; 16 greedy tokens equal")
+# bf16 results depend on the kernels' shapes (the engine prefills in chunks): greedy runs may part at a near-tie
+same = next((k for k, (a, b) in enumerate(zip(got.token_ids, want)) if a != b), len(want))
+gap = 0.0
+if same < len(want):
+    with torch.no_grad():
+        step = hf16(torch.tensor([prompt + want[:same]], device="cuda")).logits[0, -1].float()
+    gap = abs(step[want[same]] - step[got.token_ids[same]]).item()
+    assert same >= 4 and gap <= 2 * err_hf + 1e-3, (
+        f"greedy tokens part from transformers' at token {same} where its logits differ by {gap:.3g} "
+        f"(bf16 noise {err_hf:.3g}): {got.token_ids} vs {want}"
+    )
+print(f"max |logit - fp32|: engine {err_ours:.3g}, transformers bf16 {err_hf:.3g}; greedy tokens equal for "
+      f"{same} of {len(want)}{'' if same == len(want) else f', then part at a near-tie (logits {gap:.3g} apart)'}")
 EOF
 
 check "serving modes on one GPU, float32, NIXL on VRAM, --gpus-per-worker 0.25" python - <<'EOF'
@@ -116,7 +132,10 @@ with Deployment(config) as d, Client(d.address) as client:
             tokens[mode].append([t for c in chunks for t in c.token_ids])
             moved += chunks[-1].metadata.kv_transfer_bytes if mode == "disaggregated" else 0
     devices = {w.device for w in client.stats()}
-assert tokens["disaggregated"] == tokens["colocated"] == tokens["auto"], tokens
+for mode in ("disaggregated", "auto"):
+    for p, want, got in zip(prompts, tokens["colocated"], tokens[mode]):
+        first = next((k for k, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+        assert got == want, f"{mode}, {len(p)}-token prompt: greedy tokens differ from colocated from token {first}"
 assert devices == {"cuda:0"}, devices
 assert moved > 0
 print(f"3 workers on GPU {gpu}; 3 modes x {len(prompts)} prompts same float32 tokens; {moved / 2**20:.1f} MiB over NIXL")
