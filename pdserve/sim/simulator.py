@@ -51,7 +51,8 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +106,47 @@ class SimResult:
             if r.request_id == request_id:
                 return r
         raise KeyError(request_id)
+
+
+@dataclass
+class SpeedTally:
+    """The simulator's speed over the runs made while it is active (``speed_tally``)."""
+
+    num_runs: int = 0
+    num_steps: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def steps_per_s(self) -> float:
+        """Simulated engine steps per wall-clock second."""
+        return self.num_steps / self.wall_s if self.wall_s > 0 else 0.0
+
+    def add(self, result: SimResult) -> None:
+        self.num_runs += 1
+        self.num_steps += result.num_steps
+        self.wall_s += result.wall_s
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "runs": self.num_runs,
+            "steps": self.num_steps,
+            "wall_s": self.wall_s,
+            "steps_per_s": self.steps_per_s,
+        }
+
+
+_ACTIVE_TALLIES: list[SpeedTally] = []
+
+
+@contextmanager
+def speed_tally() -> Iterator[SpeedTally]:
+    """Count the steps and wall time of every simulator run inside the ``with`` block (nested blocks each count)."""
+    tally = SpeedTally()
+    _ACTIVE_TALLIES.append(tally)
+    try:
+        yield tally
+    finally:
+        _ACTIVE_TALLIES.remove(tally)
 
 
 class _Instance:
@@ -327,7 +369,10 @@ class Simulator:
             self._start_ready()
         if stop is not None:
             self.now = max(self.now, stop)
-        return dataclasses.replace(self._result(), wall_s=time.perf_counter() - wall_start)
+        result = dataclasses.replace(self._result(), wall_s=time.perf_counter() - wall_start)
+        for tally in _ACTIVE_TALLIES:
+            tally.add(result)
+        return result
 
     def _start_ready(self) -> None:
         """Every idle instance with work starts a step, in the deployment's order. Only instances that
