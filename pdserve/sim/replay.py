@@ -272,7 +272,7 @@ def load_recorded_runs(path: str) -> list[RecordedRun]:
         doc, runs = load_results(file)
     except FileNotFoundError:
         raise ValueError(f"--replay: {file}: no such file") from None
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+    except (json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"--replay: {file}: not a results.json of pdserve sim or pdserve bench ({e})") from None
     config = doc.get("config") or {}
     spec = _workload_spec(config, file)
