@@ -12,9 +12,9 @@ import pytest
 import pdserve.engine.scheduler as engine_scheduler
 from pdserve.bench.workloads import WorkloadRequest, interference_workload, random_workload, shared_prefix_workload
 from pdserve.sim.cli import main
-from pdserve.sim.cost_model import RooflineCostModel
+from pdserve.sim.cost_model import LinearCostModel, RooflineCostModel
 from pdserve.sim.cost_profile import CostProfile, PolynomialCostModel
-from pdserve.sim.profiles import get_hardware, get_model
+from pdserve.sim.profiles import LinearProfile, RoleFit, get_hardware, get_model
 from pdserve.sim.simulator import SimConfig, Simulator, simulate
 
 H100_8B = RooflineCostModel(get_hardware("H100"), get_model("Llama-3-8B"))
@@ -130,13 +130,23 @@ def test_coalesced_decode_runs_reproduce_the_step_by_step_run_exactly(monkeypatc
         assert coalesced_calls < plain_calls / 2  # most decode steps were never scheduled one by one
 
 
-@pytest.mark.parametrize(("name", "cost_model"), [("A100 x4, 70B", A100_70B_TP4), ("a polynomial", _polynomial())])
+def _linear() -> LinearCostModel:
+    # the calibrated kind: it prices the decodes' padded keys (read through the generic path)
+    fit = RoleFit((2e-3, 4e-5, 1e-4, 1e-8, 3e-7, 2e-8))
+    return LinearCostModel(LinearProfile(model="tiny", roles={"all": fit}), get_model("tiny"))
+
+
+@pytest.mark.parametrize(
+    ("name", "cost_model"),
+    [("A100 x4, 70B", A100_70B_TP4), ("a polynomial", _polynomial()), ("a linear fit", _linear())],
+)
 def test_coalesced_runs_price_steps_as_the_cost_model_does(monkeypatch, name, cost_model):
     requests = random_workload(80, rate=20.0, output_len_mean=120, seed=7)
     config = SimConfig(chunk_size=512, kv_link_bw=25e9, kv_link_latency_s=20e-6)
     kwargs = {"mode": "disaggregated", "num_prefill": 1, "num_decode": 2}
-    (plain, coalesced), _ = _both_ways(monkeypatch, requests, cost_model, config, **kwargs)
+    (plain, coalesced), (plain_calls, coalesced_calls) = _both_ways(monkeypatch, requests, cost_model, config, **kwargs)
     assert coalesced.records == plain.records and coalesced.steps == plain.steps
+    assert coalesced_calls < plain_calls / 2
 
 
 def test_without_step_records_only_the_count_is_kept():

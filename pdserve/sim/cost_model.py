@@ -250,20 +250,21 @@ DecodePricer = Callable[[int, int, int], float]
 """Seconds of a decode-only step of a fixed batch from ``(context_tokens, kv_read_tokens, decode_keys)``."""
 
 
-def decode_pricer(cost_model: CostModel, num_seqs: int, role: str) -> DecodePricer:
-    """The price of decode-only steps of ``num_seqs`` sequences on ``cost_model`` (``step_time`` of the
-    shape those three numbers complete), bit for bit: the model's own ``decode_pricer`` when it has
-    one (the simulator calls this once per step of a coalesced decode run, so it should be cheap),
-    else ``step_time`` of the whole ``StepShape``."""
+def decode_pricer(cost_model: CostModel, num_seqs: int, role: str) -> tuple[DecodePricer, bool]:
+    """``(price, reads_keys)``: the price of decode-only steps of ``num_seqs`` sequences on ``cost_model``
+    (``step_time`` of the shape those three numbers complete), bit for bit, and whether it reads
+    ``decode_keys`` (else any value will do). The model's own ``decode_pricer`` when it has one (the
+    simulator calls the price once per step of a coalesced decode run, so it should be cheap; such a
+    model's price reads no keys), else ``step_time`` of the whole ``StepShape``."""
     own = getattr(cost_model, "decode_pricer", None)
     if own is not None:
-        return own(num_seqs, role)
+        return own(num_seqs, role), False
 
     def price(context_tokens: int, kv_read_tokens: int, keys: int) -> float:
         shape = StepShape(0, num_seqs, context_tokens, kv_read_tokens, num_seqs, num_seqs, context_tokens, keys)
         return cost_model.step_time(shape, role)
 
-    return price
+    return price, True
 
 
 class StepCost(NamedTuple):

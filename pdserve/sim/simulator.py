@@ -202,6 +202,7 @@ class _DecodeRun:
     first_starts: list[int]
     last_step: int
     price: DecodePricer
+    reads_keys: bool
     groups: list[tuple[int, int]]
     composition: tuple[tuple[str, int], ...]
     starts: list[float]
@@ -216,6 +217,11 @@ class _DecodeRun:
 
     def context_tokens(self, step: int) -> int:
         return sum(self.first_starts) + self.num_seqs * step
+
+    def decode_keys(self, step: int, block_size: int) -> int:
+        """``cost_model.decode_keys`` of step ``step``'s decodes: every context grows by one a step, so
+        the groups stay and each pads to its longest."""
+        return sum(size * (-(-(longest + step - 1) // block_size) * block_size) for size, longest in self.groups)
 
 
 @dataclass
@@ -527,12 +533,14 @@ class Simulator:
             for g in range(0, len(contexts), _DECODE_GROUP)
         ]
         end = self.now + work
+        price, reads_keys = decode_pricer(self.cost_model, len(chunks), inst.cost_role)
         run = _DecodeRun(
             requests=requests,
             clients=[self._clients[c.request_id] for c in chunks],
             first_starts=first_starts,
             last_step=last,
-            price=decode_pricer(self.cost_model, len(chunks), inst.cost_role),
+            price=price,
+            reads_keys=reads_keys,
             groups=groups,
             composition=tuple((c.request_id, 1) for c in chunks),
             starts=[self.now],
@@ -570,7 +578,7 @@ class Simulator:
         starts, ends, deliveries = run.starts, run.ends, run.deliveries
         for i in range(len(ends) + 1, upto + 1):
             context = base + b * (i - 1)
-            keys = sum(size * (-(-(longest + i - 1) // bs) * bs) for size, longest in run.groups)
+            keys = run.decode_keys(i, bs) if run.reads_keys else 0
             start = ends[-1]
             end = start + max(price(context, context - b, keys), 1e-9)
             starts.append(start)
@@ -660,8 +668,7 @@ class Simulator:
             )
         output = SchedulerOutput(chunks, [])
         context = run.context_tokens(j)
-        keys = sum(size * (-(-(longest + j - 1) // bs) * bs) for size, longest in run.groups)
-        shape = StepShape(0, b, context, context - b, b, b, context, keys)
+        shape = StepShape(0, b, context, context - b, b, b, context, run.decode_keys(j, bs))
         started, ended = run.starts[j - 1], run.ends[j - 1]
         inst.output = output
         inst.step = _Step(shape, started, ended - started, started, 1.0, next(self._seq))
