@@ -207,3 +207,37 @@ def test_replay_refuses_what_it_cannot_replay(tmp_path, capsys):
     capsys.readouterr()
     assert main(["--replay", str(other), "--hardware", "A100", "--no-report"]) == 2
     assert "was simulated on H100" in capsys.readouterr().err
+
+
+def test_replay_reads_a_measured_runs_file_as_pdserve_bench_writes_it(tmp_path, capsys):
+    # a measured run's results.json: pdserve bench's arguments as its config, the deployment in each run's
+    # meta, wall-clock send times; here its records and steps are a simulated run's, so the replay
+    # (under the command line's settings) must agree step for step
+    from pdserve.bench.report import RunData, write_report
+    from pdserve.bench.runner import _config
+    from pdserve.bench.runner import build_parser as bench_parser
+    from pdserve.bench.workloads import WorkloadSpec, build_workload
+
+    bench_args = bench_parser().parse_args(["--num-requests", "30", "--rate", "20", "--max-output", "40"])
+    spec = WorkloadSpec(num_requests=30, rate=20.0)
+    requests = [dataclasses.replace(r, max_tokens=min(r.max_tokens, 40)) for r in build_workload(spec).requests]
+    from pdserve.sim.api import SimSettings, Simulation
+
+    config = dataclasses.replace(Simulation(SimSettings()).config, max_num_batched_tokens=512)  # as the replay's
+    run = simulate(requests, H100_8B, config, mode="disaggregated", num_prefill=1, num_decode=2)
+    epoch = 1000.0  # the records clock: the run began 1000 s into it
+    records = [
+        dataclasses.replace(r, send_time=r.send_time + epoch, token_times=[t + epoch for t in r.token_times])
+        for r in run.records
+    ]
+    steps = [s._replace(started=s.started + epoch) for s in run.steps]
+    meta = {"architecture": "disaggregated", "prefill_workers": 1, "decode_workers": 2}
+    write_report(
+        str(tmp_path), [RunData("disaggregated", records, steps, meta=meta)], config=_config(bench_args, "random")
+    )
+    argv = ["--replay", str(tmp_path), "--json", "--no-report", "--max-num-batched-tokens", "512"]
+    assert main(argv) == 0
+    (report,) = json.loads(capsys.readouterr().out)["replay"]
+    assert report["name"] == "disaggregated" and report["num_steps"] == len(steps)
+    assert report["step_agreement"] == 1.0 and report["passed"]
+    assert report["replayed_ms"]["ITL p50"] == pytest.approx(report["recorded_ms"]["ITL p50"], rel=1e-6)

@@ -276,6 +276,8 @@ def load_recorded_runs(path: str) -> list[RecordedRun]:
         raise ValueError(f"--replay: {file}: not a results.json of pdserve sim or pdserve bench ({e})") from None
     config = doc.get("config") or {}
     spec = _workload_spec(config, file)
+    measured = isinstance(config.get("workload"), str)
+    output_cap = config.get("max_output") if measured else None  # pdserve bench --max-output
     out = []
     for run in runs:
         if not run.steps:
@@ -297,7 +299,7 @@ def load_recorded_runs(path: str) -> list[RecordedRun]:
             )
         else:
             raise ValueError(f"--replay: {file}: run {run.name!r} does not say its architecture")
-        requests = _regenerated(spec, run.records, file, run.name)
+        requests = _regenerated(spec, run.records, file, run.name, output_cap)
         sim_config = _sim_config(meta) if simulated else None
         origin = 0.0 if simulated else None  # a simulated run's clock starts at the workload's 0
         out.append(
@@ -336,18 +338,22 @@ def _workload_spec(config: Mapping[str, Any], file: str) -> Any:
             args = argparse.Namespace(**config)
             if args.rate == "inf":
                 args.rate = math.inf
-            return workload_spec_from_args(args, workload)
+            return workload_spec_from_args(args, workload, default_requests=64)  # pdserve bench's default
     except (TypeError, AttributeError, ValueError) as e:
         raise ValueError(f"--replay: {file}: its workload settings cannot be read ({e})") from None
     raise ValueError(f"--replay: {file}: it does not record its workload's settings")
 
 
-def _regenerated(spec: Any, records: Sequence[RequestRecord], file: str, name: str) -> list[WorkloadRequest]:
+def _regenerated(
+    spec: Any, records: Sequence[RequestRecord], file: str, name: str, output_cap: int | None
+) -> list[WorkloadRequest]:
     from pdserve.bench.workloads import build_workload
 
     if spec.kind == "sharegpt":
         raise ValueError(f"--replay: {file}: a sharegpt workload cannot be regenerated from its settings")
     requests = build_workload(spec).requests
+    if output_cap:
+        requests = [dataclasses.replace(r, max_tokens=min(r.max_tokens, int(output_cap))) for r in requests]
     lengths = {r.request_id: r.num_prompt_tokens for r in records}
     if {r.request_id for r in requests} != set(lengths) or any(
         lengths[r.request_id] != r.num_prompt_tokens for r in requests
