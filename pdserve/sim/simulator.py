@@ -38,6 +38,13 @@ just before it (the prompts it is computing included) plus the prompts admitted 
 
 ``step_durations`` (trace replay, ``sim.replay``) replaces the cost model: an instance's ``k``-th step
 lasts the ``k``-th recorded duration of that instance; ``step_gaps``, the loop's time after it.
+Speed: a decode instance whose step is decode-only with nothing waiting runs the same batch step
+after step until a request finishes or something reaches it. Such a run of steps (``_DecodeRun``) is
+planned ahead, each step priced by the cost model and the clock advanced by the same additions as one
+event per step would, and applied to the scheduler, the requests and the step records only when
+something reaches the instance or the run ends, in the order the steps one by one would have; the
+results are the same bit for bit (``coalesce_decode_steps=False`` runs step by step).
+
 The simulator is deterministic for a given seed.
 """
 
@@ -93,7 +100,7 @@ class SimResult:
     @property
     def steps_per_s(self) -> float:
         """The simulator's speed: simulated engine steps per wall-clock second."""
-        return self.num_steps / self.wall_s if self.wall_s > 0 else math.inf
+        return self.num_steps / self.wall_s if self.wall_s > 0 else 0.0
 
     def metrics(self, slo_ms: dict[str, float] | str | None = None) -> BenchmarkMetrics:
         return compute_metrics(self.records, slo_ms)
