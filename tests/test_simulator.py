@@ -98,8 +98,9 @@ def test_max_num_seqs_changes_the_schedule(monkeypatch):
 
     monkeypatch.setattr(engine_scheduler.Scheduler, "schedule", spy)
     reqs = [WorkloadRequest(f"r{i}", [i % 256] * 100, 20, 0.0) for i in range(8)]
-    two = simulate(reqs, H100_8B, SimConfig(max_num_seqs=2))
-    eight = simulate(reqs, H100_8B, SimConfig(max_num_seqs=8))
+    # step by step (no coalesced decode runs): every step is one call of the engine's schedule()
+    two = simulate(reqs, H100_8B, SimConfig(max_num_seqs=2, coalesce_decode_steps=False))
+    eight = simulate(reqs, H100_8B, SimConfig(max_num_seqs=8, coalesce_decode_steps=False))
     assert max(s.num_seqs for s in two.steps) == 2
     assert max(s.num_seqs for s in eight.steps) == 8
     assert len(two.steps) > len(eight.steps)
@@ -191,9 +192,9 @@ def test_requests_are_routed_by_the_routers_policy(monkeypatch):
     real_route = policy_mod.RoutingPolicy.route
     calls = []
 
-    def always_decode_1(self, prompt, max_tokens, mode):
+    def always_decode_1(self, prompt, max_tokens, mode, block_hashes=None):
         calls.append(mode)
-        return real_route(self, prompt, max_tokens, mode)._replace(decode_worker="decode-1")
+        return real_route(self, prompt, max_tokens, mode, block_hashes)._replace(decode_worker="decode-1")
 
     monkeypatch.setattr(policy_mod.RoutingPolicy, "route", always_decode_1)
     pinned = simulate(reqs, H100_8B, SimConfig(), num_instances=2)

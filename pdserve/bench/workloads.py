@@ -153,7 +153,7 @@ def lognormal_lengths(n: int, mean: float, sigma: float, low: int, high: int, rn
 
 
 def random_tokens(n: int, rng: np.random.Generator, high: int = TOKEN_ID_HIGH) -> list[int]:
-    return [int(t) for t in rng.integers(0, high, size=n)]
+    return rng.integers(0, high, size=n).tolist()
 
 
 def random_workload(

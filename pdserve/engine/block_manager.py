@@ -30,10 +30,13 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
     return h.digest()
 
 
-def compute_block_hashes(token_ids: list[int], block_size: int, start: list[bytes] | None = None) -> list[bytes]:
-    """Hashes of every full block of ``token_ids``, extending the already known ``start`` list."""
+def compute_block_hashes(
+    token_ids: list[int], block_size: int, start: list[bytes] | None = None, num_blocks: int | None = None
+) -> list[bytes]:
+    """Hashes of every full block of ``token_ids`` (of its first ``num_blocks`` when given), extending the
+    already known ``start`` list."""
     hashes = list(start or [])
-    for i in range(len(hashes), len(token_ids) // block_size):
+    for i in range(len(hashes), len(token_ids) // block_size if num_blocks is None else num_blocks):
         parent = hashes[-1] if hashes else None
         hashes.append(hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size]))
     return hashes
@@ -156,9 +159,7 @@ class BlockManager:
         if len(known) > num_full:
             request.block_hashes = known[:num_full]
         elif len(known) < num_full:
-            request.block_hashes = compute_block_hashes(
-                request.all_token_ids[: num_full * self.block_size], self.block_size, known
-            )
+            request.block_hashes = compute_block_hashes(request.all_token_ids, self.block_size, known, num_full)
         leading = min(request.num_registered_blocks, num_full)
         for i in range(leading, num_full):
             block_id, block_hash = request.block_ids[i], request.block_hashes[i]

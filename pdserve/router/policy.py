@@ -9,6 +9,7 @@ a hint; the worker's own prefix cache has the final word when it reserves or sch
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -122,14 +123,19 @@ class RoutingPolicy:
         self.decode = {w: WorkerView(w) for w in decode_workers}
         self.prefill = {w: WorkerView(w) for w in prefill_workers}
 
-    def route(self, prompt: list[int], max_tokens: int, mode: str | None) -> Route:
-        """Choose workers and resolve ``auto``; does not change the view (see ``start``)."""
+    def route(
+        self, prompt: list[int], max_tokens: int, mode: str | None, block_hashes: Sequence[bytes] | None = None
+    ) -> Route:
+        """Choose workers and resolve ``auto``; does not change the view (see ``start``). ``block_hashes``:
+        the prompt's ``compute_block_hashes`` when the caller has them already (else computed here)."""
         mode = mode or self.config.default_mode
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if mode != "colocated" and not self.prefill:
             raise ValueError(f"mode {mode!r} needs a prefill worker; this deployment has none")
-        hashes = compute_block_hashes(prompt, self.config.block_size)[: (len(prompt) - 1) // self.config.block_size]
+        if block_hashes is None:
+            block_hashes = compute_block_hashes(prompt, self.config.block_size)
+        hashes = list(block_hashes[: (len(prompt) - 1) // self.config.block_size])
         decodes = [v for v in self.decode.values() if v.available]
         if not decodes:
             raise NoWorkerAvailable("no decode worker is available (all are dead or restarting)")
@@ -165,11 +171,15 @@ class RoutingPolicy:
         return view is not None and view.available
 
     # ---- bookkeeping: the router calls these as requests move ----------------------------------
-    def start(self, route: Route, prompt: list[int], max_tokens: int) -> None:
+    def start(
+        self, route: Route, prompt: list[int], max_tokens: int, block_hashes: Sequence[bytes] | None = None
+    ) -> None:
         decode = self.decode[route.decode_worker]
         decode.outstanding_tokens += len(prompt) - route.expected_cached_tokens + max_tokens
         decode.num_requests += 1
-        hashes = compute_block_hashes(prompt, self.config.block_size)
+        hashes = (
+            list(block_hashes) if block_hashes is not None else compute_block_hashes(prompt, self.config.block_size)
+        )
         if self.config.prefix_caching:
             decode.remember(hashes, self.config.prefix_index_blocks)
         if route.prefill_worker is not None:

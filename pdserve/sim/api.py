@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from pdserve.sim.cost_model import CostModel
     from pdserve.sim.demo import ChunkingComparison, DemoArchitecture, DemoResult
     from pdserve.sim.experiments import Architecture, PDRow
+    from pdserve.sim.replay import ReplayReport
     from pdserve.sim.simulator import SimResult
 
 DEFAULT_CALIBRATION = os.path.join("results", "cpu-profile.json")
@@ -64,6 +65,14 @@ class SimSettings:
         None,
         "step costs from per-phase polynomials in a JSON file (replaces --hardware and --model-profile; "
         "the format is in docs/simulator.md)",
+    )
+    coalesce_decode_steps: bool = option(
+        True,
+        "advance a decode instance's runs of identical decode-only steps at once (the same results, faster)",
+        flag="--no-coalesce",
+    )
+    keep_steps: bool = option(
+        True, "keep every step's record (timelines, results.json); --no-steps only counts them", flag="--no-steps"
     )
     slo: str = option("", "SLOs in ms, e.g. ttft=200,tpot=50")
     itl_target_ms: float = option(50.0, "the inter-token latency target in ms (demo, sweep knee)")
@@ -136,6 +145,8 @@ class Simulation:
             step_tail=settings.step_tail,
             seed=settings.seed,
             auto_min_remote_tokens=settings.auto_min_remote_tokens,
+            coalesce_decode_steps=settings.coalesce_decode_steps,
+            keep_steps=settings.keep_steps,
         )
 
     def demo(
@@ -249,6 +260,34 @@ class Simulation:
             min_duration_s=min_duration_s,
             progress=progress,
         )
+
+    def replay(self, path: str) -> list[tuple[str, ReplayReport]]:
+        """Every run of a results file (``sim.replay.load_recorded_runs``) replayed with its recorded step
+        durations: ``(run name, report)`` each. A simulated run replays under its own simulator settings
+        and must have been simulated on this cost model; a measured run under these settings (the engine
+        options and latencies: give the run's, e.g. ``hardware="cpu-measured"``). Raises ValueError for
+        a file that cannot be replayed."""
+        from pdserve.sim.replay import load_recorded_runs, replay
+
+        out = []
+        for run in load_recorded_runs(path):
+            if run.cost_model is not None and run.cost_model != self.cost_model.name:
+                raise ValueError(
+                    f"--replay: run {run.name!r} was simulated on {run.cost_model}, not {self.cost_model.name}: "
+                    "give its --hardware, --model-profile (or --cost-profile) and --tp"
+                )
+            report = replay(
+                run.requests,
+                run.records,
+                run.steps,
+                self.cost_model,
+                run.sim_config or self.config,
+                mode=run.mode,
+                time_origin=run.time_origin,
+                **run.counts,
+            )
+            out.append((run.name, report))
+        return out
 
     def goodput(
         self, spec: WorkloadSpec, attainment: float = 0.9, search_rate: bool = True, min_duration_s: float = 0.0

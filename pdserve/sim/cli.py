@@ -12,8 +12,12 @@ workload on the chosen architecture(s) and writes a report):
 - ``--pd-search N``: colocated vs every P:D split of N GPUs, disaggregated and auto, goodput per GPU
   under ``--slo``
 - ``--calibrate [PATH]``: measure our engine on this CPU and write the cpu-measured profile JSON
+- ``--replay FILE``: replay the runs of a ``results.json`` (``pdserve sim``'s or ``pdserve bench``'s
+  ``--out``) with their recorded step durations: step agreement and latency figures, replay vs run
 - ``--serve``: serve the explorer's playground (a web page that runs the demo above for its controls)
   on ``--serve-host``:``--serve-port`` until interrupted; no cluster needed
+
+Every run ends with the simulator's speed (simulated engine steps per wall-clock second).
 
 Exit status: 0 on success, 2 on bad arguments or configuration (message on stderr).
 """
@@ -62,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_arguments(p)
     g = p.add_argument_group("output")
     g.add_argument("--out", default=DEFAULT_OUT, help="results directory")
+    g.add_argument(
+        "--no-report",
+        action="store_true",
+        help="write no files, print only (long runs: results.json holds every token)",
+    )
     _add_action_arguments(p)
     _add_goodput_arguments(p)
     return p
@@ -123,6 +132,13 @@ def _add_action_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calibrate-budget-s", type=float, default=40.0, help="calibration: seconds to spend")
     g.add_argument("--torch-threads", type=int, default=None, help="calibration: torch threads of the engine")
     g.add_argument("--sweep", default=None, metavar="chunk=128,256,...", help="chunk-size sweep")
+    g.add_argument(
+        "--replay",
+        default=None,
+        metavar="FILE",
+        help="replay the runs of FILE (a results.json of pdserve sim or pdserve bench --out, or its directory) "
+        "with their recorded step durations: step agreement and TTFT/ITL of the replay vs the run",
+    )
     g.add_argument("--quiet", action="store_true", help="print nothing but errors")
     g.add_argument("--serve", action="store_true", help="serve the explorer's playground page (Ctrl-C stops)")
     g.add_argument("--serve-host", default="127.0.0.1", help="--serve: the address to listen on")
@@ -164,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the actions ``args`` ask for and write their report; returns the exit status.
 
     Raises ValueError on bad arguments or configuration."""
-    from pdserve.bench.report import write_report
+    from pdserve.sim.simulator import speed_tally
 
     say = (lambda *a: None) if args.quiet or args.json else print
     if args.serve:
@@ -174,12 +190,33 @@ def run(args: argparse.Namespace) -> int:
         if not (args.demo or args.sweep or args.pd_search):
             return 0
     sim = Simulation(settings_from_args(args))
-    os.makedirs(args.out, exist_ok=True)
     actions = [(args.demo, run_demo), (args.sweep, run_sweep), (args.pd_search, run_pd_search)]
-    actions.append((args.goodput, run_goodput))
-    findings = [action(args, sim, say) for wanted, action in actions if wanted]
-    if not findings:
-        findings = [run_architectures(args, sim, say)]
+    actions += [(args.goodput, run_goodput), (args.replay, run_replay)]
+    with speed_tally() as speed:
+        findings = [action(args, sim, say) for wanted, action in actions if wanted]
+        if not findings:
+            findings = [run_architectures(args, sim, say)]
+    if speed.num_runs:
+        say(
+            f"simulator speed: {speed.num_steps:,} steps in {speed.wall_s:.1f} s over {speed.num_runs} run(s), "
+            f"{speed.steps_per_s:,.0f} simulated steps per second"
+        )
+    if not args.no_report:
+        write_files(args, sim, findings, say)
+    if args.json:
+        print(
+            json.dumps(
+                {**json_document(args, sim, findings), "speed": speed.to_dict()}, indent=2, default=_json_default
+            )
+        )
+    return 0
+
+
+def write_files(args: argparse.Namespace, sim: Simulation, findings: list[Findings], say: Callable[..., None]) -> None:
+    """The report of every action run: ``--out``'s results.json, report.md and plots."""
+    from pdserve.bench.report import write_report
+
+    os.makedirs(args.out, exist_ok=True)
     files = write_report(
         args.out,
         [r for f in findings for r in f.runs],
@@ -204,9 +241,6 @@ def run(args: argparse.Namespace) -> int:
         extra_plots=_merged(*(f.plots for f in findings)),
     )
     say(f"wrote {files.report_md} and {len(files.all_paths()) - 1} other files in {args.out}")
-    if args.json:
-        print(json.dumps(json_document(args, sim, findings), indent=2, default=_json_default))
-    return 0
 
 
 def serve_explorer(host: str, port: int) -> int:
@@ -351,6 +385,36 @@ def run_goodput(args: argparse.Namespace, sim: Simulation, say: Callable[..., No
     )
 
 
+def run_replay(args: argparse.Namespace, sim: Simulation, say: Callable[..., None]) -> Findings:
+    """``--replay FILE``: each recorded run replayed with its own step durations, against the run."""
+    from pdserve.sim.replay import AGREEMENT_TARGET, FIGURES, P50_TOLERANCE
+
+    reports = sim.replay(args.replay)
+    notes = []
+    for name, rep in reports:
+        say(
+            f"replay of {name}: {rep.num_steps} steps compared, step agreement {100 * rep.step_agreement:.1f}% "
+            f"({rep.num_matched} match; {rep.unreplayed_steps} past the recorded steps)"
+        )
+        say(f"  {'figure':<9} {'replay ms':>10} {'run ms':>10} {'error':>8}")
+        for figure in FIGURES:
+            say(
+                f"  {figure:<9} {rep.replayed[figure]:10.2f} {rep.recorded[figure]:10.2f} "
+                f"{100 * rep.error(figure):+7.1f}%"
+            )
+        verdict = "pass" if rep.passed else "fail"
+        say(
+            f"  {verdict}: step agreement >= {100 * AGREEMENT_TARGET:.0f}% and TTFT p50, ITL p50 within "
+            f"{100 * P50_TOLERANCE:.0f}%"
+        )
+        notes.append(f"Replay of {name}: step agreement {100 * rep.step_agreement:.1f}%, {verdict}")
+    return Findings(
+        config={"replay_file": args.replay},
+        extra={"replay": [{"name": name, **rep.to_dict()} for name, rep in reports]},
+        notes=notes,
+    )
+
+
 def _goodput_note(args: argparse.Namespace, num_requests: int) -> str:
     return (
         f"Goodput: the highest request rate at which {100 * args.attainment:.0f}% of requests meet every SLO "
@@ -383,7 +447,14 @@ def json_document(args: argparse.Namespace, sim: Simulation, findings: list[Find
     runs = [r for f in findings for r in f.runs]
     if runs:
         doc["runs"] = [
-            {"name": r.name, "num_gpus": r.meta.get("num_gpus"), **r.metrics(sim.slo_ms).to_dict()} for r in runs
+            {
+                "name": r.name,
+                "num_gpus": r.meta.get("num_gpus"),
+                "num_steps": r.meta.get("num_steps"),
+                "steps_per_s": r.meta["num_steps"] / r.meta["wall_s"] if r.meta.get("wall_s") else None,
+                **r.metrics(sim.slo_ms).to_dict(),
+            }
+            for r in runs
         ]
     rows = [row for f in findings for row in (f.pd_rows or [])]
     if rows:
@@ -425,7 +496,8 @@ def run_architectures(args: argparse.Namespace, sim: Simulation, say: Callable[.
     for run in sim.architectures(build_workload(spec).requests, max_concurrency=args.max_concurrency):
         res = run.result
         kv_moved = res.kv_bytes_moved if run.mode != "colocated" else None
-        runs.append(RunData(run.name, res.records, res.steps, kv_moved, meta={**res.config, "num_gpus": res.num_gpus}))
+        meta = {**res.config, "num_gpus": res.num_gpus, "num_steps": res.num_steps, "wall_s": res.wall_s}
+        runs.append(RunData(run.name, res.records, res.steps, kv_moved, meta=meta))
     say(markdown_table([(r.name, r.metrics(sim.slo_ms), r.kv_bytes_moved) for r in runs]))
     return Findings(runs=runs, config={"workload": spec.to_dict()})
 

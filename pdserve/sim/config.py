@@ -45,6 +45,11 @@ class SimConfig:
     instance runs a step too (``1 + k * busy / others`` in between; the cores and memory are shared),
     re-timed whenever another instance starts or ends a step; 0 (GPU instances share nothing).
     ``auto_*`` are the router's auto thresholds (``router.policy.RouterConfig``, same defaults).
+
+    Speed, not results: ``coalesce_decode_steps`` advances a decode instance's runs of identical
+    decode-only steps without an event per step (the same steps and token times; it applies where no
+    tail, co-run slowdown, loop gap, stop time or replay is set). ``keep_steps=False`` keeps no step
+    records (a fleet-scale run's millions), only their count.
     """
 
     block_size: int = _ENGINE_DEFAULTS.block_size
@@ -68,6 +73,8 @@ class SimConfig:
     seed: int = 0
     auto_min_remote_tokens: int = _ROUTER_DEFAULTS.auto_min_remote_tokens
     auto_max_prefill_queue_tokens: int = _ROUTER_DEFAULTS.auto_max_prefill_queue_tokens
+    coalesce_decode_steps: bool = True
+    keep_steps: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs"):

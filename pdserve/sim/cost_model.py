@@ -39,7 +39,7 @@ under-price such a step and, fitted over many uniform ones, over-price the unifo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from pdserve.engine.scheduler import chunk_context_tokens  # the engine's own count: simulator and StepStats agree
@@ -56,6 +56,7 @@ DEFAULT_BLOCK_SIZE = 16  # engine.EngineConfig().block_size
 __all__ = [
     "ROLES",
     "CostModel",
+    "DecodePricer",
     "LinearCostModel",
     "RooflineCostModel",
     "StepCost",
@@ -245,6 +246,27 @@ class CostModel(Protocol):
     def kv_capacity_tokens(self) -> int: ...
 
 
+DecodePricer = Callable[[int, int, int], float]
+"""Seconds of a decode-only step of a fixed batch from ``(context_tokens, kv_read_tokens, decode_keys)``."""
+
+
+def decode_pricer(cost_model: CostModel, num_seqs: int, role: str) -> tuple[DecodePricer, bool]:
+    """``(price, reads_keys)``: the price of decode-only steps of ``num_seqs`` sequences on ``cost_model``
+    (``step_time`` of the shape those three numbers complete), bit for bit, and whether it reads
+    ``decode_keys`` (else any value will do). The model's own ``decode_pricer`` when it has one (the
+    simulator calls the price once per step of a coalesced decode run, so it should be cheap; such a
+    model's price reads no keys), else ``step_time`` of the whole ``StepShape``."""
+    own = getattr(cost_model, "decode_pricer", None)
+    if own is not None:
+        return own(num_seqs, role), False
+
+    def price(context_tokens: int, kv_read_tokens: int, keys: int) -> float:
+        shape = StepShape(0, num_seqs, context_tokens, kv_read_tokens, num_seqs, num_seqs, context_tokens, keys)
+        return cost_model.step_time(shape, role)
+
+    return price, True
+
+
 class StepCost(NamedTuple):
     """A roofline step's parts (seconds); ``total`` is what the simulator advances the clock by."""
 
@@ -296,6 +318,28 @@ class RooflineCostModel:
     def step_time(self, shape: StepShape, role: str = "colocated") -> float:
         """The roofline prices every role alike (a prefill instance just never runs decodes)."""
         return self.breakdown(shape).total
+
+    def decode_pricer(self, num_seqs: int, role: str = "colocated") -> DecodePricer:
+        """``step_time`` of decode-only steps of ``num_seqs`` sequences: ``breakdown``'s arithmetic in
+        the same order (the same floats), with the parts that depend on the batch size alone computed once."""
+        m, hw, tp, tokens = self.model, self.hardware, self.tp, num_seqs
+        if not tokens:
+            return lambda context_tokens, kv_read_tokens, keys: 0.0
+        flops_base = 2 * m.matmul_params * tokens + 2 * m.lm_head_params * tokens
+        attn, kv_bytes, weights_per_rank = m.attn_flops_per_context_token, m.kv_bytes_per_token, m.weight_bytes / tp
+        all_reduce = 0.0
+        if tp > 1:
+            payload = tokens * m.hidden_size * m.dtype_bytes
+            all_reduce = 2 * m.num_layers * (hw.allreduce_latency_s + 2 * (tp - 1) / tp * payload / hw.interconnect_bw)
+        peak, bw, overhead, use_max = self._flops, self._bw, hw.step_overhead_s, self.combine == "max"
+
+        def price(context_tokens: int, kv_read_tokens: int, keys: int) -> float:
+            compute = (flops_base + attn * context_tokens) / tp / peak
+            memory = (weights_per_rank + kv_bytes * (kv_read_tokens + tokens) / tp) / bw
+            body = max(compute, memory) if use_max else compute + memory
+            return overhead + body + all_reduce
+
+        return price
 
     def kv_capacity_tokens(self) -> int:
         """Tokens of KV that fit in one instance (``tp`` GPUs) after the weights. Raises ValueError if

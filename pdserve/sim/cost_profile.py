@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,6 +188,12 @@ class PolynomialCostModel:
     def decode_ms(self, context_tokens: int, batch_size: int) -> float:
         d, e, f = self.profile.decode_ms
         return d + e * context_tokens + f * batch_size
+
+    def decode_pricer(self, num_seqs: int, role: str = "colocated") -> Callable[[int, int, int], float]:
+        """``step_time`` of decode-only steps of ``num_seqs`` sequences, the same floats."""
+        if not num_seqs:
+            return lambda context_tokens, kv_read_tokens, keys: 0.0
+        return lambda context_tokens, kv_read_tokens, keys: (0.0 + self.decode_ms(context_tokens, num_seqs)) / 1000.0
 
     def step_time(self, shape: StepShape, role: str = "colocated") -> float:
         """Seconds: the prefill part over the step's prompt tokens, the decode part over its decodes'

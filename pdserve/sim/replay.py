@@ -237,3 +237,140 @@ def replay_simulated(
         time_origin=0.0,
         **counts,
     )
+
+
+@dataclass(frozen=True)
+class RecordedRun:
+    """One run of a results file, ready to replay: the architecture, the requests it sent (regenerated
+    from the file's workload settings), its records and steps, and, for a simulated run, its simulator
+    settings (``None`` for a measured run: the replay then takes the caller's)."""
+
+    name: str
+    mode: str
+    counts: dict[str, int]
+    requests: list[WorkloadRequest]
+    records: list[RequestRecord]
+    steps: list[StepStats]
+    sim_config: SimConfig | None
+    time_origin: float | None
+    cost_model: str | None = None  # a simulated run's cost model (``CostModel.name``)
+
+
+def load_recorded_runs(path: str) -> list[RecordedRun]:
+    """The runs of a ``results.json`` (or of the directory holding one) that ``pdserve sim`` or
+    ``pdserve bench`` wrote with ``--out``: every request's send and token times, every worker's steps,
+    the architecture and the workload settings. Raises ValueError for a file that is missing, is not such
+    a document, or whose runs lack what a replay needs (steps with worker names, a generated workload
+    whose prompts match the records)."""
+    import json
+    import os
+
+    from pdserve.bench.report import load_results
+
+    file = os.path.join(path, "results.json") if os.path.isdir(path) else path
+    try:
+        doc, runs = load_results(file)
+    except FileNotFoundError:
+        raise ValueError(f"--replay: {file}: no such file") from None
+    except (json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"--replay: {file}: not a results.json of pdserve sim or pdserve bench ({e})") from None
+    config = doc.get("config") or {}
+    spec = _workload_spec(config, file)
+    measured = isinstance(config.get("workload"), str)
+    output_cap = config.get("max_output") if measured else None  # pdserve bench --max-output
+    out = []
+    for run in runs:
+        if not run.steps:
+            raise ValueError(f"--replay: {file}: run {run.name!r} kept no steps (recorded with --no-steps?)")
+        meta = dict(run.meta)
+        simulated = "sim" in meta and "mode" in meta
+        if simulated:
+            mode = str(meta["mode"])
+            counts = (
+                {"num_instances": int(meta["num_instances"])}
+                if mode == "colocated"
+                else {"num_prefill": int(meta["num_prefill"]), "num_decode": int(meta["num_decode"])}
+            )
+        elif "architecture" in meta:
+            mode = str(meta["architecture"])
+            prefill, decode = int(meta.get("prefill_workers") or 0), int(meta.get("decode_workers") or 1)
+            counts = (
+                {"num_instances": decode} if mode == "colocated" else {"num_prefill": prefill, "num_decode": decode}
+            )
+        else:
+            raise ValueError(f"--replay: {file}: run {run.name!r} does not say its architecture")
+        requests = _regenerated(spec, run.records, file, run.name, output_cap)
+        sim_config = _sim_config(meta) if simulated else None
+        origin = 0.0 if simulated else None  # a simulated run's clock starts at the workload's 0
+        out.append(
+            RecordedRun(
+                run.name,
+                mode,
+                counts,
+                requests,
+                list(run.records),
+                list(run.steps),
+                sim_config,
+                origin,
+                str(meta["cost_model"]) if simulated and "cost_model" in meta else None,
+            )
+        )
+    if not out:
+        raise ValueError(f"--replay: {file}: no runs in it")
+    return out
+
+
+def _workload_spec(config: Mapping[str, Any], file: str) -> Any:
+    """The workload settings of a results document: ``pdserve sim``'s spec, or ``pdserve bench``'s arguments."""
+    import argparse
+    import math
+
+    from pdserve.bench.workloads import WorkloadSpec, workload_spec_from_args
+
+    workload = config.get("workload")
+    try:
+        if isinstance(workload, dict):
+            values = {k: v for k, v in workload.items() if k in WorkloadSpec.__dataclass_fields__}
+            if values.get("rate") == "inf":
+                values["rate"] = math.inf
+            return WorkloadSpec(**values)
+        if isinstance(workload, str):
+            args = argparse.Namespace(**config)
+            if args.rate == "inf":
+                args.rate = math.inf
+            return workload_spec_from_args(args, workload, default_requests=64)  # pdserve bench's default
+    except (TypeError, AttributeError, ValueError) as e:
+        raise ValueError(f"--replay: {file}: its workload settings cannot be read ({e})") from None
+    raise ValueError(f"--replay: {file}: it does not record its workload's settings")
+
+
+def _regenerated(
+    spec: Any, records: Sequence[RequestRecord], file: str, name: str, output_cap: int | None
+) -> list[WorkloadRequest]:
+    from pdserve.bench.workloads import build_workload
+
+    if spec.kind == "sharegpt":
+        raise ValueError(f"--replay: {file}: a sharegpt workload cannot be regenerated from its settings")
+    requests = build_workload(spec).requests
+    if output_cap:
+        requests = [dataclasses.replace(r, max_tokens=min(r.max_tokens, int(output_cap))) for r in requests]
+    lengths = {r.request_id: r.num_prompt_tokens for r in records}
+    if {r.request_id for r in requests} != set(lengths) or any(
+        lengths[r.request_id] != r.num_prompt_tokens for r in requests
+    ):
+        raise ValueError(
+            f"--replay: {file}: run {name!r}: the workload regenerated from the file's settings is not the one "
+            "recorded (other request ids or prompt lengths)"
+        )
+    return requests
+
+
+def _sim_config(meta: Mapping[str, Any]) -> SimConfig:
+    """A simulated run's ``SimConfig`` (its KV pool and token budget as the run sized them)."""
+    recorded = dict(meta["sim"])
+    values = {
+        k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items() if k in SimConfig.__dataclass_fields__
+    }
+    values["num_kv_blocks"] = meta.get("num_kv_blocks", values.get("num_kv_blocks"))
+    values["max_num_batched_tokens"] = meta.get("max_num_batched_tokens", values.get("max_num_batched_tokens"))
+    return SimConfig(**values)

@@ -38,35 +38,48 @@ just before it (the prompts it is computing included) plus the prompts admitted 
 
 ``step_durations`` (trace replay, ``sim.replay``) replaces the cost model: an instance's ``k``-th step
 lasts the ``k``-th recorded duration of that instance; ``step_gaps``, the loop's time after it.
+Speed: a decode instance whose step is decode-only with nothing waiting runs the same batch step
+after step until a request finishes or something reaches it. Such a run of steps (``_DecodeRun``) is
+planned ahead, each step priced by the cost model and the clock advanced by the same additions as one
+event per step would, and applied to the scheduler, the requests and the step records only when
+something reaches the instance or the run ends, in the order the steps one by one would have; the
+results are the same bit for bit (``coalesce_decode_steps=False`` runs step by step).
+
 The simulator is deterministic for a given seed.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import gc
 import heapq
 import itertools
 import math
 import random
+import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.bench.metrics import BenchmarkMetrics, RequestRecord, compute_metrics
 from pdserve.bench.workloads import WorkloadRequest
 from pdserve.engine import remote_kv
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.block_manager import BlockManager, compute_block_hashes
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.messages import StepStats
 from pdserve.router.policy import Route, RouterConfig, RoutingPolicy
 from pdserve.sim.config import SimConfig
-from pdserve.sim.cost_model import CostModel, StepShape
+from pdserve.sim.cost_model import DECODE_GROUP_SIZE, CostModel, DecodePricer, StepShape, decode_pricer
 from pdserve.sim.profiles import quantile_at
 
 MODES = ("colocated", "disaggregated", "auto")
+_DECODE_GROUP = DECODE_GROUP_SIZE  # the engine's decode attention groups (the keys a decode step reads)
+_RUN_PLAN_STEPS = 8  # a coalesced run plans this many steps ahead at first, then doubles
 DUMMY_TOKEN = 0  # what a simulated step "samples"; never EOS (requests run to max_tokens)
 
 
@@ -82,6 +95,13 @@ class SimResult:
     num_gpus: int = 1
     config: dict[str, Any] = field(default_factory=dict)
     step_chunks: tuple[tuple[tuple[str, int], ...], ...] = ()  # per step (as ``steps``): (request id, tokens)
+    num_steps: int = 0  # steps simulated (also when the config keeps no step records)
+    wall_s: float = 0.0  # wall-clock seconds the simulation took
+
+    @property
+    def steps_per_s(self) -> float:
+        """The simulator's speed: simulated engine steps per wall-clock second."""
+        return self.num_steps / self.wall_s if self.wall_s > 0 else 0.0
 
     def metrics(self, slo_ms: dict[str, float] | str | None = None) -> BenchmarkMetrics:
         return compute_metrics(self.records, slo_ms)
@@ -94,6 +114,47 @@ class SimResult:
             if r.request_id == request_id:
                 return r
         raise KeyError(request_id)
+
+
+@dataclass
+class SpeedTally:
+    """The simulator's speed over the runs made while it is active (``speed_tally``)."""
+
+    num_runs: int = 0
+    num_steps: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def steps_per_s(self) -> float:
+        """Simulated engine steps per wall-clock second."""
+        return self.num_steps / self.wall_s if self.wall_s > 0 else 0.0
+
+    def add(self, result: SimResult) -> None:
+        self.num_runs += 1
+        self.num_steps += result.num_steps
+        self.wall_s += result.wall_s
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "runs": self.num_runs,
+            "steps": self.num_steps,
+            "wall_s": self.wall_s,
+            "steps_per_s": self.steps_per_s,
+        }
+
+
+_ACTIVE_TALLIES: list[SpeedTally] = []
+
+
+@contextmanager
+def speed_tally() -> Iterator[SpeedTally]:
+    """Count the steps and wall time of every simulator run inside the ``with`` block (nested blocks each count)."""
+    tally = SpeedTally()
+    _ACTIVE_TALLIES.append(tally)
+    try:
+        yield tally
+    finally:
+        _ACTIVE_TALLIES.remove(tally)
 
 
 class _Instance:
@@ -113,6 +174,7 @@ class _Instance:
         self.num_steps_started = 0
         self.tick_waiting_tokens = 0  # a prefill instance: waiting prompt tokens just before the running step
         self.admitted_since_tick = 0  # ... and prompt tokens admitted since it started
+        self.run: _DecodeRun | None = None  # a coalesced run of decode-only steps in progress
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -133,6 +195,44 @@ class _Step:
 
 
 @dataclass
+class _DecodeRun:
+    """A run of identical decode-only steps on one instance, advanced without an event per step.
+
+    Step ``i`` (1-based) computes one token of every request of ``requests``, the ``q``-th at position
+    ``first_starts[q] + i - 1``; it starts at ``starts[i - 1]`` and ends at ``ends[i - 1]`` (planned up to
+    ``len(ends)``, at most ``last_step``: a request finishes in that step or the next one would need more
+    blocks than are free). The scheduler's state is that of step ``at`` running: the steps before it
+    applied, its blocks allocated. ``groups``: (size, longest context in step 1) of each group of the
+    engine's decode attention (the keys it reads)."""
+
+    requests: list[Request]
+    clients: list[_Client]
+    first_starts: list[int]
+    last_step: int
+    price: DecodePricer
+    reads_keys: bool
+    groups: list[tuple[int, int]]
+    composition: tuple[tuple[str, int], ...]
+    starts: list[float]
+    ends: list[float]
+    deliveries: list[float]  # ``ends`` plus the token latency: when each step's tokens reach the clients
+    at: int = 1
+    version: int = -1
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.requests)
+
+    def context_tokens(self, step: int) -> int:
+        return sum(self.first_starts) + self.num_seqs * step
+
+    def decode_keys(self, step: int, block_size: int) -> int:
+        """``cost_model.decode_keys`` of step ``step``'s decodes: every context grows by one a step, so
+        the groups stay and each pads to its longest."""
+        return sum(size * (-(-(longest + step - 1) // block_size) * block_size) for size, longest in self.groups)
+
+
+@dataclass
 class _Client:
     """The client's view of one request, plus where the router sent it and the handoff state."""
 
@@ -149,6 +249,7 @@ class _Client:
     decode_req: Request | None = None
     prefill_req: Request | None = None
     sent_upto: int = 0  # prompt tokens whose KV is on the decode side or on its way
+    prompt_hashes: list[bytes] = field(default_factory=list)  # the prompt's block hashes, computed once
     kv_complete: bool = False
     decode_called: bool = False
 
@@ -186,6 +287,7 @@ class Simulator:
         self.instances: dict[str, _Instance] = {}
         self.steps: list[StepStats] = []
         self.step_chunks: list[tuple[tuple[str, int], ...]] = []
+        self._step_order: list[tuple[float, int]] = []  # per kept step: (start, instance index), the result's order
         self.step_durations = step_durations
         self.step_gaps = step_gaps  # replay: the loop's recorded time after each step (None: the config's)
         self.unreplayed_steps = 0  # replay: steps beyond an instance's recorded ones (priced by the cost model)
@@ -195,6 +297,17 @@ class Simulator:
         self._seq = itertools.count()
         self._rng = random.Random(config.seed)
         self._slowdown: dict[int, float] = {}  # window index -> the machine's slowdown factor there
+        self.num_steps = 0
+        self._keep_steps = config.keep_steps
+        self._coalesce = (
+            config.coalesce_decode_steps
+            and not (config.step_tail and config.slowdown_percentiles)
+            and not config.co_run_slowdown
+            and not config.step_gap_s
+            and config.stop_time_s is None
+            and step_durations is None
+            and step_gaps is None
+        )
 
     # ---- setup ---------------------------------------------------------------------------------
     def _build(self, budget: int, max_model_len: int) -> None:
@@ -240,6 +353,16 @@ class Simulator:
         """Replay ``requests`` (sent at their arrival offsets, at most ``max_concurrency`` in flight)."""
         if not requests:
             raise ValueError("sim: the workload is empty")
+        wall_start = time.perf_counter()
+        collecting = gc.isenabled()
+        gc.disable()  # millions of live objects and no garbage cycles: the collector's passes only cost time
+        try:
+            return self._run(requests, max_concurrency, wall_start)
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _run(self, requests: Sequence[WorkloadRequest], max_concurrency: int | None, wall_start: float) -> SimResult:
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):
             raise ValueError("sim: request ids must be unique")
@@ -269,7 +392,10 @@ class Simulator:
             self._start_ready()
         if stop is not None:
             self.now = max(self.now, stop)
-        return self._result()
+        result = dataclasses.replace(self._result(), wall_s=time.perf_counter() - wall_start)
+        for tally in _ACTIVE_TALLIES:
+            tally.add(result)
+        return result
 
     def _start_ready(self) -> None:
         """Every idle instance with work starts a step, in the deployment's order. Only instances that
@@ -311,8 +437,9 @@ class Simulator:
                 f"instance has ({self.num_blocks} x {self.config.block_size})",
             )
             return
-        route = self.policy.route(w.prompt_token_ids, w.max_tokens, None)
-        self.policy.start(route, w.prompt_token_ids, w.max_tokens)
+        client.prompt_hashes = compute_block_hashes(w.prompt_token_ids, self.config.block_size)
+        route = self.policy.route(w.prompt_token_ids, w.max_tokens, None, client.prompt_hashes)
+        self.policy.start(route, w.prompt_token_ids, w.max_tokens, client.prompt_hashes)
         client.route, client.decode = route, self.instances[route.decode_worker]
         client.meta.update(
             mode=route.mode, decode_worker=route.decode_worker, prefill_worker=route.prefill_worker or ""
@@ -323,7 +450,8 @@ class Simulator:
         route = client.route
         assert route is not None and client.decode is not None
         if route.prefill_worker is None:
-            client.decode.scheduler.add(self._new_request(client.wreq, client.wreq.max_tokens))
+            self._touch(client.decode)
+            client.decode.scheduler.add(self._new_request(client, client.wreq.max_tokens))
             self._woken(client.decode)
         else:
             client.prefill = self.instances[route.prefill_worker]
@@ -340,6 +468,9 @@ class Simulator:
         if client.done:
             return
         client.done, client.end_time = True, self.now
+        client.decode_req = None  # the engine's copies of its tokens are no longer needed
+        if client.kv_complete or client.prefill is None:
+            client.prefill_req = None
         if error is not None:
             client.error = error
         if client.route is not None:
@@ -348,9 +479,13 @@ class Simulator:
         while self._backlog and (self._max_concurrency is None or self._in_flight < self._max_concurrency):
             self._on_arrival(self._backlog.popleft())
 
-    def _new_request(self, w: WorkloadRequest, max_tokens: int) -> Request:
+    def _new_request(self, client: _Client, max_tokens: int) -> Request:
+        """The engine's request for ``client``, its prompt's block hashes known (as the engine would compute them)."""
+        w = client.wreq
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        return Request(w.request_id, w.prompt_token_ids, params, eos_token_id=None, arrival_time=self.now)
+        request = Request(w.request_id, w.prompt_token_ids, params, eos_token_id=None, arrival_time=self.now)
+        request.block_hashes = list(client.prompt_hashes)
+        return request
 
     # ---- steps ---------------------------------------------------------------------------------
     def _start_step(self, inst: _Instance) -> None:
@@ -365,6 +500,8 @@ class Simulator:
         shape = StepShape.from_output(output, self.config.block_size)
         work = self._price(inst, shape)
         inst.busy, inst.output = True, output
+        if self._coalesce and inst.cost_role != "prefill" and self._start_run(inst, output, shape, work):
+            return
         inst.step = _Step(shape, self.now, work, self.now)
         self._retime(inst)
 
@@ -378,6 +515,215 @@ class Simulator:
                 return max(float(recorded[k]), 1e-9)
             self.unreplayed_steps += 1
         return max(self.cost_model.step_time(shape, inst.cost_role), 1e-9)
+
+    # ---- coalesced decode runs -----------------------------------------------------------------
+    # A decode instance whose step is decode-only, with nothing waiting, runs the same batch step after
+    # step until a request finishes or something reaches the instance. Such a run is planned ahead
+    # (each step priced as the cost model prices it, the clock advanced by the same additions) and
+    # applied to the scheduler's state only when something looks at the instance (``_touch``) or the
+    # run ends, exactly as the steps one by one would have left it.
+    def _start_run(self, inst: _Instance, output: SchedulerOutput, shape: StepShape, work: float) -> bool:
+        """Begin a run at the step ``output`` (just scheduled, priced ``work``) when it can; False if not."""
+        sched = inst.scheduler
+        chunks = output.chunks
+        if (
+            sched.waiting
+            or output.preempted
+            or inst.waiting_for_room
+            or shape.prefill_tokens
+            or shape.decode_tokens != len(chunks)
+            or len(chunks) != len(sched.running)
+        ):
+            return False
+        requests = [sched.requests[c.request_id] for c in chunks]
+        max_len = self._max_model_len
+        last = min(min(r.params.max_tokens - r.num_output_tokens, max_len - r.num_tokens) for r in requests)
+        if last < 2:
+            return False
+        first_starts = [c.start for c in chunks]
+        last = self._steps_with_blocks(sched.block_manager, requests, first_starts, last)
+        if last < 2:
+            return False
+        contexts = sorted(start + 1 for start in first_starts)
+        groups = [
+            (len(contexts[g : g + _DECODE_GROUP]), contexts[min(g + _DECODE_GROUP, len(contexts)) - 1])
+            for g in range(0, len(contexts), _DECODE_GROUP)
+        ]
+        end = self.now + work
+        price, reads_keys = decode_pricer(self.cost_model, len(chunks), inst.cost_role)
+        run = _DecodeRun(
+            requests=requests,
+            clients=[self._clients[c.request_id] for c in chunks],
+            first_starts=first_starts,
+            last_step=last,
+            price=price,
+            reads_keys=reads_keys,
+            groups=groups,
+            composition=tuple((c.request_id, 1) for c in chunks),
+            starts=[self.now],
+            ends=[end],
+            deliveries=[end + self.config.token_latency_s],
+        )
+        inst.run = run
+        self._plan(run, min(last, _RUN_PLAN_STEPS))
+        self._schedule_checkpoint(inst, run)
+        return True
+
+    def _steps_with_blocks(
+        self, blocks: BlockManager, requests: list[Request], first_starts: list[int], last: int
+    ) -> int:
+        """The most steps (up to ``last``) of the run whose blocks the free pool holds: step ``i`` needs
+        every request's blocks to cover its first start + ``i`` tokens."""
+        bs, free = blocks.block_size, blocks.num_available_blocks
+        held = [len(r.block_ids) for r in requests]
+
+        def needed(steps: int) -> int:
+            return sum(max(0, -(-(s + steps) // bs) - h) for s, h in zip(first_starts, held, strict=True))
+
+        if needed(last) <= free:
+            return last
+        lo, hi = 1, last  # needed(lo) == 0 (step 1 is allocated), needed(hi) > free
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if needed(mid) <= free else (lo, mid)
+        return lo
+
+    def _plan(self, run: _DecodeRun, upto: int) -> None:
+        """Price and time the run's steps up to ``upto``, as the step-by-step loop would."""
+        bs, latency, price, b = self.config.block_size, self.config.token_latency_s, run.price, run.num_seqs
+        base = sum(run.first_starts) + b  # the decodes' summed context in step 1
+        starts, ends, deliveries = run.starts, run.ends, run.deliveries
+        for i in range(len(ends) + 1, upto + 1):
+            context = base + b * (i - 1)
+            keys = run.decode_keys(i, bs) if run.reads_keys else 0
+            start = ends[-1]
+            end = start + max(price(context, context - b, keys), 1e-9)
+            starts.append(start)
+            ends.append(end)
+            deliveries.append(end + latency)
+
+    def _schedule_checkpoint(self, inst: _Instance, run: _DecodeRun) -> None:
+        run.version = next(self._seq)
+        self._at(run.ends[-1], self._on_run_checkpoint, inst, run.version)
+
+    def _on_run_checkpoint(self, inst: _Instance, version: int) -> None:
+        """The last planned step of the run ends now: plan further, or end the run with its last step."""
+        run = inst.run
+        if run is None or run.version != version:
+            return
+        planned = len(run.ends)
+        if planned < run.last_step:
+            self._plan(run, min(run.last_step, 2 * planned))
+            self._schedule_checkpoint(inst, run)
+            return
+        self._materialize(inst, planned)
+        assert inst.step is not None
+        self._on_step_end(inst, inst.step.version)
+
+    def _touch(self, inst: _Instance) -> None:
+        """Something reaches ``inst`` now: bring a run in progress to the state of the step running now
+        (the one that ends at or after now; if it ends exactly now, it ends first)."""
+        run = inst.run
+        if run is None:
+            return
+        j = bisect.bisect_left(run.ends, self.now, run.at - 1) + 1
+        ends_now = run.ends[j - 1] == self.now
+        self._materialize(inst, j)
+        if ends_now:
+            assert inst.step is not None
+            self._on_step_end(inst, inst.step.version)
+
+    def _materialize(self, inst: _Instance, j: int) -> None:
+        """End the run at its step ``j``: apply the steps before it to the scheduler, the requests, the
+        clients and the step records, allocate step ``j``'s blocks and make it an ordinary running step."""
+        run = inst.run
+        assert run is not None and run.at <= j <= len(run.ends)
+        inst.run = None
+        a, b = run.at, run.num_seqs
+        n = j - a  # steps a .. j-1 complete now
+        blocks, bs = inst.scheduler.block_manager, self.config.block_size
+        if n:
+            zeros = [DUMMY_TOKEN] * n
+            ends, deliveries = run.ends[a - 1 : j - 1], run.deliveries[a - 1 : j - 1]
+            for request, client in zip(run.requests, run.clients, strict=True):
+                request.all_token_ids.extend(zeros)
+                request.times.tokens.extend(ends)
+                client.token_times.extend(deliveries)
+            self._apply_block_steps(run, blocks, a, j)
+            self.num_steps += n
+            if self._keep_steps:
+                for i in range(a, j):
+                    context = run.context_tokens(i)
+                    started = run.starts[i - 1]
+                    self.steps.append(
+                        StepStats(
+                            started,
+                            run.ends[i - 1] - started,
+                            0.0,
+                            0,
+                            b,
+                            b,
+                            0,
+                            context,
+                            context,
+                            context - b,
+                            inst.name,
+                        )
+                    )
+                    self.step_chunks.append(run.composition)
+                    self._step_order.append((started, inst.index))
+            inst.num_steps_started += n
+        for request, first in zip(run.requests, run.first_starts, strict=True):
+            request.num_computed_tokens = first + j - 1
+        chunks = []
+        for request, first in zip(run.requests, run.first_starts, strict=True):
+            start = first + j - 1
+            chunks.append(
+                ScheduledChunk(
+                    request.request_id, request.all_token_ids[start : start + 1], start, list(request.block_ids), True
+                )
+            )
+        output = SchedulerOutput(chunks, [])
+        context = run.context_tokens(j)
+        shape = StepShape(0, b, context, context - b, b, b, context, run.decode_keys(j, bs))
+        started, ended = run.starts[j - 1], run.ends[j - 1]
+        inst.output = output
+        inst.step = _Step(shape, started, ended - started, started, 1.0, next(self._seq))
+        self._at(ended, self._on_step_end, inst, inst.step.version)
+
+    @staticmethod
+    def _apply_block_steps(run: _DecodeRun, blocks: BlockManager, a: int, j: int) -> None:
+        """What steps ``a .. j-1`` did to the blocks, in the engine's order: after each step, every
+        request whose computed tokens fill a block registers it (prefix caching); then the next step
+        allocates a block to every request whose next token needs one. Only those requests are visited
+        (and, with prefix caching, any whose registration is behind: retried after every step)."""
+        bs, caching = blocks.block_size, blocks.enable_prefix_caching
+        events: list[tuple[int, int, int]] = []  # (step i, 0: register after it / 1: allocate for step i+1, request)
+        behind: set[int] = set()
+        for q, (request, first) in enumerate(zip(run.requests, run.first_starts, strict=True)):
+            if caching:
+                if request.num_registered_blocks < _num_full(request, bs, first + a - 1):
+                    behind.add(q)
+                    events.extend((i, 0, q) for i in range(a, j))
+                else:
+                    events.extend((i, 0, q) for i in range(a + (-(first + a)) % bs, j, bs))
+            covered = len(request.block_ids) * bs  # slots held; step i + 1 needs first + i + 1 of them
+            events.extend((i, 1, q) for i in range(max(a, covered - first), j, bs))
+        heapq.heapify(events)
+        while events:
+            i, phase, q = heapq.heappop(events)
+            request = run.requests[q]
+            request.num_computed_tokens = run.first_starts[q] + i
+            if phase == 1:
+                ok = blocks.allocate_slots(request, 1)
+                assert ok, "the run was planned within the free blocks"
+                continue
+            blocks.cache_full_blocks(request)
+            if q not in behind and request.num_registered_blocks < _num_full(request, bs, request.num_computed_tokens):
+                behind.add(q)
+                for later in range(i + 1, j):
+                    if (run.first_starts[q] + later) % bs:  # the block-filling steps are queued already
+                        heapq.heappush(events, (later, 0, q))
 
     def _co_run_multiplier(self, inst: _Instance) -> float:
         """``1 + co_run_slowdown`` x the fraction of the other instances running a step now."""
@@ -411,9 +757,13 @@ class Simulator:
         if step is None or step.version != version:
             return  # re-timed since: a later event ends it
         inst.step = None
-        self.steps.append(step.shape.to_stats(inst.name, step.started, self.now - step.started, self._preempted(inst)))
         assert inst.output is not None
-        self.step_chunks.append(tuple((c.request_id, len(c.token_ids)) for c in inst.output.chunks))
+        self.num_steps += 1
+        if self._keep_steps:
+            stats = step.shape.to_stats(inst.name, step.started, self.now - step.started, self._preempted(inst))
+            self.steps.append(stats)
+            self.step_chunks.append(tuple((c.request_id, len(c.token_ids)) for c in inst.output.chunks))
+            self._step_order.append((step.started, inst.index))
         self._on_step_done(inst)
         if self.config.co_run_slowdown:
             self._retime(inst)
@@ -533,6 +883,7 @@ class Simulator:
 
     def _call(self, target: _Instance, handler: Callable[..., None], *args: Any) -> None:
         """A call reaching ``target``'s engine loop: applied now unless a step runs, else after that step."""
+        self._touch(target)
         if target.output is not None:
             target.commands.append((handler, args))
         else:
@@ -541,7 +892,7 @@ class Simulator:
     def _reserve(self, prefill: _Instance, client: _Client) -> None:
         """On the decode instance: ``reserve_remote_blocks``; the answer travels back to the prefill instance."""
         assert client.decode is not None
-        reservation = self._new_request(client.wreq, client.wreq.max_tokens)
+        reservation = self._new_request(client, client.wreq.max_tokens)
         cached = remote_kv.reserve_remote_blocks(client.decode.scheduler, reservation, self.now)
         if cached is None:
             client.decode.waiting_for_room.add(prefill)
@@ -553,7 +904,7 @@ class Simulator:
         inst.fifo.popleft()
         client.decode_req, client.sent_upto = reservation, cached
         client.meta.update(decode_cached_tokens=cached, kv_bytes=0, reserved_at=self.now)
-        client.prefill_req = self._new_request(client.wreq, 1)
+        client.prefill_req = self._new_request(client, 1)
         inst.scheduler.add(client.prefill_req)
         inst.admitted_since_tick += client.wreq.num_prompt_tokens
         self._woken(inst)
@@ -584,6 +935,8 @@ class Simulator:
         assert client.prefill is not None and client.prefill_req is not None
         client.prefill.scheduler.block_manager.free(client.prefill_req)  # every push is out: release
         client.kv_complete = True
+        if client.done:
+            client.prefill_req = None
         client.meta["kv_done"] = self.now
         self._admit_remote(client)
 
@@ -595,6 +948,7 @@ class Simulator:
         if not (client.kv_complete and client.decode_called) or client.done:
             return
         assert client.decode is not None and client.decode_req is not None
+        self._touch(client.decode)
         sched = client.decode.scheduler
         reason = remote_kv.admit_remote(sched, client.decode_req, DUMMY_TOKEN, self.now, self._max_model_len)
         self._woken(client.decode)
@@ -617,7 +971,7 @@ class Simulator:
             config["num_instances"] = n
         else:
             config.update(num_prefill=p, num_decode=d)
-        order = sorted(range(len(self.steps)), key=lambda i: self.steps[i].started)
+        order = sorted(range(len(self.steps)), key=self._step_order.__getitem__)
         if self.step_durations is not None:
             config["unreplayed_steps"] = self.unreplayed_steps
         return SimResult(
@@ -629,6 +983,7 @@ class Simulator:
             len(self.instances) * self.tp,
             config,
             tuple(self.step_chunks[i] for i in order),
+            self.num_steps,
         )
 
     def _record(self, client: _Client) -> RequestRecord:
@@ -648,6 +1003,11 @@ class Simulator:
             label=w.label,
             meta=dict(client.meta),
         )
+
+
+def _num_full(request: Request, block_size: int, computed: int) -> int:
+    """The request's full blocks when ``computed`` of its tokens are computed (``cache_full_blocks``)."""
+    return min(computed // block_size, len(request.block_ids))
 
 
 def simulate(
