@@ -293,6 +293,7 @@ class LLMEngine:
                 output.num_context_tokens,
                 output.num_decode_context_tokens,
                 output.num_kv_read_tokens,
+                device_s=self.runner.last_device_s,
             )
         )
         return outputs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from pdserve.engine.config import ModelConfig
@@ -38,6 +40,32 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class DeviceTimer:
+    """The device time of the work queued between ``start()`` and ``stop()``: CUDA events on a GPU (the host's
+    clock would time the kernel launches, not the kernels), the host's clock on a CPU (synchronous kernels)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._t0 = 0.0
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        """Seconds since ``start()``; on CUDA waits for the queued kernels to finish."""
+        if not self.cuda:
+            return time.perf_counter() - self._t0
+        self._end.record()
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end) / 1e3
+
+
 class StepResult:
     """Sampled tokens for the chunks that sample, keyed by request id; logits when asked for."""
 
@@ -61,6 +89,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.workspace = Workspace()
+        self.timer = DeviceTimer(device)
+        self.last_device_s = 0.0  # the device time of the last ``run``
 
     @torch.inference_mode()
     def run(
@@ -76,10 +106,12 @@ class ModelRunner:
         ``output_index[rid]`` is the index of the output token being sampled (the draw's seed input).
         """
         input_ids, positions, meta = self._prepare(output)
+        self.timer.start()
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         sampling = [c for c in output.chunks if c.samples]
         if not sampling:
             # nothing sampled means nothing waited for the kernels: the KV they write may be pushed next
+            self.last_device_s = self.timer.stop()
             synchronize(hidden.device)
             return StepResult({}, {} if keep_logits else None)
         last_index, flat = [], 0
@@ -90,6 +122,7 @@ class ModelRunner:
         logits = self.model.logits(hidden[torch.tensor(last_index, device=self.device)])
         ids = [c.request_id for c in sampling]
         tokens = sample(logits, [params[r] for r in ids], [seeds[r] for r in ids], [output_index[r] for r in ids])
+        self.last_device_s = self.timer.stop()
         kept = {r: logits[i].cpu() for i, r in enumerate(ids)} if keep_logits else None
         return StepResult(dict(zip(ids, tokens, strict=True)), kept, _logprobs(logits, ids, tokens, params))
 
