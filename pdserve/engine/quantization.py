@@ -266,7 +266,8 @@ class Float16Embedding(nn.Module):
 
 def store_weights_in_float16(module: nn.Module) -> None:
     """Replace ``module``'s linears by ``Float16Linear`` and its embedding by a ``Float16Embedding`` (a tied
-    output projection shares the embedding's float16 table); the float32 weights are released."""
+    output projection shares the embedding's float16 table); the float32 weights, and the memory-mapped
+    checkpoint they came from, are released."""
     scratch = TileScratch()
     embeddings = [(name, sub) for name, sub in module.named_modules() if isinstance(sub, nn.Embedding)]
     tables: dict[int, torch.Tensor] = {}
@@ -281,6 +282,9 @@ def store_weights_in_float16(module: nn.Module) -> None:
         if shared is not None:
             replacement.weight = shared  # one table for the embedding and the output projection
         module.set_submodule(name, replacement)
+    with torch.no_grad():  # the norms' weights: own copies, so the checkpoint file's mapping (all read) is released
+        for param in module.parameters():
+            param.data = param.data.clone()
 
 
 def weight_bytes(module: nn.Module) -> int:
