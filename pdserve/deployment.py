@@ -4,8 +4,8 @@
         Client(d.address) ...
 
 Starts a local Ray instance unless one is running or an ``address`` is given; places one actor per
-worker (a GPU each when the engine runs on CUDA) and ``num_routers`` router actors on this node, all
-listening on one port; stops everything it started on ``stop()``.
+worker (``gpus_per_worker`` GPUs each when the engine runs on CUDA, one by default) and ``num_routers``
+router actors on this node, all listening on one port; stops everything it started on ``stop()``.
 """
 
 from __future__ import annotations
@@ -105,7 +105,9 @@ class Deployment:
                 host=cfg.kv_host, push_timeout_s=cfg.push_timeout_s, secret=secrets.token_hex(16)
             )
         try:
-            placement = place_workers(cfg.prefill_worker_count, cfg.num_decode_workers, use_gpu)  # fails fast
+            placement = place_workers(  # fails fast
+                cfg.prefill_worker_count, cfg.num_decode_workers, use_gpu, gpus_per_worker=cfg.gpus_per_worker
+            )
             common = {"max_concurrency": 10_000, "max_restarts": cfg.worker_max_restarts}
             decode_cls, prefill_cls = ray.remote(DecodeWorker), ray.remote(PrefillWorker)
             decode_options = {**placement.actor_options(DECODE), **common}

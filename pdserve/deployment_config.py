@@ -8,6 +8,7 @@ Light to import (no Ray, no torch): every command builds its parser from it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
 DEFAULT_PORT = 50051  # the command line's gRPC port (`pdserve serve --port`, `pdserve generate --target`)
 AUTH_TOKEN_ENV = "PDSERVE_AUTH_TOKEN"
+MIN_GPU_FRACTION = 0.0001  # Ray's resource precision
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,11 @@ class DeploymentConfig(TransportConfig):
     )
     num_decode_workers: int = option(
         1, "decode workers (in colocated mode, the workers that do both)", flag="--decode-workers"
+    )
+    gpus_per_worker: float = option(
+        1.0,
+        "GPUs each worker takes when the engine runs on CUDA (unused on CPU): a fraction to share a GPU "
+        "(0.25: four workers on one, so every mode runs on a single GPU) or a whole number",
     )
     transport_config: Any = None  # NixlConfig / GrpcConfig
     host: str = option("127.0.0.1", "the routers' address")
@@ -79,6 +86,7 @@ class DeploymentConfig(TransportConfig):
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.mode != "colocated" and self.prefill_worker_count < 1:
             raise ValueError(f"mode {self.mode!r} needs num_prefill_workers >= 1")
+        check_gpus_per_worker(self.gpus_per_worker)
         if self.num_routers < 1:
             raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
         tls = self.tls_cert_file is not None and self.tls_key_file is not None
@@ -118,6 +126,19 @@ class DeploymentConfig(TransportConfig):
                 "abort_fence_s": self.reservation_ttl_s,
             }
         )
+
+
+def check_gpus_per_worker(gpus: float) -> None:
+    """Raise ``ValueError`` unless ``gpus`` is what Ray can give one actor: a fraction of one GPU
+    (0 < gpus <= 1, the GPU shared with other workers) or a whole number of GPUs."""
+    if isinstance(gpus, bool) or not isinstance(gpus, int | float) or not math.isfinite(gpus) or gpus <= 0:
+        raise ValueError(f"gpus_per_worker must be > 0, got {gpus!r}")
+    if gpus > 1 and gpus != int(gpus):
+        raise ValueError(
+            f"gpus_per_worker must be at most 1 (workers sharing a GPU) or a whole number of GPUs, got {gpus:g}"
+        )
+    if gpus < MIN_GPU_FRACTION:
+        raise ValueError(f"gpus_per_worker must be at least {MIN_GPU_FRACTION} (Ray's precision), got {gpus!r}")
 
 
 def _is_loopback(host: str) -> bool:

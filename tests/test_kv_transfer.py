@@ -24,7 +24,7 @@ from pdserve.kv_transfer import (
     TransferTarget,
     make_transport,
 )
-from pdserve.kv_transfer.base import block_checksums, pool_bytes_view
+from pdserve.kv_transfer.base import HostStaging, block_checksums, pool_bytes_view
 from pdserve.kv_transfer.grpc_transport import GrpcConfig, _parse_payload, _serialize_payload
 from pdserve.kv_transfer.nixl_transport import NixlConfig
 from pdserve.kv_transfer.peer import TransferPeer
@@ -252,6 +252,14 @@ def test_block_checksums_travel_with_the_notification_and_match_the_copy(pair: P
     pair.sender.push(pair.target, [4, 2], [7, 30], note).wait(10.0)
     assert _poll_until(pair.receiver, 1) == [note]
     assert block_checksums(pair.dst_pool, [7, 30]) == sums != block_checksums(pair.dst_pool, [30, 7])
+
+
+def test_host_staging_of_a_cpu_tensor_is_the_tensor_itself() -> None:
+    staging = HostStaging()
+    blocks = pool_bytes_view(_pool())[3:5]
+    with staging.copy(blocks) as host:
+        assert host is blocks  # no copy, no buffer: CPU memory is already on the host
+    assert staging.capacity == 0 and not staging.pinned
 
 
 @pytest.mark.parametrize("pair", KINDS, indirect=True)

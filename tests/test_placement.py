@@ -10,6 +10,7 @@ import ray
 from pdserve.cli.main import STATUS_COLUMNS, format_status
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, SamplingParams
+from pdserve.options import add_config_arguments, config_from_args
 from pdserve.placement import (
     DECODE,
     PREFILL,
@@ -17,8 +18,11 @@ from pdserve.placement import (
     Placement,
     PlacementError,
     check_free,
+    cluster_nodes,
+    device_in_this_worker,
     node_label,
     plan_placement,
+    worker_device,
 )
 from pdserve.router.client import Client
 
@@ -97,6 +101,140 @@ def test_check_free_waits_briefly_then_names_what_is_held():
     assert time.monotonic() - start < 2
 
 
+def test_workers_sharing_one_gpu_take_a_fraction_each():
+    gpu = _node(1, GPU=1)
+    config = DeploymentConfig(mode="auto", num_prefill_workers=1, num_decode_workers=3, gpus_per_worker=0.25)
+    p = plan_placement([gpu], config.prefill_worker_count, config.num_decode_workers, True, config.gpus_per_worker)
+    assert p.actor_options(PREFILL) == {"num_cpus": 0, "num_gpus": 0.25}
+    assert p.actor_options(DECODE) == {"num_cpus": 0, "num_gpus": 0.25}
+    assert p.total_demand() == {"GPU": 1.0}
+    with pytest.raises(
+        PlacementError, match=r"cannot place 5 decode workers .*0.25 'GPU'.*have 1 'GPU' in total, 1.25"
+    ):
+        plan_placement([gpu], 0, 5, True, 0.25)
+    with pytest.raises(
+        PlacementError,
+        match=r"cannot place 5 workers \(1 prefill \+ 4 decode, each needs 0.25 'GPU'\): .* 1 'GPU' in total, 1.25",
+    ):
+        plan_placement([gpu], 1, 4, True, 0.25)
+    # on CPU the GPU share is unused
+    assert plan_placement([_node(1)], 1, 3, False, 0.25).actor_options(DECODE) == {"num_cpus": 0, "num_gpus": 0}
+
+
+def test_both_roles_share_one_gpu_on_a_node_offering_both():
+    node = _node(2, prefill=1, decode=1, GPU=1)
+    p = plan_placement([HEAD, node], num_prefill=1, num_decode=1, use_gpu=True, gpus_per_worker=0.5)
+    assert p.actor_options(PREFILL) == {"num_cpus": 0, "num_gpus": 0.5, "resources": {"prefill": 1}}
+    assert p.actor_options(DECODE) == {"num_cpus": 0, "num_gpus": 0.5, "resources": {"decode": 1}}
+    with pytest.raises(PlacementError, match="'GPU'"):
+        plan_placement([HEAD, node], num_prefill=1, num_decode=1, use_gpu=True, gpus_per_worker=0.75)
+
+
+def test_fractions_of_a_gpu_are_counted_as_ray_packs_them():
+    # 0.4 of a GPU: two per GPU (0.8), not five on two GPUs, though 5 x 0.4 = 2
+    two_gpus = [_node(1, GPU=2)]
+    assert plan_placement(two_gpus, 0, 4, True, 0.4).actor_options(DECODE)["num_gpus"] == 0.4
+    with pytest.raises(PlacementError, match=r"cannot place 5 decode workers.*hold 4 such workers \(2 per GPU"):
+        plan_placement(two_gpus, 0, 5, True, 0.4)
+    with pytest.raises(PlacementError, match=r"cannot place 5 workers \(1 prefill \+ 4 decode.*hold 4 such workers"):
+        plan_placement(two_gpus, 1, 4, True, 0.4)  # 5 x 0.4 = 2 GPUs, yet only 4 fit
+    plan_placement(two_gpus, 1, 3, True, 0.4)
+    # a third of a GPU: three per GPU, whatever the float's last digit
+    assert plan_placement([_node(1, GPU=1)], 1, 2, True, 1 / 3).total_demand()["GPU"] == pytest.approx(1)
+
+
+def test_a_worker_may_take_several_whole_gpus():
+    p = plan_placement([_node(1, GPU=4)], 1, 1, True, 2)
+    assert p.actor_options(DECODE) == {"num_cpus": 0, "num_gpus": 2}
+    with pytest.raises(
+        PlacementError, match=r"cannot place 3 workers \(1 prefill \+ 2 decode.*4 'GPU' in total, 6 needed"
+    ):
+        plan_placement([_node(1, GPU=4)], 1, 2, True, 2)
+    with pytest.raises(
+        PlacementError, match=r"cannot place 1 decode worker .*too little left on any one of 10.0.0.1/\w+, 10.0.0.2"
+    ):
+        plan_placement([_node(1, GPU=1), _node(2, GPU=1)], 0, 1, True, 2)  # two GPUs, but not on one node
+
+
+@pytest.mark.parametrize(
+    ("gpus", "match"),
+    [
+        (0, "must be > 0, got 0"),
+        (-0.5, "must be > 0"),
+        (float("nan"), "must be > 0"),
+        (float("inf"), "must be > 0"),
+        (True, "must be > 0"),
+        (1.5, "at most 1 .*or a whole number of GPUs, got 1.5"),
+        (0.00001, "at least 0.0001"),
+    ],
+)
+def test_gpus_per_worker_must_be_a_share_of_one_gpu_or_whole_gpus(gpus: float, match: str):
+    with pytest.raises(ValueError, match=match):
+        DeploymentConfig(gpus_per_worker=gpus)
+    with pytest.raises(ValueError, match="must be > 0"):
+        plan_placement([_node(1, GPU=1)], 0, 1, True, 0)
+
+
+def test_gpus_per_worker_option_reaches_the_config():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, DeploymentConfig, only=("gpus_per_worker", "mode"))
+    assert config_from_args(DeploymentConfig, parser.parse_args([])).gpus_per_worker == 1.0
+    config = config_from_args(DeploymentConfig, parser.parse_args(["--gpus-per-worker", "0.25", "--mode", "auto"]))
+    assert (config.gpus_per_worker, config.mode) == (0.25, "auto")
+    with pytest.raises(ValueError, match="at most 1"):
+        config_from_args(DeploymentConfig, parser.parse_args(["--gpus-per-worker", "2.5"]))
+
+
+def test_serve_and_bench_take_gpus_per_worker():
+    from pdserve.bench.runner import build_parser as bench_parser
+    from pdserve.bench.runner import deployment_config, engine_config
+    from pdserve.cli.main import build_parser
+
+    args = bench_parser().parse_args(["--gpus-per-worker", "0.5", "--prefill-workers", "1"])
+    assert deployment_config("disaggregated", args, engine_config(args)).gpus_per_worker == 0.5
+    serve = build_parser().parse_args(["serve", "--gpus-per-worker", "0.25"])
+    assert config_from_args(DeploymentConfig, serve).gpus_per_worker == 0.25
+
+
+@pytest.mark.parametrize(
+    ("device", "visible", "count", "expected"),
+    [
+        ("cuda:3", "3", 1, "cuda:0"),  # Ray gave GPU 3: the worker's only device
+        ("cuda:3", "2,3", 2, "cuda:1"),  # two GPUs: GPU 3 is the second
+        ("cuda:3", " 1, 3 ", 2, "cuda:1"),
+        ("cuda", "3", 1, "cuda"),
+        ("auto", "3", 1, "auto"),
+        ("cpu", "", 0, "cpu"),
+        ("cuda:3", None, 8, "cuda:3"),  # outside Ray: what it says
+    ],
+)
+def test_cuda_n_names_a_gpu_among_those_ray_gave_the_worker(device, visible, count, expected):
+    assert worker_device(device, visible, count) == expected
+
+
+@pytest.mark.parametrize(
+    ("device", "visible", "count", "match"),
+    [
+        ("cuda:1", "3", 1, r"Ray gave this worker GPU 3, not GPU 1.*--device cuda.*CUDA_VISIBLE_DEVICES=1"),
+        ("cuda:0", "2,3", 2, r"Ray gave this worker GPU 2,3, not GPU 0"),
+        ("cuda:0", "", 0, "Ray gave this worker no GPU"),
+        ("cuda:1", "0,1", 1, r"GPU 1 is visible \(CUDA_VISIBLE_DEVICES=0,1\) but CUDA finds 1 device in"),
+        ("cuda:0", "0", 0, "CUDA finds 0 devices"),
+    ],
+)
+def test_a_gpu_the_worker_was_not_given_is_refused(device, visible, count, match):
+    with pytest.raises(ValueError, match=match):
+        worker_device(device, visible, count)
+
+
+def test_outside_ray_cuda_n_means_what_it_says(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    assert not ray.is_initialized()
+    assert device_in_this_worker("cuda:2") == "cuda:2"
+
+
 def test_node_label_and_roles():
     assert node_label("127.0.0.3", "abcdef0123456789") == "127.0.0.3/abcdef01"
     assert DECODE_NODE.roles == (DECODE,) and HEAD.roles == ()
@@ -159,5 +297,37 @@ def test_deployment_places_by_role_reports_nodes_and_fails_fast():
         while ray.available_resources().get("prefill", 0) < 1 or ray.available_resources().get("decode", 0) < 1:
             assert time.monotonic() < deadline, ray.available_resources()
             time.sleep(0.1)
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.cluster
+def test_workers_sharing_a_gpu_see_it_and_map_cuda_n_to_it():
+    """Ray's side of --gpus-per-worker and --device cuda:N: fractional actors share GPU 0, each sees it
+    as CUDA_VISIBLE_DEVICES=0, and cuda:N is read against that inside the actor (no CUDA here, so the
+    mapping ends at CUDA's device count)."""
+    ray.init(num_cpus=1, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        placement = plan_placement(cluster_nodes(), 1, 2, True, 0.25)
+
+        class Probe:
+            def device(self, device: str) -> tuple[str | None, str]:
+                import os
+
+                try:
+                    return os.environ.get("CUDA_VISIBLE_DEVICES"), device_in_this_worker(device)
+                except ValueError as e:
+                    return os.environ.get("CUDA_VISIBLE_DEVICES"), f"refused: {e}"
+
+        probe = ray.remote(Probe)
+        actors = [probe.options(**placement.actor_options(r)).remote() for r in (PREFILL, DECODE, DECODE)]
+        answers = ray.get([a.device.remote("cuda:0") for a in actors], timeout=60)
+        assert ray.available_resources().get("GPU") == pytest.approx(0.25)  # three quarters held
+        assert [visible for visible, _ in answers] == ["0", "0", "0"]
+        assert all(answer.startswith("refused: device 'cuda:0': GPU 0 is visible") for _, answer in answers)
+        [(_, other)] = ray.get([actors[0].device.remote("cuda:1")], timeout=60)
+        assert other.startswith("refused: device 'cuda:1': Ray gave this worker GPU 0, not GPU 1")
+        [(_, plain)] = ray.get([actors[0].device.remote("cuda")], timeout=60)
+        assert plain == "cuda"
     finally:
         ray.shutdown()

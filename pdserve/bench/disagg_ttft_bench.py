@@ -2,6 +2,7 @@
 vs colocated (the decode worker prefills), same chunk size, same deployment, alternating runs.
 
     python bench/disagg_ttft_bench.py [--prompt-len 4096] [--chunk 512] [--runs 3] [--transport nixl]
+        [--device cuda --gpus-per-worker 0.5]
 
 Target: disaggregated TTFT within 15% of colocated — per-chunk streaming hides the transfer behind the
 next chunk's compute, so only the last chunk's KV is exposed.
@@ -41,8 +42,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--transport", default="nixl", choices=TRANSPORTS)
     p.add_argument("--torch-threads", type=int, default=2)
-    p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per worker)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument(
+        "--gpus-per-worker", type=float, default=1.0, help="on CUDA: GPUs per worker (0.5: both workers on one GPU)"
+    )
     args = p.parse_args(argv)
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"error: --device {args.device}: no CUDA device", file=sys.stderr)
+            return 1
 
     engine = EngineConfig(
         model=args.model,
@@ -52,7 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_memory_gb=1.0,
     )
     config = DeploymentConfig(
-        engine=engine, mode="colocated", num_prefill_workers=1, num_decode_workers=1, transport=args.transport, port=0
+        engine=engine,
+        mode="colocated",
+        num_prefill_workers=1,
+        num_decode_workers=1,
+        transport=args.transport,
+        gpus_per_worker=args.gpus_per_worker,
+        port=0,
     )
     rng = random.Random(0)
     results: dict[str, list[dict]] = {"colocated": [], "disaggregated": []}

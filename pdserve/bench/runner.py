@@ -405,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(
         p,
         DeploymentConfig,
-        only=("num_prefill_workers", "num_decode_workers", *option_fields(TransportConfig)),
+        only=("num_prefill_workers", "num_decode_workers", "gpus_per_worker", *option_fields(TransportConfig)),
         title="deployments",
         description="colocated runs on prefill + decode workers, all colocated",
     )

@@ -25,7 +25,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from ray.exceptions import ActorDiedError
@@ -37,7 +37,7 @@ from pdserve.engine.request import Request
 from pdserve.kv_transfer import KVTransport, TransferTarget, make_transport
 from pdserve.kv_transfer.base import block_checksums
 from pdserve.messages import StepEvents, TokenUpdate, WorkerRequestStats, WorkerStats
-from pdserve.placement import current_node
+from pdserve.placement import current_node, device_in_this_worker
 from pdserve.priority import restore_normal_priority
 from pdserve.transport_config import DEFAULT_RESERVATION_TTL_S
 
@@ -107,7 +107,7 @@ class DecodeWorker:
         self.worker_id = worker_id
         self.reservation_ttl_s = reservation_ttl_s
         self.verify_kv = verify_kv
-        engine = LLMEngine(engine_config)
+        engine = LLMEngine(replace(engine_config, device=device_in_this_worker(engine_config.device)))
         self.transport = (
             transport if isinstance(transport, KVTransport) else make_transport(transport, transport_config)
         )

@@ -26,7 +26,8 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,13 +55,56 @@ def block_checksum(data: Any) -> int:
     return zlib.crc32(memoryview(data).cast("B"))
 
 
+class HostStaging:
+    """A persistent host buffer for device memory on its way to the host (KV blocks leaving the GPU).
+
+    ``with staging.copy(source) as host:`` gives ``source``'s values on the host. A CUDA tensor is
+    copied into page-locked (pinned) memory, allocated once and grown when a copy needs more, so the
+    device-to-host copy is one DMA at full speed instead of passing through a driver bounce buffer; a
+    CPU tensor is given as it is (no copy). ``host`` is a view of the buffer, valid inside the block
+    only; the buffer is held (a lock) until the block ends, so one staging may serve several threads.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buffer: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        """Bytes the buffer holds now (0 before the first copy from an accelerator)."""
+        return 0 if self._buffer is None else self._buffer.numel()
+
+    @property
+    def pinned(self) -> bool:
+        return self._buffer is not None and self._buffer.is_pinned()
+
+    @contextmanager
+    def copy(self, source: torch.Tensor) -> Iterator[torch.Tensor]:
+        if source.device.type == "cpu":
+            yield source
+            return
+        with self._lock:
+            nbytes = source.numel() * source.element_size()
+            if self._buffer is None or self._buffer.numel() < nbytes:
+                self._buffer = None  # free the old one first
+                self._buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=source.device.type == "cuda")
+            host = self._buffer[:nbytes].view(source.dtype).view(source.shape)
+            host.copy_(source)  # blocking: the values are on the host when it returns
+            yield host
+
+
+_checksum_staging = HostStaging()
+
+
 def block_checksums(pool: torch.Tensor, block_ids: Sequence[int]) -> tuple[int, ...]:
-    """CRC-32 of each of ``pool``'s blocks ``block_ids``, in that order (copies them to the host first)."""
+    """CRC-32 of each of ``pool``'s blocks ``block_ids``, in that order (copies them to the host first,
+    through a pinned buffer when the pool is on CUDA)."""
     if not block_ids:
         return ()
     view = pool_bytes_view(pool)
-    host = view.index_select(0, torch.tensor(list(block_ids), dtype=torch.long, device=view.device)).cpu()
-    return tuple(block_checksum(host[k]) for k in range(host.shape[0]))
+    blocks = view.index_select(0, torch.tensor(list(block_ids), dtype=torch.long, device=view.device))
+    with _checksum_staging.copy(blocks) as host:
+        return tuple(block_checksum(host[k]) for k in range(host.shape[0]))
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ import torch
 from pdserve.kv_transfer.base import (
     DEFAULT_WAIT_S,
     ChunkNotification,
+    HostStaging,
     KVTransferError,
     KVTransport,
     PoolLayout,
@@ -365,6 +366,7 @@ class _Peer:
     channel: grpc.Channel
     push_blocks: grpc.StreamUnaryMultiCallable
     executor: cf.ThreadPoolExecutor
+    staging: HostStaging = field(default_factory=HostStaging)  # blocks of a pool on an accelerator
 
 
 class GrpcTransport(KVTransport):
@@ -463,8 +465,9 @@ class GrpcTransport(KVTransport):
             self._peers[target.target_id] = peer
         return peer
 
-    def _messages(self, push: _Push) -> Iterator[bytes]:
-        """Serialized BlockPayload messages of whole blocks; the last one carries the notice."""
+    def _messages(self, push: _Push, staging: HostStaging) -> Iterator[bytes]:
+        """Serialized BlockPayload messages of whole blocks; the last one carries the notice. Blocks of a
+        pool off the CPU reach the host through ``staging`` (pinned on CUDA)."""
         src, dst, block_bytes, notification = push.src, push.dst, push.block_bytes, push.notification
         view = pool_bytes_view(push.pool)
         flat = view.reshape(-1).numpy().data if view.device.type == "cpu" else None
@@ -482,18 +485,19 @@ class GrpcTransport(KVTransport):
             if push.cancel.cancelled:
                 return  # the stream is being cancelled: read nothing more of the pool
             s_ids, d_ids = src[start : start + per_msg], dst[start : start + per_msg]
-            chunks: list[Any]
-            if flat is not None:
-                chunks = [flat[i * block_bytes : (i + 1) * block_bytes] for i in s_ids]
-            elif s_ids:
-                idx = torch.tensor(s_ids, dtype=torch.long, device=view.device)
-                chunks = [view.index_select(0, idx).cpu().numpy().data.cast("B")]
-            else:
-                chunks = []
             header = pb.BlockPayload(target_id=push.target.target_id, block_bytes=block_bytes, dst_block_ids=d_ids)
             if start + per_msg >= len(src):
                 header.notification.CopyFrom(notice)
-            yield _serialize_payload(header, chunks, len(s_ids) * block_bytes)
+            nbytes = len(s_ids) * block_bytes
+            if flat is not None:
+                yield _serialize_payload(header, [flat[i * block_bytes : (i + 1) * block_bytes] for i in s_ids], nbytes)
+            elif s_ids:
+                idx = torch.tensor(s_ids, dtype=torch.long, device=view.device)
+                with staging.copy(view.index_select(0, idx)) as host:  # serialized (copied) before it is let go
+                    message = _serialize_payload(header, [host.numpy().data.cast("B")], nbytes)
+                yield message
+            else:
+                yield _serialize_payload(header, [], nbytes)
 
     def _run_push(self, peer: _Peer, push: _Push) -> pb.PushAck:
         try:
@@ -504,7 +508,7 @@ class GrpcTransport(KVTransport):
                 if push.cancel.cancelled:
                     raise KVTransferError(f"push {push.notification} was cancelled")
                 call = push.cancel.call = peer.push_blocks.future(
-                    self._messages(push), timeout=self.config.push_timeout_s, metadata=metadata
+                    self._messages(push, peer.staging), timeout=self.config.push_timeout_s, metadata=metadata
                 )
             ack = call.result()
         except grpc.FutureCancelledError:

@@ -25,7 +25,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
@@ -35,7 +35,7 @@ from pdserve.engine.remote_kv import admission_open, waiting_prompt_tokens
 from pdserve.kv_transfer import ChunkNotification, KVTransport, PushHandle, TransferTarget, make_transport
 from pdserve.kv_transfer.base import block_checksums
 from pdserve.messages import WorkerStats
-from pdserve.placement import current_node
+from pdserve.placement import current_node, device_in_this_worker
 from pdserve.priority import restore_normal_priority
 from pdserve.transport_config import DEFAULT_PUSH_TIMEOUT_S, PUSH_MARGIN_S
 
@@ -115,7 +115,7 @@ class PrefillWorker:
         self.push_timeout_s = push_timeout_s
         self.verify_kv = verify_kv
         self.handle: Any = None  # this worker's actor handle, passed with each reservation; None: Ray's
-        engine = LLMEngine(engine_config)
+        engine = LLMEngine(replace(engine_config, device=device_in_this_worker(engine_config.device)))
         self.block_size = engine.config.block_size
         self._admission = asyncio.Lock()  # FIFO: prefills are admitted in the order they were accepted
         self._accepted: dict[str, _Job] = {}  # event loop: accepted, not yet admitted into the engine
