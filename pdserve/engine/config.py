@@ -15,7 +15,7 @@ CHECKPOINT_PRESETS: dict[str, tuple[str, str, str]] = {
 }
 ALL_PRESETS = PRESETS + tuple(CHECKPOINT_PRESETS)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATION_MODES = ("auto", "native", "none")  # see engine.quantization
+QUANTIZATION_MODES = ("auto", "native", "float16", "none")  # see engine.quantization
 # Token budget per step unless one is given, the same for every command (with chunked prefill off, at least
 # max_model_len). On the `bench` preset on 2 CPU cores a 512-token step takes about 0.4 s and a 2048-token one
 # about 1.4 s, a stall every running decode waits out; the serving figures in the README are measured at 512.
@@ -244,13 +244,17 @@ class EngineConfig:
     )
     quantization: str = _option(
         "auto",
-        "native: keep a GGUF file's Q4_0/Q4_1/Q8_0 weights as they ship (int4/int8 weight-only GEMM); none: "
-        "dequantise every weight to --dtype; auto: native where torch's kernels for it are fast (CUDA, AVX-512 "
-        "CPUs), else none",
+        "native: keep a GGUF file's Q4_0/Q4_1/Q8_0 weights as they ship (int4/int8 weight-only GEMM); float16: "
+        "store every weight in float16 and compute in float32 (half the bytes per decode step); none: "
+        "dequantise every weight to --dtype; auto: for a GGUF file with quantized weights, native where torch's "
+        "kernels for it are fast (CUDA, AVX-512 CPUs), else float16 on a CPU with F16C; none otherwise",
         choices=QUANTIZATION_MODES,
     )
     kv_cache_dtype: str = _option(
-        "auto", "dtype of the KV cache; auto = the compute dtype (bfloat16 or float16 halve float32's)", choices=DTYPES
+        "auto",
+        "dtype of the KV cache; auto = the compute dtype, float16 under --quantization float16 (bfloat16 or float16 "
+        "halve float32's bytes)",
+        choices=DTYPES,
     )
     device: str = _option("auto", "auto, cpu, cuda or cuda:N; auto = cuda when present, else cpu")
     seed: int = _option(0, "seeds the preset weights and the requests that come without a seed")
@@ -277,7 +281,7 @@ class EngineConfig:
         if self.kv_cache_dtype not in DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATION_MODES:
-            raise ValueError(f"quantization must be auto, native or none, got {self.quantization!r}")
+            raise ValueError(f"quantization must be auto, native, float16 or none, got {self.quantization!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("block_size", "max_num_seqs"):

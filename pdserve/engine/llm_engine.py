@@ -16,7 +16,14 @@ from pdserve.engine.block_manager import BlockManager, BlockUsage
 from pdserve.engine.config import EngineConfig, ModelConfig, gguf_file
 from pdserve.engine.gguf import GGUFCheckpoint, read_gguf
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_block_bytes
-from pdserve.engine.quantization import INT4_KINDS, INT8_KINDS, fast_weight_only_kernels, quantized_compute_dtype
+from pdserve.engine.quantization import (
+    INT4_KINDS,
+    INT8_KINDS,
+    fast_float16_weights,
+    fast_weight_only_kernels,
+    quantized_compute_dtype,
+    store_weights_in_float16,
+)
 from pdserve.engine.request import FinishReason, Request, RequestStatus, RequestTimes
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
@@ -71,20 +78,33 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def quantized_checkpoint(mode: str, model: str, device: torch.device) -> GGUFCheckpoint | None:
-    """The GGUF file to serve in its own quantized format, or None for the dequantised path.
+def resolve_quantization(mode: str, model: str, device: torch.device) -> tuple[str, GGUFCheckpoint | None]:
+    """The weight format to serve ``model`` in (``native``, ``float16`` or ``none``), with the GGUF file whose
+    blocks ``native`` keeps (None otherwise). See ``engine.quantization`` for what ``auto`` picks and why.
 
-    ``native`` on a model that is not a GGUF file with Q4_0/Q4_1/Q8_0 weights raises ValueError.
+    ``native`` on a model that is not a GGUF file with Q4_0/Q4_1/Q8_0 weights, and ``float16`` off the CPU,
+    raise ValueError.
     """
-    if mode == "none" or (mode == "auto" and not fast_weight_only_kernels(device)):
-        return None
+    if mode == "none":
+        return "none", None
+    if mode == "float16":
+        if device.type != "cpu":
+            raise ValueError(f"quantization float16 is for CPUs; on {device.type}, compute in 16 bits (--dtype)")
+        return "float16", None
     path = gguf_file(model)
     checkpoint = read_gguf(path) if path is not None else None
     if checkpoint is None or not any(t.kind in INT4_KINDS | INT8_KINDS for t in checkpoint.tensors):
         if mode == "auto":
-            return None
+            return "none", None
         raise ValueError(f"quantization native: model {model!r} is not a GGUF file with Q4_0, Q4_1 or Q8_0 weights")
-    return checkpoint
+    if mode == "native" or fast_weight_only_kernels(device):
+        return "native", checkpoint
+    return ("float16", None) if fast_float16_weights(device) else ("none", None)
+
+
+def quantized_checkpoint(mode: str, model: str, device: torch.device) -> GGUFCheckpoint | None:
+    """The GGUF file to serve in its own quantized format, or None for a dequantised path."""
+    return resolve_quantization(mode, model, device)[1]
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -100,14 +120,19 @@ class LLMEngine:
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
         self.device = resolve_device(self.config.device)
-        quantized = quantized_checkpoint(self.config.quantization, self.config.model, self.device)
+        self.quantization, quantized = resolve_quantization(self.config.quantization, self.config.model, self.device)
         self.quantized = quantized is not None
         if quantized is not None and self.config.dtype == "auto":
             self.dtype = quantized_compute_dtype(self.device)
         else:
             self.dtype = resolve_dtype(self.config.dtype, self.device)
+        if self.quantization == "float16" and self.dtype != torch.float32:
+            raise ValueError(f"quantization float16 computes in float32: --dtype auto or float32, not {self.dtype}")
         kv_dtype = self.config.kv_cache_dtype
-        self.kv_cache_dtype = self.dtype if kv_dtype == "auto" else resolve_dtype(kv_dtype, self.device)
+        if kv_dtype == "auto":  # float16 weights: a float16 cache too, as llama.cpp's, half the bytes per token
+            self.kv_cache_dtype = torch.float16 if self.quantization == "float16" else self.dtype
+        else:
+            self.kv_cache_dtype = resolve_dtype(kv_dtype, self.device)
         self.tokenizer = load_tokenizer(self.config.model, self.model_config.eos_token_ids or None)
         self.eos_token_ids = self.model_config.eos_token_ids
         if not self.eos_token_ids and self.tokenizer is not None:
@@ -115,6 +140,8 @@ class LLMEngine:
         model = build_model(
             self.config.model, self.model_config, self.dtype, self.device, self.config.seed, quantized=quantized
         )
+        if self.quantization == "float16":
+            store_weights_in_float16(model)
 
         block_size = self.config.block_size
         block_bytes = kv_block_bytes(self.model_config, block_size, self.kv_cache_dtype)
@@ -266,6 +293,7 @@ class LLMEngine:
                 output.num_context_tokens,
                 output.num_decode_context_tokens,
                 output.num_kv_read_tokens,
+                device_s=self.runner.last_device_s,
             )
         )
         return outputs

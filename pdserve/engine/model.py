@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -101,7 +102,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates q and k by their absolute positions (the rotate-half convention of HF Llama)."""
+    """The cos/sin tables of every absolute position (the rotate-half convention of HF Llama)."""
 
     cos: torch.Tensor  # [max positions, head_dim / 2], float32 (buffers, so they follow .to())
     sin: torch.Tensor
@@ -121,13 +122,22 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, rope_inv_freq(self.config).double())
         self.cos, self.sin = freqs.cos().float().to(device), freqs.sin().float().to(device)
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
+    def angles(self, positions: torch.Tensor) -> Rotation:
+        """The cos/sin rows of ``positions``, gathered once per step for every layer."""
+        return Rotation(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))  # [T, 1, D/2] each
+
+
+class Rotation(NamedTuple):
+    """The rotation of a step's tokens (``RotaryEmbedding.angles``), applied to q and k in every layer."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def apply(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = []
         for x in xs:
             x1, x2 = x.float().chunk(2, dim=-1)
-            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            rotated = torch.cat((x1 * self.cos - x2 * self.sin, x2 * self.cos + x1 * self.sin), dim=-1)
             out.append(rotated.to(x.dtype))
         return tuple(out)
 
@@ -146,18 +156,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        self, x: torch.Tensor, rotation: Rotation, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = rotation.apply(q, k)
 
         k_cache = kv_cache[:, self.layer_index, 0]  # [num_blocks, block_size, kv_heads, head_dim]
         v_cache = kv_cache[:, self.layer_index, 1]
@@ -234,8 +239,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, rope, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+    def forward(self, x, rotation: Rotation, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotation, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -249,8 +254,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_cache, meta) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rotation = self.rotary_emb.angles(positions)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary_emb, kv_cache, meta)
+            x = layer(x, rotation, kv_cache, meta)
         return self.norm(x)
 
 

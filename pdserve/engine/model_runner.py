@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from pdserve.engine.config import ModelConfig
@@ -38,6 +40,32 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class DeviceTimer:
+    """The device time of the work queued between ``start()`` and ``stop()``: CUDA events on a GPU (the host's
+    clock would time the kernel launches, not the kernels), the host's clock on a CPU (synchronous kernels)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._t0 = 0.0
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        """Seconds since ``start()``; on CUDA waits for the queued kernels to finish."""
+        if not self.cuda:
+            return time.perf_counter() - self._t0
+        self._end.record()
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end) / 1e3
+
+
 class StepResult:
     """Sampled tokens for the chunks that sample, keyed by request id; logits when asked for."""
 
@@ -61,6 +89,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.workspace = Workspace()
+        self.inputs = InputBuffer(device)
+        self.timer = DeviceTimer(device)
+        self.last_device_s = 0.0  # the device time of the last ``run``
 
     @torch.inference_mode()
     def run(
@@ -76,10 +107,12 @@ class ModelRunner:
         ``output_index[rid]`` is the index of the output token being sampled (the draw's seed input).
         """
         input_ids, positions, meta = self._prepare(output)
+        self.timer.start()
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         sampling = [c for c in output.chunks if c.samples]
         if not sampling:
             # nothing sampled means nothing waited for the kernels: the KV they write may be pushed next
+            self.last_device_s = self.timer.stop()
             synchronize(hidden.device)
             return StepResult({}, {} if keep_logits else None)
         last_index, flat = [], 0
@@ -90,6 +123,7 @@ class ModelRunner:
         logits = self.model.logits(hidden[torch.tensor(last_index, device=self.device)])
         ids = [c.request_id for c in sampling]
         tokens = sample(logits, [params[r] for r in ids], [seeds[r] for r in ids], [output_index[r] for r in ids])
+        self.last_device_s = self.timer.stop()
         kept = {r: logits[i].cpu() for i, r in enumerate(ids)} if keep_logits else None
         return StepResult(dict(zip(ids, tokens, strict=True)), kept, _logprobs(logits, ids, tokens, params))
 
@@ -105,7 +139,7 @@ class ModelRunner:
         pos: list[int] = []
         slot_blocks: list[int] = []
         decodes: list[tuple[int, int, list[int]]] = []  # (flat index, context length, blocks)
-        prefills: list[PrefillSpan] = []
+        prefills: list[tuple[int, int, int, list[int]]] = []  # (lo, hi, start, blocks)
         for chunk in output.chunks:
             lo, n = len(ids), len(chunk.token_ids)
             end = chunk.start + n
@@ -116,31 +150,49 @@ class ModelRunner:
             if n == 1 and chunk.start > 0:
                 decodes.append((lo, end, blocks))
             else:
-                prefills.append(PrefillSpan(lo, lo + n, chunk.start, self._tensor(blocks)))
-        meta = AttentionMetadata(
-            self._tensor(slot_blocks),
-            self._tensor([p % bs for p in pos]),
-            self._decode_groups(decodes),
-            prefills,
-            self.workspace,
-        )
-        return self._tensor(ids), self._tensor(pos), meta
+                prefills.append((lo, lo + n, chunk.start, blocks))
+        decodes.sort(key=lambda d: d[1])
+        groups = [decodes[g : g + DECODE_GROUP_SIZE] for g in range(0, len(decodes), DECODE_GROUP_SIZE)]
+        widths = [max(len(blocks) for _, _, blocks in part) for part in groups]
 
-    def _decode_groups(self, decodes: list[tuple[int, int, list[int]]]) -> list[DecodeGroup]:
-        decodes = sorted(decodes, key=lambda d: d[1])
-        groups = []
-        for g in range(0, len(decodes), DECODE_GROUP_SIZE):
-            part = decodes[g : g + DECODE_GROUP_SIZE]
-            width = max(len(blocks) for _, _, blocks in part)
-            flat = [b for _, _, blocks in part for b in blocks + [0] * (width - len(blocks))]
-            lens = self._tensor([length for _, length, _ in part])
+        lists = [ids, pos, slot_blocks, [p % bs for p in pos]]
+        lists += [blocks for *_, blocks in prefills]
+        for part, width in zip(groups, widths, strict=True):
+            lists.append([i for i, _, _ in part])
+            lists.append([b for _, _, blocks in part for b in blocks + [0] * (width - len(blocks))])
+            lists.append([length for _, length, _ in part])
+        tensors = iter(self.inputs.upload(lists))
+        input_ids, positions, slot_block_t, slot_offsets = (next(tensors) for _ in range(4))
+        spans = [PrefillSpan(lo, hi, start, next(tensors)) for lo, hi, start, _ in prefills]
+        decode_groups = []
+        for part, width in zip(groups, widths, strict=True):
+            index, flat, lens = next(tensors), next(tensors), next(tensors)
             key_pos = torch.arange(width * self.block_size, device=self.device)
             mask = (key_pos.unsqueeze(0) < lens.unsqueeze(1)).view(len(part), 1, 1, -1)
-            groups.append(DecodeGroup(self._tensor([i for i, _, _ in part]), self._tensor(flat), mask))
-        return groups
+            decode_groups.append(DecodeGroup(index, flat, mask))
+        meta = AttentionMetadata(slot_block_t, slot_offsets, decode_groups, spans, self.workspace)
+        return input_ids, positions, meta
 
-    def _tensor(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+class InputBuffer:
+    """A step's integer inputs (token ids, positions, slots, block tables) as one tensor, ``upload`` returning
+    a view per list. On CUDA they pass through one persistent pinned host buffer in one asynchronous copy;
+    the next step rewrites the buffer only after this one's tokens came back (a synchronisation)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._host = torch.empty(0, dtype=torch.long)
+
+    def upload(self, lists: list[list[int]]) -> list[torch.Tensor]:
+        sizes = [len(values) for values in lists]
+        flat = torch.tensor([v for values in lists for v in values], dtype=torch.long)
+        if self.device.type == "cpu":  # the tensor itself: one allocation for the step's inputs
+            return list(flat.split(sizes))
+        if self._host.numel() < flat.numel():
+            self._host = torch.empty(max(flat.numel(), 2 * self._host.numel()), dtype=torch.long).pin_memory()
+        host = self._host[: flat.numel()]
+        host.copy_(flat)
+        return list(host.to(self.device, non_blocking=True).split(sizes))
 
 
 def _logprobs(

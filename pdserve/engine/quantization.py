@@ -6,9 +6,17 @@
 - ``native``: Q4_0/Q4_1 weights run as torch's packed int4 weight-only GEMM with the file's per-32 scales
   and minimums (exact: ``w = d * q + m``), Q8_0 ones as int8 weight-only GEMM (one scale per row,
   re-derived from the per-32 ones); other tensors are dequantised to the compute dtype;
-- ``auto``: ``native`` for a GGUF file where torch's kernels are fast (CUDA, or a CPU with AVX-512), else
+- ``float16``: every weight (linears and the embedding) stored in float16, half float32's bytes, and
+  computed in float32 (``Float16Linear``): a batch of one or two rows goes through torch's float16
+  matrix-vector kernel (float32 accumulation), which reads half the bytes of a float32 one; larger batches
+  convert the weight to float32 a cache-sized tile at a time and run the float32 GEMM on the tile. Inputs
+  and outputs are rounded to float16 on both paths, so a request's tokens do not depend on its batch. The
+  output projection keeps float32 logits (float16 ones would tie a confident model's top tokens);
+- ``auto``: ``native`` for a GGUF file where torch's kernels are fast (CUDA, or a CPU with AVX-512);
+  ``float16`` for a GGUF file with quantized weights on a CPU without them (AVX2 with F16C); else
   ``none``. On an AVX2-only CPU torch's int4/int8 weight-only kernels are several times slower than a
-  float32 GEMM over the dequantised weights, so keeping the file's format would only save memory.
+  float32 GEMM over the dequantised weights, while its float16 matrix-vector kernel is about twice as
+  fast as the float32 one, and a decode step of a small batch is bound by the bytes of the weights.
 
 The compute dtype of the quantized path (``--dtype auto``) is bfloat16 on CUDA and on a CPU with
 AVX512-BF16 or AMX, float32 elsewhere. The CUDA kernels (``_convert_weight_to_int4pack``,
@@ -21,12 +29,21 @@ import functools
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.config import QUANTIZATION_MODES
 from pdserve.engine.gguf import QUANT_GROUP, QuantizedBlocks
 
-__all__ = ["QUANTIZATION_MODES", "Int4Linear", "Int8Embedding", "Int8Linear", "Int8Weight"]
+__all__ = [
+    "QUANTIZATION_MODES",
+    "Float16Embedding",
+    "Float16Linear",
+    "Int4Linear",
+    "Int8Embedding",
+    "Int8Linear",
+    "Int8Weight",
+]
 INT4_KINDS = frozenset({"Q4_0", "Q4_1"})
 INT8_KINDS = frozenset({"Q8_0"})
 
@@ -54,6 +71,12 @@ def fast_weight_only_kernels(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     return device.type == "cpu" and torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX"))
+
+
+def fast_float16_weights(device: torch.device) -> bool:
+    """Whether float16 weights beat float32 ones on this CPU (converted in hardware: F16C); on CUDA one
+    computes in 16 bits instead (``--dtype bfloat16``)."""
+    return device.type == "cpu" and "f16c" in cpu_flags()
 
 
 def quantized_compute_dtype(device: torch.device) -> torch.dtype:
@@ -164,6 +187,104 @@ class Int8Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weight_int8
         return w.codes[ids].to(w.scales.dtype) * w.scales[ids].unsqueeze(-1)
+
+
+GEMV_MAX_ROWS = 2  # up to this many rows, torch's float16 matrix-vector kernel beats a float32 GEMM
+TILE_BYTES = 1 << 20  # a float32 weight tile of this size stays in cache between its conversion and its GEMM
+
+
+class TileScratch:
+    """One float32 buffer, shared by a model's ``Float16Linear`` layers, that each converts its weight tiles
+    into: a fresh multi-MiB tensor per call would cost page faults. Not thread-safe (one engine, one thread)."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0)
+
+    def get(self, rows: int, cols: int, device: torch.device) -> torch.Tensor:
+        if self._buffer.numel() < rows * cols or self._buffer.device != device:
+            self._buffer = torch.empty(rows * cols, dtype=torch.float32, device=device)
+        return self._buffer[: rows * cols].view(rows, cols)
+
+
+class Float16Linear(nn.Module):
+    """``y = x @ w.T (+ bias)`` with ``w`` stored in float16, ``x`` and ``y`` in float32.
+
+    Both paths compute ``dot(fp16(x), w)`` with float32 accumulation: one or two rows by the float16
+    matrix-vector kernel, more by tiles of ``w`` converted to float32. The result is rounded to float16
+    (as the matrix-vector kernel returns it) unless ``float32_output``, which always takes the tiled path.
+    """
+
+    weight: torch.Tensor
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        scratch: TileScratch,
+        float32_output: bool = False,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.to(torch.float16).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.scratch = scratch
+        self.float32_output = float32_output
+        self.tile_rows = max(1, TILE_BYTES // (4 * self.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] <= GEMV_MAX_ROWS and not self.float32_output:
+            out = F.linear(flat.to(torch.float16), self.weight).float()
+        else:
+            out = self._tiled(flat.to(torch.float16).float())
+            if not self.float32_output:
+                out = out.to(torch.float16).float()
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        for lo in range(0, self.out_features, self.tile_rows):
+            hi = min(lo + self.tile_rows, self.out_features)
+            tile = self.scratch.get(hi - lo, self.in_features, x.device)
+            tile.copy_(self.weight[lo:hi])
+            out[:, lo:hi] = torch.mm(x, tile.t())
+        return out
+
+
+class Float16Embedding(nn.Module):
+    """Rows of a float16 table (shared with a tied ``Float16Linear``), returned in float32."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids].float()
+
+
+def store_weights_in_float16(module: nn.Module) -> None:
+    """Replace ``module``'s linears by ``Float16Linear`` and its embedding by a ``Float16Embedding`` (a tied
+    output projection shares the embedding's float16 table); the float32 weights, and the memory-mapped
+    checkpoint they came from, are released."""
+    scratch = TileScratch()
+    embeddings = [(name, sub) for name, sub in module.named_modules() if isinstance(sub, nn.Embedding)]
+    tables: dict[int, torch.Tensor] = {}
+    for name, embedding in embeddings:
+        table = embedding.weight.detach().to(torch.float16)
+        tables[embedding.weight.data_ptr()] = table
+        module.set_submodule(name, Float16Embedding(table))
+    for name, linear in [(n, s) for n, s in module.named_modules() if isinstance(s, nn.Linear)]:
+        shared = tables.get(linear.weight.data_ptr())
+        weight = shared if shared is not None else linear.weight.detach()
+        replacement = Float16Linear(weight, linear.bias, scratch, float32_output=name.endswith("lm_head"))
+        if shared is not None:
+            replacement.weight = shared  # one table for the embedding and the output projection
+        module.set_submodule(name, replacement)
+    with torch.no_grad():  # the norms' weights: own copies, so the checkpoint file's mapping (all read) is released
+        for param in module.parameters():
+            param.data = param.data.clone()
 
 
 def weight_bytes(module: nn.Module) -> int:
