@@ -284,7 +284,9 @@ class Simulation:
                 run.sim_config or self.config,
                 mode=run.mode,
                 time_origin=run.time_origin,
-                **run.counts,
+                num_instances=run.counts.get("num_instances", 1),
+                num_prefill=run.counts.get("num_prefill", 1),
+                num_decode=run.counts.get("num_decode", 1),
             )
             out.append((run.name, report))
         return out

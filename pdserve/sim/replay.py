@@ -368,7 +368,7 @@ def _regenerated(
 def _sim_config(meta: Mapping[str, Any]) -> SimConfig:
     """A simulated run's ``SimConfig`` (its KV pool and token budget as the run sized them)."""
     recorded = dict(meta["sim"])
-    values = {
+    values: dict[str, Any] = {
         k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items() if k in SimConfig.__dataclass_fields__
     }
     values["num_kv_blocks"] = meta.get("num_kv_blocks", values.get("num_kv_blocks"))
