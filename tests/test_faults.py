@@ -18,6 +18,7 @@ from conftest import assert_no_leaks, wait_until
 
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.kv_transfer.nixl_transport import NixlConfig
 from pdserve.router.client import Client
 from pdserve.router.policy import RouterConfig
 
@@ -213,12 +214,14 @@ HUNG_ENGINE = dataclasses.replace(ENGINE, num_kv_blocks=600, max_num_batched_tok
 HUNG_PROMPT = [random.Random(17).randrange(256) for _ in range(3000)]
 
 
-@pytest.mark.parametrize("transport", ["grpc", "nixl"])
+@pytest.mark.parametrize("transport", ["grpc", "nixl", "nixl-tcp"])
 def test_a_hung_decode_worker_while_a_long_prefill_pushes_fails_fast_and_frees_the_prefill_side(ray_cluster, transport):
     """SIGSTOP, not a kill: the decode worker's process, its sockets and its Ray actor all stay up, it just
     answers nothing; nothing may wait for it past the push timeout."""
     expected = LLMEngine(HUNG_ENGINE).generate([PROMPT], GREEDY)[0].token_ids
     config = dict(transport=transport, engine=HUNG_ENGINE, push_timeout_s=3.0, reservation_ttl_s=30.0)
+    if transport == "nixl-tcp":  # UCX over TCP: a write into a stopped process cannot complete (shared memory can)
+        config.update(transport="nixl", transport_config=NixlConfig(ucx_tls="tcp"))
     with deployment(**config) as d, Client(d.address) as client:
         prefill = d.prefill_workers[0].actor
         [decode_pid] = [info["pid"] for info in d.worker_info if info["worker_id"] == "decode-0"]
