@@ -260,3 +260,27 @@ def test_a_hung_decode_worker_while_a_long_prefill_pushes_fails_fast_and_frees_t
             assert tokens_of(chunks) == expected, mode
             assert mode == "auto" or chunks[-1].metadata.mode == mode
         assert_no_leaks(d)
+
+
+def test_a_hung_decode_worker_mid_stream_fails_its_stream_and_the_other_keeps_serving(ray_cluster, expected):
+    with deployment(mode="colocated", num_prefill_workers=0, num_decode_workers=2) as d, Client(d.address) as client:
+        stream = client.generate(PROMPT, LONG, request_id="stalled")
+        next(stream)
+        [victim] = wait_until(
+            lambda: [w.worker_id for w in client.stats() if w.num_running > 0], 10, "the stream's decode worker"
+        )
+        [pid] = [info["pid"] for info in d.worker_info if info["worker_id"] == victim]
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                list(stream)
+            status_s = time.monotonic() - stopped
+            for _ in range(3):  # meanwhile the other worker serves everything
+                assert tokens_of(client.generate(PROMPT, GREEDY)) == expected
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and victim in err.value.details(), err.value
+        assert status_s < 10, status_s
+        wait_until(lambda: client.health().status == "serving", 30, f"{victim} to serve again", interval_s=0.5)
+        assert_no_leaks(d)
