@@ -220,6 +220,26 @@ async def decode_killed(d: Deployment) -> Timing:
     return await mid_stream(d, "decode worker killed mid-stream", kill_its_worker)
 
 
+async def decode_hung_mid_stream(d: Deployment) -> Timing:
+    """A long stream's decode worker is stopped (SIGSTOP), and resumed once the client has its outcome."""
+    async with AsyncClient(d.address) as client:
+        first = asyncio.Event()
+        task = asyncio.create_task(stream(client, LONG, first))
+        await first.wait()
+        [victim] = [w.worker_id for w in await client.stats() if w.num_running > 0]
+        [pid] = [info["pid"] for info in d.worker_info if info["worker_id"] == victim]
+        os.kill(pid, signal.SIGSTOP)
+        struck = time.monotonic()
+        try:
+            outcome, _ = await asyncio.wait_for(task, 60)
+            outcome_s = time.monotonic() - struck
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        freed_s = await freed_after(d.address, struck)
+        await until(lambda: _health_is(client, "serving"))
+    return Timing("decode worker hung mid-stream", outcome, outcome_s, freed_s, time.monotonic() - struck)
+
+
 async def engine_crashed(d: Deployment) -> Timing:
     async def crash(client: AsyncClient) -> None:
         ray.get(d.decode_workers[0].actor.inject_fault.remote("step"))
@@ -310,6 +330,7 @@ def main() -> int:
             for label, over in hung_transports.items()
         ],
         ("decode worker killed mid-stream", {**colocated, "num_decode_workers": 2}, decode_killed),
+        ("decode worker hung mid-stream", {**colocated, "num_decode_workers": 2}, decode_hung_mid_stream),
         ("engine loop crash", colocated, engine_crashed),
         ("KV stops arriving", {}, kv_stalled),
         ("client deadline", {}, client_deadline),

@@ -121,7 +121,7 @@ class Router:
         self._ids = itertools.count()
         self._seeds = random.Random()
         self.metrics = RouterMetrics(router_id)
-        self._unanswered: set[asyncio.Future] = set()  # calls to hung decode workers, awaited until they answer
+        self._unanswered: set[asyncio.Future] = set()  # decode-worker calls in flight (a hung one outlives its request)
 
     # ---- the workers' event streams (``WorkerEvents``) -------------------------------------------
     async def start(self, timeout_s: float = 60.0) -> None:
