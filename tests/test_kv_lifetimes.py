@@ -514,3 +514,30 @@ def test_a_hung_decode_worker_fails_its_request_at_the_silence_timeout_and_runs_
         await p.settled()
 
     run(case)
+
+
+def test_an_idle_decode_worker_is_not_taken_for_a_hung_one(expected):
+    from pdserve.engine.config import ModelConfig
+    from pdserve.router.policy import RouterConfig
+    from pdserve.router.router import GenerateInput, ModelLimits, Router, WorkerHandle
+
+    async def case(p: Pair) -> None:
+        router = Router(
+            RouterConfig(default_mode="disaggregated", decode_silence_timeout_s=1.0),
+            [WorkerHandle("decode-t", "decode", p.decode_actor)],
+            [WorkerHandle("prefill-t", "prefill", p.prefill_actor)],
+            ModelLimits(ModelConfig.load("tiny").vocab_size, ENGINE.max_model_len),
+            None,
+            ROUTER + "-3",
+        )
+        await router.start(5)
+        try:
+            await asyncio.sleep(2.5)  # idle, with nothing to stream, for well past the silence timeout
+            assert router.policy.is_available("decode-t") and not router._events.down("decode-t").is_set()
+            events = [e async for e in router.generate(GenerateInput(None, PROMPT, GREEDY, "disaggregated"))]
+            assert [t for e in events for t in e.token_ids] == expected
+        finally:
+            await router.close()
+        await p.settled()
+
+    run(case)
