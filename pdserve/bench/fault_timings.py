@@ -6,7 +6,7 @@ TTL 4 s, push timeout 1 s); each row times the fault from the moment it is cause
 then to every KV block free or cached on the workers that answer (through ``Stats``), then to the
 deployment serving with that worker again.
 
-    python bench/fault_timings.py                 # every fault, about 6 minutes on 2 cores
+    python bench/fault_timings.py                 # every fault, about 8 minutes on 2 cores
     python bench/fault_timings.py --only push     # the faults whose name contains "push"
 
 The hung decode worker (SIGSTOP, then SIGCONT once the client has its answer and the prefill worker its
