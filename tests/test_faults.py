@@ -4,7 +4,10 @@ seconds, with no KV block left in use anywhere and the deployment serving again.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import random
+import signal
 import threading
 import time
 
@@ -15,6 +18,7 @@ from conftest import assert_no_leaks, wait_until
 
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.kv_transfer.nixl_transport import NixlConfig
 from pdserve.router.client import Client
 from pdserve.router.policy import RouterConfig
 
@@ -204,3 +208,79 @@ def test_a_decode_worker_dying_while_a_long_prefill_pushes_fails_fast_and_frees_
             chunks = list(client.generate(PROMPT, GREEDY, mode=mode))
             assert tokens_of(chunks) == expected and chunks[-1].metadata.mode == mode
         assert_no_leaks(d, integrity=False)
+
+
+HUNG_ENGINE = dataclasses.replace(ENGINE, num_kv_blocks=600, max_num_batched_tokens=128, max_model_len=3200)
+HUNG_PROMPT = [random.Random(17).randrange(256) for _ in range(3000)]
+
+
+@pytest.mark.parametrize("transport", ["grpc", "nixl", "nixl-tcp"])
+def test_a_hung_decode_worker_while_a_long_prefill_pushes_fails_fast_and_frees_the_prefill_side(ray_cluster, transport):
+    """SIGSTOP, not a kill: the decode worker's process, its sockets and its Ray actor all stay up, it just
+    answers nothing; nothing may wait for it past the push timeout."""
+    expected = LLMEngine(HUNG_ENGINE).generate([PROMPT], GREEDY)[0].token_ids
+    config = dict(transport=transport, engine=HUNG_ENGINE, push_timeout_s=3.0, reservation_ttl_s=30.0)
+    if transport == "nixl-tcp":  # UCX over TCP: a write into a stopped process cannot complete (shared memory can)
+        config.update(transport="nixl", transport_config=NixlConfig(ucx_tls="tcp"))
+    with deployment(**config) as d, Client(d.address) as client:
+        prefill = d.prefill_workers[0].actor
+        [decode_pid] = [info["pid"] for info in d.worker_info if info["worker_id"] == "decode-0"]
+        ray.get(prefill.inject_fault.remote("slow_steps"))  # 24 chunks of 128 tokens, 200 ms more each
+        outcome: dict = {}
+
+        def run() -> None:
+            try:
+                list(client.generate(HUNG_PROMPT, GREEDY, mode="disaggregated"))
+                outcome["code"] = grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                outcome["code"], outcome["details"] = e.code(), e.details()
+            outcome["at"] = time.monotonic()
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        try:
+            with Client(d.address) as probe:
+                wait_until(lambda: any(w.role == "prefill" and w.num_steps >= 3 for w in probe.stats()), 30, "pushes")
+            os.kill(decode_pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            thread.join(15)
+            answered = not thread.is_alive()
+            blocks_back_s = prefill_blocks_back_at(d, 10) - stopped
+        finally:
+            os.kill(decode_pid, signal.SIGCONT)
+        thread.join(30)
+        assert answered, f"the client got no answer within 15 s of the decode worker hanging: {outcome}"
+        assert outcome["code"] in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), outcome
+        assert outcome["at"] - stopped < 10, outcome["at"] - stopped
+        assert blocks_back_s < 10, blocks_back_s
+        ray.get(prefill.inject_fault.remote(None))
+        wait_until(lambda: client.health().status == "serving", 60, "the decode worker to serve again", interval_s=0.5)
+        for mode in ("disaggregated", "colocated", "auto"):  # the next requests in every mode succeed
+            chunks = list(client.generate(PROMPT, GREEDY, mode=mode))
+            assert tokens_of(chunks) == expected, mode
+            assert mode == "auto" or chunks[-1].metadata.mode == mode
+        assert_no_leaks(d)
+
+
+def test_a_hung_decode_worker_mid_stream_fails_its_stream_and_the_other_keeps_serving(ray_cluster, expected):
+    with deployment(mode="colocated", num_prefill_workers=0, num_decode_workers=2) as d, Client(d.address) as client:
+        stream = client.generate(PROMPT, LONG, request_id="stalled")
+        next(stream)
+        [victim] = wait_until(
+            lambda: [w.worker_id for w in client.stats() if w.num_running > 0], 10, "the stream's decode worker"
+        )
+        [pid] = [info["pid"] for info in d.worker_info if info["worker_id"] == victim]
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                list(stream)
+            status_s = time.monotonic() - stopped
+            for _ in range(3):  # meanwhile the other worker serves everything
+                assert tokens_of(client.generate(PROMPT, GREEDY)) == expected
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and victim in err.value.details(), err.value
+        assert status_s < 10, status_s
+        wait_until(lambda: client.health().status == "serving", 30, f"{victim} to serve again", interval_s=0.5)
+        assert_no_leaks(d)

@@ -40,13 +40,16 @@ ROUTER = "router-t"
 class LocalActor:
     """Stands in for a Ray actor handle: ``actor.method.remote(...)`` runs the method on this event loop.
 
-    ``dead``: calls raise ``ActorDiedError``; ``unavailable``: they raise ``ActorUnavailableError``.
+    ``dead``: calls raise ``ActorDiedError``; ``unavailable``: they raise ``ActorUnavailableError``;
+    ``running`` cleared: the process hangs (SIGSTOP): calls and stream items wait until it is set again.
     """
 
     def __init__(self, obj: Any) -> None:
         self.obj = obj
         self.dead = False
         self.unavailable = False
+        self.running = asyncio.Event()
+        self.running.set()
         self.calls: list[str] = []
 
     def __getattr__(self, name: str) -> Any:
@@ -63,6 +66,7 @@ class LocalActor:
 
                     async def items() -> AsyncIterator[asyncio.Future]:
                         async for item in getattr(actor.obj, name)(*args, **kwargs):
+                            await actor.running.wait()
                             done = asyncio.get_running_loop().create_future()
                             done.set_result(item)
                             yield done
@@ -71,6 +75,7 @@ class LocalActor:
 
                 async def call() -> Any:
                     actor.calls.append(name)
+                    await actor.running.wait()
                     if actor.dead:
                         raise ActorDiedError()
                     if actor.unavailable:
@@ -466,5 +471,73 @@ def test_a_push_that_cannot_be_cancelled_ends_when_its_decode_worker_is_dead():
             assert time.monotonic() - start < 5, "the prefill worker holds its blocks for a dead receiver"
             await asyncio.sleep(0.05)
         assert time.monotonic() - start > 1.0  # not before the push timed out and would not cancel
+
+    run(case)
+
+
+def test_a_hung_decode_worker_fails_its_request_at_the_silence_timeout_and_runs_the_abort_when_it_resumes():
+    from pdserve.engine.config import ModelConfig
+    from pdserve.router.policy import RouterConfig
+    from pdserve.router.router import GenerateInput, ModelLimits, RequestError, Router, WorkerHandle
+
+    async def case(p: Pair) -> None:
+        router = Router(
+            RouterConfig(default_mode="disaggregated", decode_silence_timeout_s=1.0),
+            [WorkerHandle("decode-t", "decode", p.decode_actor)],
+            [WorkerHandle("prefill-t", "prefill", p.prefill_actor)],
+            ModelLimits(ModelConfig.load("tiny").vocab_size, ENGINE.max_model_len),
+            None,
+            ROUTER + "-2",
+        )
+        await router.start(5)
+        try:
+            stream = router.generate(GenerateInput(None, PROMPT, GREEDY, "disaggregated"))
+            first = asyncio.ensure_future(stream.__anext__())
+            while not p.decode._pending:  # reserved: its KV is on the way (one-sided writes land regardless)
+                await asyncio.sleep(0.005)
+            p.decode_actor.running.clear()
+            hung = time.monotonic()
+            await asyncio.wait_for(first, 5)  # the prefill worker's first token
+            with pytest.raises(RequestError) as err:
+                await asyncio.wait_for(stream.__anext__(), 5)
+            assert err.value.code == "UNAVAILABLE" and "decode-t" in str(err.value), err.value
+            assert 0.5 <= time.monotonic() - hung < 3.0  # its last heartbeat came up to 0.5 s before it hung
+            assert not router.active and not router.policy.is_available("decode-t")
+            p.decode_actor.running.set()  # it resumes: the queued decode, then the router's abort, run
+            await p.settled()
+            while not router.policy.is_available("decode-t"):
+                await asyncio.sleep(0.05)
+            events = [e async for e in router.generate(GenerateInput(None, PROMPT, GREEDY, "disaggregated"))]
+            assert sum(len(e.token_ids) for e in events) == GREEDY.max_tokens  # served again, disaggregated
+        finally:
+            await router.close()
+        await p.settled()
+
+    run(case)
+
+
+def test_an_idle_decode_worker_is_not_taken_for_a_hung_one(expected):
+    from pdserve.engine.config import ModelConfig
+    from pdserve.router.policy import RouterConfig
+    from pdserve.router.router import GenerateInput, ModelLimits, Router, WorkerHandle
+
+    async def case(p: Pair) -> None:
+        router = Router(
+            RouterConfig(default_mode="disaggregated", decode_silence_timeout_s=1.0),
+            [WorkerHandle("decode-t", "decode", p.decode_actor)],
+            [WorkerHandle("prefill-t", "prefill", p.prefill_actor)],
+            ModelLimits(ModelConfig.load("tiny").vocab_size, ENGINE.max_model_len),
+            None,
+            ROUTER + "-3",
+        )
+        await router.start(5)
+        try:
+            await asyncio.sleep(2.5)  # idle, with nothing to stream, for well past the silence timeout
+            assert router.policy.is_available("decode-t") and not router._events.down("decode-t").is_set()
+            events = [e async for e in router.generate(GenerateInput(None, PROMPT, GREEDY, "disaggregated"))]
+            assert [t for e in events for t in e.token_ids] == expected
+        finally:
+            await router.close()
+        await p.settled()
 
     run(case)

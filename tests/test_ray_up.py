@@ -5,7 +5,9 @@ lines, setup and venv activation, which CI has done): loopback SSH up, `ray up` 
 ``cluster/start.sh`` on the head through ``ray exec``, requests from outside the cluster over gRPC,
 ``pdserve status``, then stop, ``ray down`` and loopback SSH down, always, even when a step fails. Asserts identical
 greedy tokens in colocated and disaggregated modes, prefill and decode workers on different nodes (the head
-offers ``prefill``, the worker ``decode``), that asking for more prefill workers than the cluster offers fails
+offers ``prefill``, the worker ``decode``), that with ``--transport grpc --verify-kv`` the decode worker advertises
+its own node's address for KV (127.0.0.3, not the head's or 127.0.0.1) and disaggregated requests across the
+nodes give the same tokens, that asking for more prefill workers than the cluster offers fails
 at once naming the resource, and that nothing is left behind: no process of the cluster, no file in the home
 directory, ``~/.ssh`` and ``~/.bashrc`` as they were, no ``/tmp/ray/cluster-*`` or ``/tmp/ray-config-*`` of
 the cluster, no ``/tmp/ray/ray_current_cluster`` that a later ``ray.init()`` would join. Bounded: past
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import getpass
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -35,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HOME = Path.home()
 HEAD, WORKER = "127.0.0.2", "127.0.0.3"
 TARGET = f"{HEAD}:50061"
-BUDGET_S = 300.0  # for the commands up to the requests; the cleanup gets CLEANUP_S more
+BUDGET_S = 420.0  # for the commands up to the requests; the cleanup gets CLEANUP_S more
 CLEANUP_S = 90.0
 CLUSTER = "pdserve-local"
 
@@ -58,6 +61,13 @@ DOWN = [
     "bash cluster/loopback_ssh.sh down",
 ]
 DOC_COMMANDS = [*SETUP, *UP, *USE, *DOWN]
+# Not in docs/cluster.md: serve again with the gRPC KV transport and checksums, then ask the decode worker
+# where it receives KV (tests/ray_up_kv_probe.py, on the head, through Ray).
+GRPC_START = (
+    "ray exec cluster/local.yaml 'bash ~/pdserve/cluster/start.sh --mode auto --prefill-workers 1 "
+    f"--decode-workers 1 --host {HEAD} --port 50061 --transport grpc --verify-kv'"
+)
+KV_PROBE = "ray exec cluster/local.yaml 'cd ~/pdserve && .venv/bin/python tests/ray_up_kv_probe.py decode-0'"
 
 
 CLUSTER_DOC = ROOT / "docs" / "cluster.md"
@@ -165,7 +175,7 @@ def test_cluster_doc_block_is_what_this_test_runs():
 
 
 @pytest.mark.ray_up
-@pytest.mark.timeout(480)  # BUDGET_S + CLEANUP_S + the snapshot checks
+@pytest.mark.timeout(600)  # BUDGET_S + CLEANUP_S + the snapshot checks
 def test_ray_up_serves_both_modes_across_two_nodes(tmp_path):
     assert not cluster_processes(), "a loopback cluster is already running"
     before = leftovers_snapshot()
@@ -209,6 +219,23 @@ def test_ray_up_serves_both_modes_across_two_nodes(tmp_path):
         rows = {line.split()[0]: line.split() for line in outputs[2].splitlines()[1:] if line.strip()}
         assert rows["prefill-0"][1:3] == ["prefill", prefill.node], outputs[2]
         assert rows["decode-0"][1:3] == ["decode", decode.node], outputs[2]
+
+        run(DOWN[0], deadline)  # stop.sh
+        run(GRPC_START, deadline)
+        probe = run(KV_PROBE, deadline)
+        found = json.loads(probe.split("KV-PROBE ", 1)[1].splitlines()[0])
+        kv = found["workers"]["decode-0"]
+        [decode_node_id] = [n for n in found["nodes"] if kv["node"] == f"{found['nodes'][n]}/{n[:8]}"]
+        kv_host, _, kv_port = kv["address"].rpartition(":")
+        assert kv["kind"] == "grpc" and kv_port.isdigit(), kv
+        assert kv_host == found["nodes"][decode_node_id] == WORKER, (kv, found["nodes"])  # its node's, not 127.0.0.1
+        with Client(TARGET, timeout_s=60) as client:
+            chunks = [list(client.generate(p, greedy, mode="disaggregated")) for p in prompts]
+            stats = {w.worker_id: w for w in client.stats()}
+        assert [[t for c in cs for t in c.token_ids] for cs in chunks] == tokens["colocated"]
+        assert all(cs[-1].metadata.mode == "disaggregated" for cs in chunks), [cs[-1].metadata for cs in chunks]
+        assert all(cs[-1].metadata.kv_transfer_bytes > 0 for cs in chunks), [cs[-1].metadata for cs in chunks]
+        assert stats["prefill-0"].node.startswith(f"{HEAD}/") and stats["decode-0"].node == kv["node"], stats
     except BaseException as e:
         failure = e
     finally:

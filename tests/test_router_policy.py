@@ -155,3 +155,9 @@ def test_without_prefix_caching_the_view_expects_no_cached_tokens():
     policy.start(first, prompt, 4)
     policy.finish(first, prompt, 4)
     assert policy.route(prompt, 4, "auto").expected_cached_tokens == 0
+
+
+def test_the_decode_silence_timeout_must_outlast_several_heartbeats():
+    with pytest.raises(ValueError, match="decode_silence_timeout_s must be >= 1"):
+        RouterConfig(decode_silence_timeout_s=0.5)
+    assert RouterConfig(decode_silence_timeout_s=1.0).decode_silence_timeout_s == 1.0

@@ -6,15 +6,24 @@ TTL 4 s, push timeout 1 s); each row times the fault from the moment it is cause
 then to every KV block free or cached on the workers that answer (through ``Stats``), then to the
 deployment serving with that worker again.
 
-    python bench/fault_timings.py                 # every fault, about 4 minutes on 2 cores
+    python bench/fault_timings.py                 # every fault, about 8 minutes on 2 cores
     python bench/fault_timings.py --only push     # the faults whose name contains "push"
+
+The hung decode worker (SIGSTOP, then SIGCONT once the client has its answer and the prefill worker its
+blocks) runs a 3000-token prompt with a push timeout of 3 s and a reservation TTL of 30 s; its "freed"
+column is the prefill worker's blocks (the stopped process holds its own until it resumes). With NIXL it runs
+twice: over shared memory (writes into the stopped process still complete) and with UCX over TCP (they hang
+until the push timeout cancels them).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import os
 import random
+import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, NamedTuple
@@ -25,6 +34,7 @@ import ray
 from pdserve.bench.soak import wait_drained
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.kv_transfer.nixl_transport import NixlConfig
 from pdserve.router.client import AsyncClient
 
 ENGINE = EngineConfig(
@@ -87,6 +97,9 @@ async def freed_after(address: str, since: float) -> float:
 
 
 LONG_PROMPT = [random.Random(11).randrange(256) for _ in range(900)]
+HUNG_ENGINE = dataclasses.replace(ENGINE, num_kv_blocks=600, max_num_batched_tokens=128, max_model_len=3200)
+HUNG_PROMPT = [random.Random(17).randrange(256) for _ in range(3000)]
+HUNG = {"engine": HUNG_ENGINE, "push_timeout_s": 3.0, "reservation_ttl_s": 30.0}
 
 
 async def decode_killed_mid_push(d: Deployment, expected: list[int]) -> Timing:
@@ -107,6 +120,46 @@ async def decode_killed_mid_push(d: Deployment, expected: list[int]) -> Timing:
             assert done == "completed" and tokens == expected, (mode, done)
         serving_s = time.monotonic() - killed
     return Timing(f"decode worker killed mid-push ({d.config.transport})", outcome, outcome_s, freed_s, serving_s)
+
+
+async def decode_hung_mid_push(d: Deployment, expected: list[int], label: str) -> Timing:
+    """The decode worker's process is stopped (SIGSTOP) while a 3000-token prompt (slowed to 200 ms more a
+    chunk) is prefilled and pushed; it is resumed once the client has its outcome and the prefill worker its
+    blocks."""
+    [pid] = [info["pid"] for info in d.worker_info if info["worker_id"] == "decode-0"]
+    async with AsyncClient(d.address) as client:
+        ray.get(d.prefill_workers[0].actor.inject_fault.remote("slow_steps"))
+        task = asyncio.create_task(stream_prompt(client, HUNG_PROMPT, GREEDY, "disaggregated"))
+        await until(lambda: _any_stats(client, lambda w: w.role == "prefill" and w.num_steps >= 3))
+
+        async def prefill_blocks_back() -> float:
+            def back(w: Any) -> bool:
+                return w.state == "serving" and w.blocks_free + w.blocks_cached == w.blocks_total
+
+            await until(lambda: _all_stats(client, "prefill", back), 60)
+            return time.monotonic()
+
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            freed = asyncio.create_task(prefill_blocks_back())
+            outcome, _ = await asyncio.wait_for(task, 60)
+            outcome_s = time.monotonic() - stopped
+            freed_s = await freed - stopped
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        ray.get(d.prefill_workers[0].actor.inject_fault.remote(None))
+        await until(lambda: _health_is(client, "serving"))
+        for mode in ("disaggregated", "colocated"):
+            done, tokens = await stream_prompt(client, PROMPT, GREEDY, mode)
+            assert done == "completed" and tokens == expected, (mode, done)
+        serving_s = time.monotonic() - stopped
+    await freed_after(d.address, stopped)  # nothing left on either worker once it resumed
+    return Timing(f"decode worker hung mid-push ({label})", outcome, outcome_s, freed_s, serving_s)
+
+
+def _hung_measure(expected: list[int], label: str) -> Callable[[Deployment], Coroutine[Any, Any, Timing]]:
+    return lambda d: decode_hung_mid_push(d, expected, label)
 
 
 async def stream_prompt(
@@ -167,6 +220,26 @@ async def decode_killed(d: Deployment) -> Timing:
     return await mid_stream(d, "decode worker killed mid-stream", kill_its_worker)
 
 
+async def decode_hung_mid_stream(d: Deployment) -> Timing:
+    """A long stream's decode worker is stopped (SIGSTOP), and resumed once the client has its outcome."""
+    async with AsyncClient(d.address) as client:
+        first = asyncio.Event()
+        task = asyncio.create_task(stream(client, LONG, first))
+        await first.wait()
+        [victim] = [w.worker_id for w in await client.stats() if w.num_running > 0]
+        [pid] = [info["pid"] for info in d.worker_info if info["worker_id"] == victim]
+        os.kill(pid, signal.SIGSTOP)
+        struck = time.monotonic()
+        try:
+            outcome, _ = await asyncio.wait_for(task, 60)
+            outcome_s = time.monotonic() - struck
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        freed_s = await freed_after(d.address, struck)
+        await until(lambda: _health_is(client, "serving"))
+    return Timing("decode worker hung mid-stream", outcome, outcome_s, freed_s, time.monotonic() - struck)
+
+
 async def engine_crashed(d: Deployment) -> Timing:
     async def crash(client: AsyncClient) -> None:
         ray.get(d.decode_workers[0].actor.inject_fault.remote("step"))
@@ -221,6 +294,11 @@ async def _any_stats(client: AsyncClient, predicate: Callable) -> bool:
     return any(predicate(w) for w in await client.stats())
 
 
+async def _all_stats(client: AsyncClient, role: str, predicate: Callable) -> bool:
+    workers = [w for w in await client.stats() if w.role == role]
+    return bool(workers) and all(predicate(w) for w in workers)
+
+
 async def _health_is(client: AsyncClient, status: str) -> bool:
     health = await client.health()
     return health.ok and health.status == status
@@ -231,6 +309,12 @@ def main() -> int:
     parser.add_argument("--only", default="", help="run only the faults whose name contains this")
     args = parser.parse_args()
     expected = LLMEngine(ENGINE).generate([PROMPT], GREEDY)[0].token_ids
+    hung = LLMEngine(HUNG_ENGINE).generate([PROMPT], GREEDY)[0].token_ids
+    hung_transports: dict[str, dict[str, Any]] = {
+        "grpc": {"transport": "grpc"},
+        "nixl": {"transport": "nixl"},  # shared memory: writes into the stopped process still complete
+        "nixl, UCX over TCP": {"transport": "nixl", "transport_config": NixlConfig(ucx_tls="tcp")},  # they hang
+    }
     colocated = {"mode": "colocated", "num_prefill_workers": 0}
     scenarios: list[tuple[str, dict, Callable[[Deployment], Coroutine[Any, Any, Timing]]]] = [
         *[
@@ -241,7 +325,12 @@ def main() -> int:
             (f"decode worker killed mid-push ({t})", {"transport": t}, lambda d: decode_killed_mid_push(d, expected))
             for t in ("grpc", "nixl")
         ],
+        *[
+            (f"decode worker hung mid-push ({label})", {**HUNG, **over}, _hung_measure(hung, label))
+            for label, over in hung_transports.items()
+        ],
         ("decode worker killed mid-stream", {**colocated, "num_decode_workers": 2}, decode_killed),
+        ("decode worker hung mid-stream", {**colocated, "num_decode_workers": 2}, decode_hung_mid_stream),
         ("engine loop crash", colocated, engine_crashed),
         ("KV stops arriving", {}, kv_stalled),
         ("client deadline", {}, client_deadline),

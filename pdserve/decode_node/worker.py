@@ -385,6 +385,11 @@ class DecodeWorker:
             node=self.node, device=str(self.aengine.engine.device), kv_pushes_refused=self.transport.num_pushes_refused
         )
 
+    async def transfer_target(self) -> TransferTarget:
+        """Where prefill workers push this worker's KV: the target every reservation of it carries (for gRPC,
+        the ``host:port`` its KV server listens on)."""
+        return self.target
+
     async def receiver_id(self) -> str:
         """The id of this process's KV receiver: a prefill worker whose pushes went to another id knows that
         the process they were written into is gone."""

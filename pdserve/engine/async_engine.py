@@ -23,6 +23,7 @@ from pdserve.engine.request import Request
 from pdserve.messages import TokenUpdate, WorkerRequestStats, WorkerStats
 
 T = TypeVar("T")
+EVENT_HEARTBEAT_S = 0.5  # an idle event stream yields [] this often: its reader tells a hung worker from a quiet one
 log = logging.getLogger(__name__)
 
 
@@ -151,7 +152,8 @@ class AsyncEngine:
                 sub.wake.set()
 
     async def events(self, subscriber_id: str) -> AsyncIterator[list[TokenUpdate]]:
-        """Yield ``[]`` once subscribed, then each batch of the subscriber's updates as steps produce them.
+        """Yield ``[]`` once subscribed, then each batch of the subscriber's updates as steps produce them,
+        and ``[]`` after every ``EVENT_HEARTBEAT_S`` without one (so a reader notices a process that hangs).
 
         A second subscription under the same id replaces the first (a router reconnecting). When the
         reader goes away, the requests it owned are handed to ``on_orphans``.
@@ -165,7 +167,12 @@ class AsyncEngine:
         try:
             yield []
             while True:
-                await sub.wake.wait()
+                if not sub.wake.is_set():
+                    try:
+                        await asyncio.wait_for(sub.wake.wait(), EVENT_HEARTBEAT_S)
+                    except TimeoutError:
+                        yield []  # a heartbeat
+                        continue
                 sub.wake.clear()
                 if sub.closed:
                     return

@@ -43,6 +43,11 @@ class RouterConfig:
     reserve_timeout_s: float = option(60.0, "seconds a prefill may wait for its decode worker to have room")
     abort_fence_s: float = DEFAULT_RESERVATION_TTL_S  # an abort waits this long for the prefill worker's confirmation
     stream_idle_timeout_s: float = option(600.0, "a stream with no token for this many seconds fails with UNAVAILABLE")
+    decode_silence_timeout_s: float = option(
+        5.0,
+        "a decode worker whose event stream is silent this long (an idle one sends a heartbeat every 0.5 s) "
+        "counts as hung: its requests fail with UNAVAILABLE and nothing is routed to it until it streams again",
+    )
     max_queue_time_s: float | None = option(
         None,
         "refuse (RESOURCE_EXHAUSTED / HTTP 429) a request still without its first token after this many seconds, "
@@ -74,6 +79,8 @@ class RouterConfig:
         for name in ("reserve_timeout_s", "abort_fence_s", "stream_idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.decode_silence_timeout_s >= 1.0:  # several heartbeats must fit in it
+            raise ValueError(f"decode_silence_timeout_s must be >= 1, got {self.decode_silence_timeout_s!r}")
         if self.max_queue_time_s is not None and not self.max_queue_time_s > 0:
             raise ValueError(f"max_queue_time_s must be > 0 (or None), got {self.max_queue_time_s!r}")
 

@@ -121,6 +121,7 @@ class Router:
         self._ids = itertools.count()
         self._seeds = random.Random()
         self.metrics = RouterMetrics(router_id)
+        self._unanswered: set[asyncio.Future] = set()  # decode-worker calls in flight (a hung one outlives its request)
 
     # ---- the workers' event streams (``WorkerEvents``) -------------------------------------------
     async def start(self, timeout_s: float = 60.0) -> None:
@@ -368,8 +369,10 @@ class Router:
         return self._metrics(request, WorkerRequestStats(), time.time())
 
     async def _start_colocated(self, request: InFlight, prompt: list[int], params: SamplingParams) -> None:
-        decode = self.workers[request.served.decode_worker].actor
-        await _call(decode.generate.remote(request.key, prompt, params, self.router_id))
+        worker_id = request.served.decode_worker
+        await self._unless_down(
+            worker_id, self.workers[worker_id].actor.generate.remote(request.key, prompt, params, self.router_id)
+        )
 
     async def _prefill_remotely(
         self, request: InFlight, prompt: list[int], params: SamplingParams
@@ -442,9 +445,25 @@ class Router:
 
     async def _start_decode(self, request: InFlight) -> None:
         """Hand the first token to the decode worker: it decodes once all the KV has landed."""
-        decode = self.workers[request.route.decode_worker].actor
+        worker_id = request.route.decode_worker
         first_token, first_time = request.prefill.first_token, request.prefill.first_token_time
-        await _call(decode.decode.remote(request.key, first_token, first_time, self.router_id))
+        await self._unless_down(
+            worker_id, self.workers[worker_id].actor.decode.remote(request.key, first_token, first_time, self.router_id)
+        )
+
+    async def _unless_down(self, decode_worker: str, ref: Any) -> Any:
+        """Await a call to a decode worker (as ``_call``); UNAVAILABLE as soon as the worker counts as down
+        (its event stream dropped or went silent): a hung process would never answer."""
+        down = self._events.down(decode_worker)
+        call = self._keep(_call(ref))
+        watch = asyncio.ensure_future(down.wait())
+        try:
+            await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if call.done():
+            return call.result()
+        raise RequestError("UNAVAILABLE", f"decode worker {decode_worker} does not answer (down or hung)")
 
     def _prefill_finished(self, request: InFlight, prompt: list[int]) -> None:
         if request.prefill_pending:
@@ -500,6 +519,13 @@ class Router:
             fallback=request.fallback,
         )
 
+    def _keep(self, awaitable: Any) -> asyncio.Future:
+        """Run ``awaitable`` to its end even when nobody awaits it any more; its failure is read (and dropped)."""
+        task = asyncio.ensure_future(awaitable)
+        self._unanswered.add(task)
+        task.add_done_callback(lambda f: (self._unanswered.discard(f), f.cancelled() or f.exception()))
+        return task
+
     async def _abort_on_workers(self, key: str, route: Route) -> None:
         """Stop a request everywhere.
 
@@ -519,11 +545,13 @@ class Router:
                 pass  # a dead prefill worker pushes nothing more
             except Exception as e:  # unavailable or slow: maybe still pushing; the decode worker fences it
                 log.warning("abort of %s on %s unconfirmed: %r", key, route.prefill_worker, e)
+        ref = self.workers[route.decode_worker].actor.abort.remote(key)
         if not self.policy.is_available(route.decode_worker):
+            self._keep(_call(ref))  # not awaited: a hung process runs it once it resumes; a dead one holds nothing
             return
         try:
-            await asyncio.wait_for(self.workers[route.decode_worker].actor.abort.remote(key), 30.0)
-        except Exception as e:  # a dead worker has nothing left to abort
+            await asyncio.wait_for(self._unless_down(route.decode_worker, ref), 30.0)
+        except Exception as e:  # a dead worker has nothing left to abort; a hung one runs it when it resumes
             log.warning("abort of %s on %s failed: %s", key, route.decode_worker, e)
 
     async def abort(self, request_id: str) -> bool:

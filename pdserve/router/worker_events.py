@@ -3,8 +3,10 @@
 ``InFlight`` is a request the router serves: the updates delivered to it queue up until its client stream
 takes them (``next_updates``). ``WorkerEvents`` runs a reader task per decode worker that demultiplexes
 the worker's stream into the requests by their key, and keeps the routing policy's view of which workers
-are available: a decode worker whose stream drops is unavailable (its requests fail) until it streams
-again; a failed prefill worker is probed until it answers. One more task fails a stream that went idle.
+are available: a decode worker whose stream drops, or stays silent past ``decode_silence_timeout_s`` (an idle
+worker sends a heartbeat twice a second, so silence means its process hangs), is unavailable (its requests
+fail) until it streams again; a failed prefill worker is probed until it answers. One more task fails a
+stream that went idle.
 """
 
 from __future__ import annotations
@@ -91,8 +93,14 @@ class WorkerEvents:
         self.workers = workers
         self.active = active
         self._by_key = by_key
-        self.num_items = 0  # event-stream items received from the workers
+        self.num_items = 0  # event-stream items with updates received from the workers
         self._tasks: list[asyncio.Task] = []
+        self._last_heard: dict[str, float] = {}  # decode worker -> monotonic time of its stream's last item
+        self._down: dict[str, asyncio.Event] = {}  # decode worker -> set while it counts as down
+
+    def down(self, worker_id: str) -> asyncio.Event:
+        """Set while the decode worker ``worker_id`` counts as down (its stream dropped or went silent)."""
+        return self._down.setdefault(worker_id, asyncio.Event())
 
     async def start(self, decode_workers: list[WorkerHandle], timeout_s: float) -> None:
         """Subscribe to every decode worker's event stream; returns once all of them confirmed."""
@@ -101,6 +109,7 @@ class WorkerEvents:
         for worker, confirmed in zip(decode_workers, subscribed, strict=True):
             self._tasks.append(asyncio.create_task(self._read(worker, confirmed)))
         self._tasks.append(asyncio.create_task(self._watch_idle_streams()))
+        self._tasks.append(asyncio.create_task(self._watch_silent_workers([w.worker_id for w in decode_workers])))
         self._tasks.append(asyncio.create_task(self._probe_prefill_workers()))
         await asyncio.wait_for(asyncio.gather(*subscribed), timeout_s)
 
@@ -118,12 +127,16 @@ class WorkerEvents:
                 stream = worker.actor.events.options(num_returns="streaming").remote(self.router_id)
                 async for ref in stream:
                     item = await ref
+                    self._last_heard[worker.worker_id] = time.monotonic()
                     if not subscribed.done():
                         subscribed.set_result(None)
                     if not self.policy.is_available(worker.worker_id):
                         log.info("%s: worker %s is back", self.router_id, worker.worker_id)
                         self.policy.set_available(worker.worker_id, True)
+                        self.down(worker.worker_id).clear()
                     delay = 0.1
+                    if not item.updates:
+                        continue  # a heartbeat, or the subscription's confirmation
                     self.num_items += 1
                     by_key = self._by_key
                     for update in item.updates:
@@ -133,15 +146,37 @@ class WorkerEvents:
                 reason = "ended its event stream"
             except Exception as e:  # the worker died or restarts: its requests cannot finish
                 reason = f"dropped its event stream ({type(e).__name__})"
-            if self.policy.is_available(worker.worker_id):
-                log.warning("%s: worker %s %s; failing its requests", self.router_id, worker.worker_id, reason)
-            self.policy.set_available(worker.worker_id, False)
-            for request in list(self.active.values()):
-                if request.served.decode_worker == worker.worker_id:
-                    error = f"decode worker {worker.worker_id} {reason}"
-                    request.deliver(TokenUpdate(request.key, [], "abort", error=error))
+            self._fail_worker(worker.worker_id, reason)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
+
+    def _fail_worker(self, worker_id: str, reason: str) -> None:
+        """The decode worker counts as down until its stream delivers again: route nothing to it, fail its requests."""
+        if self.policy.is_available(worker_id):
+            log.warning("%s: worker %s %s; failing its requests", self.router_id, worker_id, reason)
+        self.policy.set_available(worker_id, False)
+        self.down(worker_id).set()
+        for request in list(self.active.values()):
+            if request.served.decode_worker == worker_id:
+                error = f"decode worker {worker_id} {reason}"
+                request.deliver(TokenUpdate(request.key, [], "abort", error=error))
+
+    async def _watch_silent_workers(self, worker_ids: list[str]) -> None:
+        """Fail a decode worker whose subscribed stream has been silent for ``decode_silence_timeout_s``: its
+        process hangs (stopped, swapping, deadlocked) and neither its tokens nor its answers will come."""
+        limit = self.config.decode_silence_timeout_s
+        interval = min(0.25, limit / 4)
+        last_tick = time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            if now - last_tick > max(1.0, limit / 2):  # this router's own loop stalled: its view is stale
+                self._last_heard = dict.fromkeys(self._last_heard, now)
+            last_tick = now
+            for worker_id in worker_ids:
+                heard = self._last_heard.get(worker_id)
+                if heard is not None and now - heard > limit and self.policy.is_available(worker_id):
+                    self._fail_worker(worker_id, f"sent nothing on its event stream for {limit:g} s (hung)")
 
     async def _probe_prefill_workers(self) -> None:
         """Bring a prefill worker that failed back into the pool once it answers again (Ray restarts it)."""
