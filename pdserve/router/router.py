@@ -523,8 +523,13 @@ class Router:
         """Run ``awaitable`` to its end even when nobody awaits it any more; its failure is read (and dropped)."""
         task = asyncio.ensure_future(awaitable)
         self._unanswered.add(task)
-        task.add_done_callback(lambda f: (self._unanswered.discard(f), f.cancelled() or f.exception()))
+        task.add_done_callback(self._forget_unanswered)
         return task
+
+    def _forget_unanswered(self, task: asyncio.Future) -> None:
+        self._unanswered.discard(task)
+        if not task.cancelled():
+            task.exception()  # read, so an ignored failure is not logged as never retrieved
 
     async def _abort_on_workers(self, key: str, route: Route) -> None:
         """Stop a request everywhere.
