@@ -161,8 +161,6 @@ def recorded_build_seconds(version: str = LLAMA_CPP_PYTHON_VERSION) -> float | N
 
 def _run(command: list[str], timeout_s: float, pip: bool = False) -> None:
     if pip:
-        import sys
-
         command = [sys.executable, "-m", *command]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
@@ -625,7 +623,7 @@ def targets(streams: Sequence[int]) -> list[Target]:
     out = [
         Target("one_stream", "one stream: pdserve / llama.cpp decode tok/s", 0.7, True),
         Target("step_over_floor", "one stream: pdserve's decode step / its floor", 1.5, False),
-        Target("prefill_speedup", "1000-token prompt: llama.cpp TTFT / pdserve TTFT", 1.5, True),
+        Target("prefill_speedup", "long prompt: llama.cpp TTFT / pdserve TTFT", 1.5, True),
     ]
     out += [
         Target(f"streams_{n}", f"{n} streams: pdserve / llama.cpp output tok/s", 1.5, True)
@@ -816,6 +814,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-args", default="", help="more options for llama-server")
     p.add_argument("--llama-cpp-python", default=LLAMA_CPP_PYTHON_VERSION, metavar="VERSION",
                    help="the llama-cpp-python sdist whose vendored llama.cpp is built")  # fmt: skip
+    p.add_argument("--servers", default=",".join(SERVERS), help="which servers to run (both for the ratios)")
     p.add_argument("--build-jobs", type=int, default=2, help="parallel compile jobs of the one-time build")
     p.add_argument("--build-only", action="store_true", help="build (or find) llama-server and stop")
     p.add_argument("--no-floor", action="store_true", help="skip the bandwidth and weight-bytes floor")
@@ -839,6 +838,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("repeat", "threads", "tokens", "prompt_tokens", "prefill_tokens", "block_size", "build_jobs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    if not args.servers or set(args.servers) - set(SERVERS):
+        parser.error(f"--servers: from {', '.join(SERVERS)}, got {args.servers}")
     if not args.streams or min(args.streams) < 1:
         parser.error("--streams: at least one count, each >= 1")
     if args.tokens < 2:
@@ -865,20 +867,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    cached = (cache_dir(args.llama_cpp_python) / "llama-server").exists()
-    if not cached:
-        print(f"building llama-server from llama-cpp-python=={args.llama_cpp_python} (once) ...", flush=True)
+    binary, build_s = cache_dir(args.llama_cpp_python) / "llama-server", None
     try:
-        binary, built_s = ensure_llama_server(
-            args.llama_cpp_python, args.build_jobs, log=lambda s: print(s, flush=True)
-        )
+        if "llama.cpp" in args.servers or args.build_only:
+            if not binary.exists():
+                print(f"building llama-server from llama-cpp-python=={args.llama_cpp_python} (once) ...", flush=True)
+            binary, build_s = ensure_llama_server(
+                args.llama_cpp_python, args.build_jobs, log=lambda s: print(s, flush=True)
+            )
+            build_s = build_s if build_s is not None else recorded_build_seconds(args.llama_cpp_python)
+            build_note = "unknown" if build_s is None else f"{build_s / 60:.0f} min"
+            print(f"llama-server: {binary} (build took {build_note}, -j{args.build_jobs})", flush=True)
         gguf = gguf_path()
     except (RuntimeError, OSError) as e:
         print(f"peer_bench: {e}", file=sys.stderr)
         return 1
-    build_s = built_s if built_s is not None else recorded_build_seconds(args.llama_cpp_python)
-    build_note = "unknown" if build_s is None else f"{build_s / 60:.0f} min"
-    print(f"llama-server: {binary} (build took {build_note}, -j{args.build_jobs})", flush=True)
     if args.build_only:
         return 0
     longest = max(args.prefill_tokens + PREFILL_OUTPUT_TOKENS, args.prompt_tokens + args.tokens, 256 + 8)
@@ -906,7 +909,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     host = "127.0.0.1"
     runs: list[ServerRun] = []
     for rep in range(args.repeat):
-        for name in SERVERS if rep % 2 == 0 else SERVERS[::-1]:
+        for name in args.servers if rep % 2 == 0 else args.servers[::-1]:
             run = ServerRun(name, rep + 1)
             http_port = free_port(host)
             if name == "pdserve":
