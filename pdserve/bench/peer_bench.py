@@ -44,7 +44,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -395,14 +395,26 @@ def log_tail(path: Path, chars: int = 3000) -> str:
 
 @contextlib.contextmanager
 def running_server(
-    name: str, command: list[str], base_url: str, log_path: Path, start_timeout_s: float
+    name: str,
+    command: list[str],
+    base_url: str,
+    log_path: Path,
+    start_timeout_s: float,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[Server]:
-    """Start ``command`` (its output to ``log_path``), wait until ``/health`` and ``/v1/models`` answer 200
-    (``healthy_s``: seconds from the start), yield it, and stop its whole process tree in the end. Raises
-    RuntimeError when it exits or is not healthy within ``start_timeout_s``."""
+    """Start ``command`` (its output to ``log_path``; ``env`` or this process's environment), wait until
+    ``/health`` and ``/v1/models`` answer 200 (``healthy_s``: seconds from the start), yield it, and stop its
+    whole process tree in the end. Raises RuntimeError when it exits or is not healthy within
+    ``start_timeout_s``."""
     with open(log_path, "ab") as log:
         start = time.monotonic()
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=None if env is None else dict(env),
+        )
         server = Server(name, base_url, process, log_path)
         try:
             while True:
@@ -468,6 +480,7 @@ class ServerRun:
     streams_tok_s: dict[int, float] = field(default_factory=dict)
     rss_bytes: float = math.nan
     pss_bytes: float | None = None
+    load_average: tuple[float, float] = (math.nan, math.nan)  # 1-minute load before the start and after the runs
     processes: list[tuple[str, int]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
@@ -820,6 +833,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-floor", action="store_true", help="skip the bandwidth and weight-bytes floor")
     p.add_argument("--start-timeout-s", type=float, default=300.0, help="a server must be healthy within this")
     p.add_argument("--workload-timeout-s", type=float, default=600.0, help="each measure must end within this")
+    p.add_argument(
+        "--omp-wait-policy",
+        default="PASSIVE",
+        help="OMP_WAIT_POLICY of both servers (both use OpenMP; 'inherit': leave the environment's). On a shared "
+        "small machine threads that spin at barriers stall whenever another process takes a core",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default=None, help="servers' logs (default: a new temporary directory)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write every figure to FILE")
@@ -907,10 +926,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-peer-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     host = "127.0.0.1"
+    env = dict(os.environ)
+    if args.omp_wait_policy != "inherit":
+        env["OMP_WAIT_POLICY"] = args.omp_wait_policy
     runs: list[ServerRun] = []
     for rep in range(args.repeat):
         for name in args.servers if rep % 2 == 0 else args.servers[::-1]:
             run = ServerRun(name, rep + 1)
+            load_before = os.getloadavg()[0]
             http_port = free_port(host)
             if name == "pdserve":
                 command = pdserve_command(host, free_port(host), http_port, args.threads, plan, args.pdserve_args)
@@ -919,16 +942,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[{name} #{rep + 1}] {shlex.join(command)}", flush=True)
             try:
                 log_path = log_dir / f"{name}-{rep + 1}.log"
-                with running_server(name, command, f"http://{host}:{http_port}", log_path, args.start_timeout_s) as s:
+                url = f"http://{host}:{http_port}"
+                with running_server(name, command, url, log_path, args.start_timeout_s, env) as s:
                     run.healthy_s = s.healthy_s
                     measure_server(s, run, args, args.seed + 1000 * rep)
             except (RuntimeError, TimeoutError, OSError) as e:
                 run.failures.append(f"{type(e).__name__}: {e}")
+            run.load_average = (load_before, os.getloadavg()[0])
             runs.append(run)
             streams = ", ".join(f"{n} streams {fmt_number(v)} tok/s" for n, v in run.streams_tok_s.items())
             print(
                 f"[{name} #{rep + 1}] healthy {fmt_number(run.healthy_s)} s; 1 stream {fmt_number(run.decode_tok_s)} "
-                f"tok/s; TTFT {fmt_number(run.ttft_s)} s; {streams}; RSS {run.rss_bytes / 1e9:.2f} GB",
+                f"tok/s; TTFT {fmt_number(run.ttft_s)} s; {streams}; RSS {run.rss_bytes / 1e9:.2f} GB; "
+                f"load average {run.load_average[0]:.1f} -> {run.load_average[1]:.1f} on {os.cpu_count()} cores",
                 flush=True,
             )
             for failure in run.failures:
@@ -937,9 +963,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(
         f"{hardware()}; {args.threads} threads each; llama.cpp from llama-cpp-python=={args.llama_cpp_python}; "
-        f"{args.repeat} repetitions, median (min–max)"
+        f"OMP_WAIT_POLICY {env.get('OMP_WAIT_POLICY', 'unset')}; {args.repeat} repetitions, median (min–max)"
     )
     print()
+    loads = [x for r in runs for x in r.load_average if not math.isnan(x)]
+    if loads:
+        print(f"1-minute load average around the runs: {fmt_spread(loads)} on {os.cpu_count()} cores")
+        print()
     print(results_table(runs, floor, plan, args.tokens, args.prefill_tokens, args.streams))
     print()
     lines = target_lines(runs, floor, args.streams)
