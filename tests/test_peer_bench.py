@@ -188,7 +188,7 @@ def _llama_chunk(text: str, predicted: int, usage: dict | None = None) -> dict:
 def test_client_counts_llama_cpp_tokens_from_its_timings():
     # llama-server holds back a token that ends inside a UTF-8 character and sends it with the next one;
     # its last chunk carries no new token
-    events = [
+    events: list[dict | str] = [
         _llama_chunk("Hel", 1),
         _llama_chunk("lo ", 2),
         _llama_chunk("é!", 4),
@@ -203,7 +203,11 @@ def test_client_counts_llama_cpp_tokens_from_its_timings():
 
 def test_client_still_counts_token_ids_and_plain_text_chunks():
     times: list[float] = []
-    events = [{"choices": [{"text": "ab", "token_ids": [1, 2]}]}, {"choices": [{"text": "c"}]}, "[DONE]"]
+    events: list[dict | str] = [
+        {"choices": [{"text": "ab", "token_ids": [1, 2]}]},
+        {"choices": [{"text": "c"}]},
+        "[DONE]",
+    ]
     error, num_output, _ = asyncio.run(_read_events(_Lines(events), times))
     assert error is None and num_output is None and len(times) == 3
     assert not math.isnan(times[0])

@@ -765,7 +765,11 @@ def results_table(
         f"| {target_cell('prefill_speedup')} |"
     )
     for n in streams:
-        pd, ll = both(lambda r, n=n: r.streams_tok_s.get(n, math.nan))
+
+        def streams_figure(r: ServerRun, n: int = n) -> float:
+            return r.streams_tok_s.get(n, math.nan)
+
+        pd, ll = both(streams_figure)
         rows.append(
             f"| {n} streams × {tokens} tokens: output tok/s | {pd} | {ll} (per-slot KV) "
             f"| {fmt_ratio(rat.get(f'streams_{n}', []), bold=True)} | {target_cell(f'streams_{n}')} |"
@@ -793,7 +797,7 @@ def target_lines(runs: Sequence[ServerRun], floor: Floor | None, streams: Sequen
 
 def hardware() -> str:
     """The CPU in one line: model name, cores and its widest vector extension."""
-    model, flags = "unknown CPU", set()
+    model, flags = "unknown CPU", set[str]()
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name") and model == "unknown CPU":
