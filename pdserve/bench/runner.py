@@ -8,7 +8,8 @@ that timestamps every token.
 With ``--target HOST:PORT`` it runs against a router that is already serving (the architectures
 then name the per-request mode override). ``--target http://HOST:PORT`` sends the same workload to any
 OpenAI-compatible server instead (streaming ``/v1/completions`` with token-id prompts, ``ignore_eos`` and
-``return_token_ids``; pdserve's own HTTP API, vLLM, ...), with the same per-token client timestamps.
+``return_token_ids``; pdserve's own HTTP API, vLLM, llama.cpp's ``llama-server``, ...), with the same
+per-token client timestamps.
 Writes results.json, report.md and PNG plots.
 
     pdserve bench --architectures colocated,disaggregated,auto --num-requests 64 --rate 4 --out results/ab
