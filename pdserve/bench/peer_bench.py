@@ -509,6 +509,8 @@ def output_tok_s(records: Sequence[Any]) -> float:
 
 def measure_server(server: Server, run: ServerRun, args: argparse.Namespace, seed: int) -> None:
     """Every workload once on ``server`` (after a warm-up), then its memory, into ``run``."""
+    import aiohttp
+
     from pdserve.bench.runner import measure, warmup_requests
 
     def one(label: str, requests: list[Any], warm: bool = False) -> list[Any] | None:
@@ -517,7 +519,7 @@ def measure_server(server: Server, run: ServerRun, args: argparse.Namespace, see
                 result = measure(
                     server.base_url, requests, None, warmup=warmup_requests(4, seed) if warm else (), progress=False
                 )
-        except (TimeoutError, RuntimeError, OSError) as e:
+        except (TimeoutError, RuntimeError, OSError, ValueError, aiohttp.ClientError) as e:
             run.failures.append(f"{label}: {type(e).__name__}: {e}")
             return None
         problem = check_records(result.records, requests)
