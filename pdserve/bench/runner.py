@@ -8,7 +8,8 @@ that timestamps every token.
 With ``--target HOST:PORT`` it runs against a router that is already serving (the architectures
 then name the per-request mode override). ``--target http://HOST:PORT`` sends the same workload to any
 OpenAI-compatible server instead (streaming ``/v1/completions`` with token-id prompts, ``ignore_eos`` and
-``return_token_ids``; pdserve's own HTTP API, vLLM, ...), with the same per-token client timestamps.
+``return_token_ids``; pdserve's own HTTP API, vLLM, llama.cpp's ``llama-server``, ...), with the same
+per-token client timestamps.
 Writes results.json, report.md and PNG plots.
 
     pdserve bench --architectures colocated,disaggregated,auto --num-requests 64 --rate 4 --out results/ab
@@ -165,8 +166,10 @@ async def send_workload_http(
     """``send_workload`` against an OpenAI-compatible server: streaming ``/v1/completions``, one record each.
 
     A chunk's ``token_ids`` (``return_token_ids``, as pdserve and vLLM support it) says how many tokens it
-    brought; without it each non-empty chunk counts as one token and the final ``usage`` gives the total
-    (ITL then has one gap per chunk). ``mode`` goes out as ``pdserve_mode``; ``pdserve_metrics`` lands in
+    brought; else the growth of its ``timings.predicted_n`` (llama.cpp's ``llama-server`` with
+    ``timings_per_token``, which holds back a token that ends inside a UTF-8 character); else each
+    non-empty chunk counts as one token, and the final ``usage`` gives the total (ITL then has one gap per
+    chunk). ``mode`` goes out as ``pdserve_mode``; ``pdserve_metrics`` lands in
     the record's ``meta``.
     """
     import aiohttp
@@ -183,6 +186,7 @@ async def send_workload_http(
             "temperature": 0.0,
             "ignore_eos": True,
             "return_token_ids": True,
+            "timings_per_token": True,  # llama.cpp: each chunk's timings.predicted_n counts its tokens
             "stream": True,
             "stream_options": {"include_usage": True},
         }
@@ -215,6 +219,7 @@ async def _read_events(content: Any, times: list[float]) -> tuple[str | None, in
     """Read an OpenAI completion stream; appends one arrival time per token. (error, usage tokens, metrics)."""
     num_output: int | None = None
     meta: dict[str, Any] = {}
+    predicted = 0  # llama.cpp's running count of generated tokens (timings.predicted_n)
     async for line in content:
         if not line.startswith(b"data:"):
             continue
@@ -225,7 +230,13 @@ async def _read_events(content: Any, times: list[float]) -> tuple[str | None, in
         chunk = json.loads(data)
         if "error" in chunk:
             return f"stream error: {chunk['error'].get('message')}", num_output, meta
-        for choice in chunk.get("choices") or ():
+        choices = chunk.get("choices") or ()
+        counted = (chunk.get("timings") or {}).get("predicted_n")
+        if isinstance(counted, int) and not any(c.get("token_ids") is not None for c in choices):
+            times.extend([now] * max(0, counted - predicted))
+            predicted = max(predicted, counted)
+            choices = ()
+        for choice in choices:
             ids = choice.get("token_ids")
             times.extend([now] * (len(ids) if ids is not None else int(bool(choice.get("text")))))
         if chunk.get("usage"):
