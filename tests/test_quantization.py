@@ -2,8 +2,8 @@
 GEMMs) and ``--quantization float16`` (every weight in float16, computed in float32).
 
 Exact where the kernel is exact (Q4_0/Q4_1 in float32 against the dequantised weights), and for SmolLM2
-(native in bfloat16, the compute dtype where that path is the default on a CPU; float16 weights, the
-default on an AVX2 CPU) close enough to the float32 reference: teacher-forced top-1 agreement of at least
+(native in bfloat16, the compute dtype where that path is the default on a CPU; float16 weights)
+close enough to the float32 reference: teacher-forced top-1 agreement of at least
 98 %, and the demo's questions answered correctly.
 """
 
@@ -243,14 +243,11 @@ def test_float16_smollm2_agrees_with_the_float32_reference_and_answers(reference
     float16_engine.block_manager.check_integrity()
 
 
-def test_auto_serves_gguf_weights_in_float16_on_a_cpu_without_fast_kernels(monkeypatch):
+def test_float16_is_asked_for_and_refused_off_the_cpu(monkeypatch):
     monkeypatch.setattr(engine_module, "fast_weight_only_kernels", lambda device: False)
-    monkeypatch.setattr(engine_module, "fast_float16_weights", lambda device: True)
-    assert resolve_quantization("auto", "smollm2", CPU) == ("float16", None)
-    assert resolve_quantization("auto", "tiny", CPU) == ("none", None)  # a float checkpoint stays as it is
+    assert resolve_quantization("auto", "smollm2", CPU) == ("none", None)  # batches keep float32's throughput
+    assert resolve_quantization("float16", "smollm2", CPU) == ("float16", None)
     assert resolve_quantization("float16", "tiny", CPU) == ("float16", None)
-    monkeypatch.setattr(engine_module, "fast_float16_weights", lambda device: False)
-    assert resolve_quantization("auto", "smollm2", CPU) == ("none", None)
     with pytest.raises(ValueError, match="quantization float16 is for CPUs"):
         resolve_quantization("float16", "tiny", torch.device("cuda"))
     with pytest.raises(ValueError, match="quantization float16 computes in float32"):

@@ -19,7 +19,6 @@ from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_block
 from pdserve.engine.quantization import (
     INT4_KINDS,
     INT8_KINDS,
-    fast_float16_weights,
     fast_weight_only_kernels,
     quantized_compute_dtype,
     store_weights_in_float16,
@@ -99,7 +98,7 @@ def resolve_quantization(mode: str, model: str, device: torch.device) -> tuple[s
         raise ValueError(f"quantization native: model {model!r} is not a GGUF file with Q4_0, Q4_1 or Q8_0 weights")
     if mode == "native" or fast_weight_only_kernels(device):
         return "native", checkpoint
-    return ("float16", None) if fast_float16_weights(device) else ("none", None)
+    return "none", None
 
 
 def quantized_checkpoint(mode: str, model: str, device: torch.device) -> GGUFCheckpoint | None:

@@ -12,11 +12,12 @@
   convert the weight to float32 a cache-sized tile at a time and run the float32 GEMM on the tile. Inputs
   and outputs are rounded to float16 on both paths, so a request's tokens do not depend on its batch. The
   output projection keeps float32 logits (float16 ones would tie a confident model's top tokens);
-- ``auto``: ``native`` for a GGUF file where torch's kernels are fast (CUDA, or a CPU with AVX-512);
-  ``float16`` for a GGUF file with quantized weights on a CPU without them (AVX2 with F16C); else
+- ``auto``: ``native`` for a GGUF file where torch's kernels are fast (CUDA, or a CPU with AVX-512), else
   ``none``. On an AVX2-only CPU torch's int4/int8 weight-only kernels are several times slower than a
-  float32 GEMM over the dequantised weights, while its float16 matrix-vector kernel is about twice as
-  fast as the float32 one, and a decode step of a small batch is bound by the bytes of the weights.
+  float32 GEMM over the dequantised weights. ``float16`` is not ``auto``'s pick there either: it decodes
+  one stream faster and halves the memory, but converting tiles costs batches of 16 or more about a third
+  of their throughput (docs/benchmarks.md has the figures), and a server's throughput is what ``auto``
+  keeps.
 
 The compute dtype of the quantized path (``--dtype auto``) is bfloat16 on CUDA and on a CPU with
 AVX512-BF16 or AMX, float32 elsewhere. The CUDA kernels (``_convert_weight_to_int4pack``,
@@ -71,12 +72,6 @@ def fast_weight_only_kernels(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     return device.type == "cpu" and torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX"))
-
-
-def fast_float16_weights(device: torch.device) -> bool:
-    """Whether float16 weights beat float32 ones on this CPU (converted in hardware: F16C); on CUDA one
-    computes in 16 bits instead (``--dtype bfloat16``)."""
-    return device.type == "cpu" and "f16c" in cpu_flags()
 
 
 def quantized_compute_dtype(device: torch.device) -> torch.dtype:
