@@ -172,6 +172,24 @@ def prefill_blocks_back_at(d: Deployment, timeout_s: float) -> float:
     return time.monotonic()
 
 
+def disaggregated_in_background(client: Client, prompt: list[int]) -> tuple[threading.Thread, dict]:
+    """A disaggregated request run on a thread; the dict gets its status ``code`` (and ``details``) and the
+    monotonic time ``at`` which it ended."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            list(client.generate(prompt, GREEDY, mode="disaggregated"))
+            outcome["code"] = grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            outcome["code"], outcome["details"] = e.code(), e.details()
+        outcome["at"] = time.monotonic()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
 @pytest.mark.parametrize("transport", ["grpc", "nixl"])
 def test_a_decode_worker_dying_while_a_long_prefill_pushes_fails_fast_and_frees_the_prefill_side(
     ray_cluster, expected, transport
@@ -179,18 +197,7 @@ def test_a_decode_worker_dying_while_a_long_prefill_pushes_fails_fast_and_frees_
     with deployment(transport=transport) as d, Client(d.address) as client:
         prefill = d.prefill_workers[0].actor
         ray.get(prefill.inject_fault.remote("slow_steps"))  # 29 chunks of 32 tokens, 200 ms each: pushing for ~6 s
-        outcome: dict = {}
-
-        def run() -> None:
-            try:
-                list(client.generate(LONG_PROMPT, GREEDY, mode="disaggregated"))
-                outcome["code"] = grpc.StatusCode.OK
-            except grpc.RpcError as e:
-                outcome["code"], outcome["details"] = e.code(), e.details()
-            outcome["at"] = time.monotonic()
-
-        thread = threading.Thread(target=run)
-        thread.start()
+        thread, outcome = disaggregated_in_background(client, LONG_PROMPT)
         with Client(d.address) as probe:
             wait_until(lambda: any(w.role == "prefill" and w.num_steps >= 3 for w in probe.stats()), 20, "pushes")
         killed = time.monotonic()
@@ -226,18 +233,7 @@ def test_a_hung_decode_worker_while_a_long_prefill_pushes_fails_fast_and_frees_t
         prefill = d.prefill_workers[0].actor
         [decode_pid] = [info["pid"] for info in d.worker_info if info["worker_id"] == "decode-0"]
         ray.get(prefill.inject_fault.remote("slow_steps"))  # 24 chunks of 128 tokens, 200 ms more each
-        outcome: dict = {}
-
-        def run() -> None:
-            try:
-                list(client.generate(HUNG_PROMPT, GREEDY, mode="disaggregated"))
-                outcome["code"] = grpc.StatusCode.OK
-            except grpc.RpcError as e:
-                outcome["code"], outcome["details"] = e.code(), e.details()
-            outcome["at"] = time.monotonic()
-
-        thread = threading.Thread(target=run)
-        thread.start()
+        thread, outcome = disaggregated_in_background(client, HUNG_PROMPT)
         try:
             with Client(d.address) as probe:
                 wait_until(lambda: any(w.role == "prefill" and w.num_steps >= 3 for w in probe.stats()), 30, "pushes")

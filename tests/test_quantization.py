@@ -116,45 +116,24 @@ def test_quantized_small_files_give_the_dequantised_logits(tmp_path, arch, matri
         assert (ours - reference).abs().max().item() <= 1e-3
 
 
+def _smollm2_engine(**overrides) -> LLMEngine:
+    common = dict(model="smollm2", device="cpu", max_num_batched_tokens=64, num_kv_blocks=64)
+    return LLMEngine(EngineConfig(**common, enable_prefix_caching=False, **overrides))
+
+
 @pytest.fixture(scope="module")
 def reference_engine() -> LLMEngine:
-    config = EngineConfig(
-        model="smollm2",
-        device="cpu",
-        dtype="float32",
-        quantization="none",
-        max_num_batched_tokens=64,
-        num_kv_blocks=64,
-        enable_prefix_caching=False,
-    )
-    return LLMEngine(config)
+    return _smollm2_engine(dtype="float32", quantization="none")
 
 
 @pytest.fixture(scope="module")
 def quantized_engine() -> LLMEngine:
-    config = EngineConfig(
-        model="smollm2",
-        device="cpu",
-        dtype="bfloat16",
-        quantization="native",
-        max_num_batched_tokens=64,
-        num_kv_blocks=64,
-        enable_prefix_caching=False,
-    )
-    return LLMEngine(config)
+    return _smollm2_engine(dtype="bfloat16", quantization="native")
 
 
 @pytest.fixture(scope="module")
 def float16_engine() -> LLMEngine:
-    config = EngineConfig(
-        model="smollm2",
-        device="cpu",
-        quantization="float16",
-        max_num_batched_tokens=64,
-        num_kv_blocks=64,
-        enable_prefix_caching=False,
-    )
-    return LLMEngine(config)
+    return _smollm2_engine(quantization="float16")
 
 
 def _top1_agreement(engine: LLMEngine, reference: LLMEngine) -> float:
@@ -174,25 +153,21 @@ def test_quantized_smollm2_agrees_with_the_float32_reference(reference_engine, q
     model = quantized_engine.runner.model
     assert isinstance(model.model.layers[0].self_attn.q_proj, Int4Linear)
     assert isinstance(model.lm_head, Int8Linear) and isinstance(model.model.embed_tokens, Int8Embedding)
-    agree = total = 0
-    for question, chat in PARITY_PROMPTS:
-        tokenizer = quantized_engine.tokenizer
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question}]) if chat else question
-        prompt = tokenizer.encode(text)
-        ours = engine_prompt_logits(quantized_engine, prompt)
-        reference = engine_prompt_logits(reference_engine, prompt)
-        agree += int((ours.argmax(-1) == reference.argmax(-1)).sum())
-        total += len(prompt)
-    assert agree / total >= 0.98, f"top-1 agreement {agree}/{total}"
+    agreement = _top1_agreement(quantized_engine, reference_engine)
+    assert agreement >= 0.98, f"top-1 agreement {agreement:.1%}"
+
+
+def _assert_answers_the_demo_questions(engine: LLMEngine) -> None:
+    tokenizer = engine.tokenizer
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q, _ in DEMO_ANSWERS]
+    completions = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
+    for (question, word), completion in zip(DEMO_ANSWERS, completions, strict=True):
+        assert word in completion.text, f"{question!r} -> {completion.text!r}"
+    engine.block_manager.check_integrity()
 
 
 def test_quantized_smollm2_answers_the_demo_questions(quantized_engine):
-    tokenizer = quantized_engine.tokenizer
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q, _ in DEMO_ANSWERS]
-    completions = quantized_engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
-    for (question, word), completion in zip(DEMO_ANSWERS, completions, strict=True):
-        assert word in completion.text, f"{question!r} -> {completion.text!r}"
-    quantized_engine.block_manager.check_integrity()
+    _assert_answers_the_demo_questions(quantized_engine)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7])
@@ -235,12 +210,7 @@ def test_float16_weights_halve_the_bytes_and_share_the_tied_table(float16_engine
 def test_float16_smollm2_agrees_with_the_float32_reference_and_answers(reference_engine, float16_engine):
     agreement = _top1_agreement(float16_engine, reference_engine)
     assert agreement >= 0.98, f"top-1 agreement {agreement:.1%}"
-    tokenizer = float16_engine.tokenizer
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q, _ in DEMO_ANSWERS]
-    completions = float16_engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
-    for (question, word), completion in zip(DEMO_ANSWERS, completions, strict=True):
-        assert word in completion.text, f"{question!r} -> {completion.text!r}"
-    float16_engine.block_manager.check_integrity()
+    _assert_answers_the_demo_questions(float16_engine)
 
 
 def test_float16_is_asked_for_and_refused_off_the_cpu(monkeypatch):
