@@ -200,7 +200,7 @@ def test_float16_weights_halve_the_bytes_and_share_the_tied_table(float16_engine
     assert isinstance(model.model.layers[0].mlp.down_proj, Float16Linear)
     assert isinstance(model.model.embed_tokens, Float16Embedding)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # SmolLM2's output projection is tied
-    assert model.lm_head.float32_output and not model.model.layers[0].self_attn.q_proj.float32_output
+    assert model.lm_head.float32_output and not model.model.layers[0].self_attn.qkv_proj.float32_output
     assert not any(t.dtype == torch.float32 and t.dim() == 2 for t in model.parameters())
     full = weight_bytes(reference_engine.runner.model)
     assert abs(weight_bytes(model) / full - 0.5) < 0.01

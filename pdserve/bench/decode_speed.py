@@ -74,11 +74,13 @@ def measure_bandwidth(mib: int = 512, repeats: int = 5) -> float:
 
 def kernel_times(model: str, threads: int, repeats: int = 5) -> dict[str, dict[int, float]]:
     """Seconds for every linear layer of ``model`` (random weights of its shapes) once, per GEMM and batch size:
-    float32 and bfloat16 dense, int4 weight-only (float32 and bfloat16 activations), int8 weight-only, and
-    float16 weights computed in float32 (``--quantization float16``'s ``Float16Linear``)."""
+    float32 dense (``F.linear``, and the engine's ``Linear``, which runs a few rows as a two-batch product) and
+    bfloat16 dense, int4 weight-only (float32 and bfloat16 activations), int8 weight-only, and float16 weights
+    computed in float32 (``--quantization float16``'s ``Float16Linear``)."""
     import torch
 
     from pdserve.engine.config import ModelConfig
+    from pdserve.engine.model import Linear
     from pdserve.engine.quantization import Float16Linear, TileScratch
 
     torch.set_num_threads(threads)
@@ -100,6 +102,11 @@ def kernel_times(model: str, threads: int, repeats: int = 5) -> dict[str, dict[i
     scales_bf16 = [torch.rand(n).bfloat16() for n, _ in shapes]
     scratch = TileScratch()
     half = [Float16Linear(w, None, scratch) for w in dense]
+    engine_linear = []
+    for w in dense:
+        layer = Linear(w.shape[1], w.shape[0], bias=False)
+        layer.weight = torch.nn.Parameter(w, requires_grad=False)
+        engine_linear.append(layer)
 
     mm4 = torch.ops.aten._weight_int4pack_mm_for_cpu
     mm8 = torch.ops.aten._weight_int8pack_mm
@@ -109,6 +116,8 @@ def kernel_times(model: str, threads: int, repeats: int = 5) -> dict[str, dict[i
         for i, (_, k) in enumerate(shapes):
             if kind == "float32 dense":
                 linear(x[k], dense[i])
+            elif kind == "float32 dense, the engine's Linear":
+                engine_linear[i](x[k])
             elif kind == "bfloat16 dense":
                 linear(xb[k], dense_bf16[i])
             elif kind == "int4, float32 activations":
@@ -122,6 +131,7 @@ def kernel_times(model: str, threads: int, repeats: int = 5) -> dict[str, dict[i
 
     kinds = (
         "float32 dense",
+        "float32 dense, the engine's Linear",
         "bfloat16 dense",
         "int4, float32 activations",
         "int4, bfloat16 activations",

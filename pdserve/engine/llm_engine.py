@@ -139,6 +139,7 @@ class LLMEngine:
         model = build_model(
             self.config.model, self.model_config, self.dtype, self.device, self.config.seed, quantized=quantized
         )
+        model.fuse_projections()
         if self.quantization == "float16":
             store_weights_in_float16(model)
 
