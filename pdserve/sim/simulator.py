@@ -23,7 +23,8 @@ Modes (the deployment's default mode; ``auto`` decides per request):
 
 Around the steps, ``SimConfig`` adds a deployment's latencies (a token's delivery; each control call:
 starting a request, the reservation, applied between the decode instance's steps, and its answer, the
-decode call; the engine loop's gap between steps) and, with ``step_tail``, the machine's measured
+decode call, the last three priced as worker-to-worker paths where the config measures them; the engine
+loop's gap between steps) and, with ``step_tail``, the machine's measured
 slowdown: one factor per window of virtual time, shared by all instances, stretching the steps there.
 With a ``co_run_slowdown`` (instances sharing one machine's cores), a step also runs slower while
 other instances run steps: every step's end is re-timed when another instance starts or ends one.
@@ -344,6 +345,11 @@ class Simulator:
         if c.step_tail and c.control_latency_percentiles:
             return quantile_at(c.control_latency_percentiles, self._rng.random())
         return c.control_latency_s
+
+    def _reserve_leg(self) -> float:
+        """One leg of a reservation's round trip: the prefill instance's call, or the decode instance's answer."""
+        round_trip = self.config.reserve_latency_s
+        return self._control_latency() if round_trip is None else round_trip / 2
 
     def _at(self, t: float, handler: Callable[..., None], *args: Any) -> None:
         heapq.heappush(self._events, (t, next(self._seq), handler, args))
@@ -869,7 +875,7 @@ class Simulator:
         client = inst.fifo[0]
         assert client.decode is not None
         inst.reserving = True
-        self._at(self.now + self._control_latency(), self._call, client.decode, self._reserve, inst, client)
+        self._at(self.now + self._reserve_leg(), self._call, client.decode, self._reserve, inst, client)
 
     @staticmethod
     def _prefill_admission_open(inst: _Instance) -> bool:
@@ -897,7 +903,7 @@ class Simulator:
         if cached is None:
             client.decode.waiting_for_room.add(prefill)
             return
-        self._at(self.now + self._control_latency(), self._on_reserved, prefill, client, reservation, cached)
+        self._at(self.now + self._reserve_leg(), self._on_reserved, prefill, client, reservation, cached)
 
     def _on_reserved(self, inst: _Instance, client: _Client, reservation: Request, cached: int) -> None:
         inst.reserving = False
@@ -929,7 +935,9 @@ class Simulator:
         client.meta["prefill_done"] = self.now
         assert client.route is not None
         self.policy.prefill_done(client.route, client.wreq.prompt_token_ids)
-        self._at(client.token_times[0] + self._control_latency(), self._on_decode_call, client)
+        handoff = self.config.handoff_latency_s
+        called = client.token_times[0] + self._control_latency() if handoff is None else self.now + handoff
+        self._at(called, self._on_decode_call, client)
 
     def _on_kv_complete(self, client: _Client) -> None:
         assert client.prefill is not None and client.prefill_req is not None
