@@ -97,3 +97,26 @@ def test_replay_reports_disagreement_and_bad_traces():
         replay(reqs.requests, original.records, [s._replace(worker="decode-1") for s in original.steps], H100_8B, cfg)
     with pytest.raises(ValueError, match="no record of request"):
         replay([*reqs.requests, _req("z", 10, 2, 0.0)], original.records, original.steps, H100_8B, cfg)
+
+
+def test_a_request_that_found_its_worker_idle_reaches_it_after_its_recorded_call_latency():
+    from pdserve.bench.metrics import RequestRecord
+    from pdserve.messages import StepStats
+
+    # measured: "a" sent at 100.0 reached the idle worker 20 ms later (its prefill step began then, no queue);
+    # "b", sent while that step ran, was taken in only after it: its call's latency is not on record
+    steps = [StepStats(100.020, 0.05, num_prefill_tokens=300, num_seqs=1, worker="decode-0")]
+    steps += [StepStats(100.070 + 0.01 * k, 0.01, num_decode_tokens=1, num_seqs=1, worker="decode-0") for k in range(2)]
+    meta = {"decode_worker": "decode-0", "prefill_worker": "", "queue_s": 0.0, "prefill_s": 0.05}
+    records = [
+        RequestRecord("a", 100.0, (100.071, 100.081, 100.091), 300, meta=meta),
+        RequestRecord("b", 100.030, (100.2,), 64, meta={**meta, "queue_s": 0.04, "prefill_s": 0.1}),
+    ]
+    requests = [_req("a", 300, 3, 0.0), _req("b", 64, 1, 0.03)]
+    report = replay(
+        requests, records, steps, H100_8B, SimConfig(control_latency_s=1e-3, kv_link_bw=5e9, kv_link_latency_s=0)
+    )
+    first = report.result.steps[0]
+    assert first.started == pytest.approx(0.020) and first.num_prefill_tokens == 300
+    b_step = next(s for s in report.result.steps if s.num_prefill_tokens == 64)
+    assert b_step.started == pytest.approx(first.ended)  # at the config's 1 ms it arrived during a's prefill

@@ -294,6 +294,30 @@ def deployment_latencies(runs: Iterable[tuple[Sequence[StepStats], Sequence[Requ
     return Latencies(token, statistics.median(calls), table, reserve, handoff)
 
 
+def recorded_call_latencies(steps: Sequence[StepStats], records: Sequence[RequestRecord]) -> dict[str, float]:
+    """Per request whose records show it, the latency of its call from the client to its worker: the send to
+    the worker taking it in (``deployment_latencies`` reads it the same way). A prefill worker takes a call
+    in on arrival (its ``queue_s`` runs from then); a worker that prefills locally takes one in between its
+    steps, so only the requests that found it idle show their call's latency."""
+    by_worker: dict[str, list[StepStats]] = defaultdict(list)
+    for s in steps:
+        by_worker[s.worker].append(s)
+    ends = {w: sorted(s.ended for s in v) for w, v in by_worker.items()}
+    out: dict[str, float] = {}
+    for r in records:
+        if not r.succeeded or "decode_worker" not in r.meta or "queue_s" not in r.meta or "prefill_s" not in r.meta:
+            continue
+        prefill_worker = r.meta.get("prefill_worker") or ""
+        worker = prefill_worker or r.meta["decode_worker"]
+        first = _latest_end_before(ends.get(worker, []), r.token_times[0])
+        if first is None:
+            continue
+        taken_in = first - r.meta["prefill_s"] - r.meta["queue_s"]
+        if r.send_time <= taken_in and (prefill_worker or not _busy_between(by_worker[worker], r.send_time, taken_in)):
+            out[r.request_id] = taken_in - r.send_time
+    return out
+
+
 def _handoff(decode_steps: Sequence[StepStats], prefill_end: float, second_token_time: float) -> float | None:
     """The prefill step's end to the start of the decode step that sampled token #2 (ending at
     ``second_token_time``), when the decode worker ran no step in between; else None."""

@@ -38,7 +38,8 @@ admission rule reads the waiting prompt tokens as the loop last saw them: while 
 just before it (the prompts it is computing included) plus the prompts admitted since.
 
 ``step_durations`` (trace replay, ``sim.replay``) replaces the cost model: an instance's ``k``-th step
-lasts the ``k``-th recorded duration of that instance; ``step_gaps``, the loop's time after it.
+lasts the ``k``-th recorded duration of that instance; ``step_gaps``, the loop's time after it;
+``call_latencies``, per request, its call's recorded latency from the client to its worker.
 Speed: a decode instance whose step is decode-only with nothing waiting runs the same batch step
 after step until a request finishes or something reaches it. Such a run of steps (``_DecodeRun``) is
 planned ahead, each step priced by the cost model and the clock advanced by the same additions as one
@@ -269,6 +270,7 @@ class Simulator:
         tp: int = 1,
         step_durations: Mapping[str, Sequence[float]] | None = None,
         step_gaps: Mapping[str, Sequence[float | None]] | None = None,
+        call_latencies: Mapping[str, float] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"sim: mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -292,6 +294,7 @@ class Simulator:
         self.step_durations = step_durations
         self.step_gaps = step_gaps  # replay: the loop's recorded time after each step (None: the config's)
         self.unreplayed_steps = 0  # replay: steps beyond an instance's recorded ones (priced by the cost model)
+        self.call_latencies = call_latencies or {}  # replay: request id -> its recorded call's latency
         self._wake: list[_Instance] = []  # idle instances that work just reached
         self.kv_bytes_moved = 0
         self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
@@ -450,7 +453,8 @@ class Simulator:
         client.meta.update(
             mode=route.mode, decode_worker=route.decode_worker, prefill_worker=route.prefill_worker or ""
         )
-        self._at(self.now + self._control_latency(), self._on_dispatch, client)
+        recorded = self.call_latencies.get(w.request_id)
+        self._at(self.now + (self._control_latency() if recorded is None else recorded), self._on_dispatch, client)
 
     def _on_dispatch(self, client: _Client) -> None:
         route = client.route
