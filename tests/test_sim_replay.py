@@ -120,3 +120,22 @@ def test_a_request_that_found_its_worker_idle_reaches_it_after_its_recorded_call
     assert first.started == pytest.approx(0.020) and first.num_prefill_tokens == 300
     b_step = next(s for s in report.result.steps if s.num_prefill_tokens == 64)
     assert b_step.started == pytest.approx(first.ended)  # at the config's 1 ms it arrived during a's prefill
+
+
+def test_prefill_admission_stays_on_the_last_ticks_count_while_the_loop_works_after_a_step():
+    # six 64-token prompts at once, budget 256: the first starts a step alone, three more are admitted during it
+    # (64 + 192 = 256). After the step, the loop pushes its KV before its next tick (a 10 ms gap): the admission
+    # rule still reads the last tick's count, so no fourth prompt slips in through the gap's quick round trip
+    cfg = SimConfig(
+        max_num_batched_tokens=256,
+        chunk_size=256,
+        control_latency_s=0.2e-3,
+        reserve_latency_s=0.5e-3,
+        step_gap_s=0.01,
+        kv_link_bw=5e9,
+        kv_link_latency_s=50e-6,
+    )
+    reqs = [_req(f"s{i}", 64, 2, 0.0) for i in range(6)]
+    res = simulate(reqs, H100_8B, cfg, mode="disaggregated")
+    sizes = [len(chunks) for chunks in _chunks_of(res, "prefill-0")]
+    assert sizes[:2] == [1, 3] and sum(sizes) == 6

@@ -883,10 +883,11 @@ class Simulator:
 
     @staticmethod
     def _prefill_admission_open(inst: _Instance) -> bool:
-        """``remote_kv.admission_open`` as the prefill worker applies it: between steps on the waiting
-        prompt tokens now; while a step runs on those of the loop's last tick (just before the step, so
-        the prompts the step is computing still count) plus the prompts admitted since."""
-        if inst.output is None:
+        """``remote_kv.admission_open`` as the prefill worker applies it: on an idle loop on the waiting
+        prompt tokens now; while a step runs, and while the loop does its own work after one (its pushes:
+        the gap before its next tick), on those of the loop's last tick (just before the step, so the
+        prompts the step computed still count) plus the prompts admitted since."""
+        if inst.output is None and not inst.busy:
             return remote_kv.prefill_admission_open(inst.scheduler)
         waiting = inst.tick_waiting_tokens + inst.admitted_since_tick
         return remote_kv.admission_open(waiting, inst.scheduler.config.max_num_batched_tokens)
