@@ -139,3 +139,21 @@ def test_prefill_admission_stays_on_the_last_ticks_count_while_the_loop_works_af
     res = simulate(reqs, H100_8B, cfg, mode="disaggregated")
     sizes = [len(chunks) for chunks in _chunks_of(res, "prefill-0")]
     assert sizes[:2] == [1, 3] and sum(sizes) == 6
+
+
+def test_a_request_handed_to_an_idle_decode_worker_takes_its_recorded_handoff():
+    from pdserve.bench.metrics import RequestRecord
+    from pdserve.messages import StepStats
+
+    # measured: the prefill worker took "r" in 10 ms after its send and prefilled it at once; the idle decode
+    # worker began the step that sampled its second token 30 ms after the prefill step's end
+    steps = [StepStats(100.0, 0.05, num_prefill_tokens=64, num_seqs=1, worker="prefill-0")]
+    steps += [StepStats(100.08 + 0.02 * k, 0.02, num_decode_tokens=1, num_seqs=1, worker="decode-0") for k in range(2)]
+    meta = {"decode_worker": "decode-0", "prefill_worker": "prefill-0", "queue_s": 0.0, "prefill_s": 0.05}
+    record = RequestRecord("r", 99.99, (100.052, 100.101, 100.121), 64, meta={**meta, "second_token_time": 100.1})
+    config = SimConfig(control_latency_s=1e-3, reserve_latency_s=0.0, handoff_latency_s=5e-3, kv_link_bw=5e9)
+    config = dataclasses.replace(config, kv_link_latency_s=0.0)
+    report = replay([_req("r", 64, 3, 0.0)], [record], steps, H100_8B, config, mode="disaggregated")
+    prefill, decode = report.result.steps_of("prefill-0")[0], report.result.steps_of("decode-0")[0]
+    assert prefill.started == pytest.approx(0.010) and prefill.ended == pytest.approx(0.060)
+    assert decode.started == pytest.approx(0.090)  # not the config's 5 ms

@@ -318,6 +318,29 @@ def recorded_call_latencies(steps: Sequence[StepStats], records: Sequence[Reques
     return out
 
 
+def recorded_handoff_latencies(steps: Sequence[StepStats], records: Sequence[RequestRecord]) -> dict[str, float]:
+    """Per remotely prefilled request whose records show it, its handoff: from the end of the prefill step that
+    sampled its first token to the start of the decode step that sampled its second, where the decode worker
+    ran no step in between (``deployment_latencies`` reads the same)."""
+    by_worker: dict[str, list[StepStats]] = defaultdict(list)
+    for s in steps:
+        by_worker[s.worker].append(s)
+    ends = {w: sorted(s.ended for s in v) for w, v in by_worker.items()}
+    out: dict[str, float] = {}
+    for r in records:
+        prefill_worker = r.meta.get("prefill_worker") or ""
+        if not r.succeeded or not prefill_worker or "decode_worker" not in r.meta:
+            continue
+        first = _latest_end_before(ends.get(prefill_worker, []), r.token_times[0])
+        if first is None:
+            continue
+        decode_steps = by_worker.get(r.meta["decode_worker"], [])
+        handoff = _handoff(decode_steps, first, r.meta.get("second_token_time") or 0.0)
+        if handoff is not None:
+            out[r.request_id] = handoff
+    return out
+
+
 def _handoff(decode_steps: Sequence[StepStats], prefill_end: float, second_token_time: float) -> float | None:
     """The prefill step's end to the start of the decode step that sampled token #2 (ending at
     ``second_token_time``), when the decode worker ran no step in between; else None."""

@@ -39,7 +39,8 @@ just before it (the prompts it is computing included) plus the prompts admitted 
 
 ``step_durations`` (trace replay, ``sim.replay``) replaces the cost model: an instance's ``k``-th step
 lasts the ``k``-th recorded duration of that instance; ``step_gaps``, the loop's time after it;
-``call_latencies``, per request, its call's recorded latency from the client to its worker.
+``call_latencies`` and ``handoff_latencies``, per request, its call's recorded latency from the client to
+its worker and its recorded handoff from the prefill to the decode instance.
 Speed: a decode instance whose step is decode-only with nothing waiting runs the same batch step
 after step until a request finishes or something reaches it. Such a run of steps (``_DecodeRun``) is
 planned ahead, each step priced by the cost model and the clock advanced by the same additions as one
@@ -271,6 +272,7 @@ class Simulator:
         step_durations: Mapping[str, Sequence[float]] | None = None,
         step_gaps: Mapping[str, Sequence[float | None]] | None = None,
         call_latencies: Mapping[str, float] | None = None,
+        handoff_latencies: Mapping[str, float] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"sim: mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -295,6 +297,7 @@ class Simulator:
         self.step_gaps = step_gaps  # replay: the loop's recorded time after each step (None: the config's)
         self.unreplayed_steps = 0  # replay: steps beyond an instance's recorded ones (priced by the cost model)
         self.call_latencies = call_latencies or {}  # replay: request id -> its recorded call's latency
+        self.handoff_latencies = handoff_latencies or {}  # replay: request id -> its recorded handoff
         self._wake: list[_Instance] = []  # idle instances that work just reached
         self.kv_bytes_moved = 0
         self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
@@ -940,7 +943,7 @@ class Simulator:
         client.meta["prefill_done"] = self.now
         assert client.route is not None
         self.policy.prefill_done(client.route, client.wreq.prompt_token_ids)
-        handoff = self.config.handoff_latency_s
+        handoff = self.handoff_latencies.get(client.wreq.request_id, self.config.handoff_latency_s)
         called = client.token_times[0] + self._control_latency() if handoff is None else self.now + handoff
         self._at(called, self._on_decode_call, client)
 
