@@ -1,8 +1,9 @@
-"""Scheduling priority of engine workers.
+"""Scheduling priority of engine workers and routers.
 
 Ray starts its worker processes at niceness 15 (its ``worker_niceness`` setting), so on a small machine an
-engine yields the CPU to every ordinary process, a benchmark client included. Our workers ask for niceness
-0 again when they start (``restore_normal_priority``); that needs the right to raise a priority
+engine yields the CPU to every ordinary process, a benchmark client included, and a router next to busy
+engines gets the CPU so rarely that tokens wait in it for seconds. Our workers and router processes ask for
+niceness 0 again when they start (``restore_normal_priority``); that needs the right to raise a priority
 (root, ``CAP_SYS_NICE`` or a ``nice`` resource limit of 20), and without it the worker keeps Ray's niceness.
 A cluster started with ``RAY_worker_niceness=0`` in the environment (``pdserve serve`` sets it for the local
 cluster it starts) starts its workers at niceness 0 with no privilege at all.
@@ -34,7 +35,7 @@ def restore_normal_priority() -> int:
                 os.setpriority(os.PRIO_PROCESS, tid, 0)
         except PermissionError:
             log.warning(
-                "engine worker runs at niceness %d: no permission to raise its priority (start the Ray cluster "
+                "process runs at niceness %d: no permission to raise its priority (start the Ray cluster "
                 "with %s=0 to avoid this)",
                 os.getpriority(os.PRIO_PROCESS, 0),
                 RAY_WORKER_NICENESS_ENV,

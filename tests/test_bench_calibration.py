@@ -103,6 +103,36 @@ def test_deployment_latencies_from_client_records_and_worker_steps():
     assert deployment_latencies([(steps, [busy])]).control_s == 0.0
 
 
+def test_the_latencies_between_disaggregated_workers_from_their_records():
+    prefill = [StepStats(10.0, 0.05, num_prefill_tokens=64, worker="prefill-0")]
+    # taken in by the idle prefill worker at 9.994, reserved and added 6 ms later; its first token at 10.05 + 4 ms;
+    # the idle decode worker starts the step that samples token #2 15 ms after the prefill step's end
+    decode = [StepStats(10.065 + 0.02 * k, 0.02, num_decode_tokens=1, worker="decode-0") for k in range(3)]
+    meta = {"decode_worker": "decode-0", "prefill_worker": "prefill-0", "queue_s": 0.006, "prefill_s": 0.05}
+    record = RequestRecord("r", 9.98, (10.054, 10.089, 10.109, 10.129), 64, meta={**meta, "second_token_time": 10.085})
+    latency = deployment_latencies([(prefill + decode, [record])])
+    assert latency.reserve_s == pytest.approx(0.006) and latency.handoff_s == pytest.approx(0.015)
+    assert latency.control_s == 0.0  # a remotely prefilled request says nothing of a client call's latency
+    # a decode worker busy with a step when the first token came: its wait for that step is not the handoff's
+    busy = [StepStats(10.04, 0.03, num_decode_tokens=1, worker="decode-0"), *decode]
+    assert deployment_latencies([(prefill + busy, [record])]).handoff_s is None
+    # a prefill worker in a step while the reservation was made: the wait is not the round trip's
+    late = {**meta, "queue_s": 0.06, "second_token_time": 10.085}
+    stepping = [StepStats(9.93, 0.06, num_prefill_tokens=32, worker="prefill-0"), *prefill]
+    assert (
+        deployment_latencies(
+            [(stepping + decode, [RequestRecord("r", 9.9, record.token_times, 64, meta=late)])]
+        ).reserve_s
+        is None
+    )
+    # the profile carries both into the simulator's settings, and reads a file of before without them
+    profile = calibrate_from_runs([("disaggregated", _synthetic_steps() + prefill + decode, [record])], model="tiny")
+    assert profile.sim_settings()["reserve_latency_s"] == pytest.approx(0.006)
+    assert profile.sim_settings()["handoff_latency_s"] == pytest.approx(0.015)
+    older = {k: v for k, v in profile.to_dict().items() if k not in ("reserve_latency_s", "handoff_latency_s")}
+    assert LinearProfile.from_dict(older).reserve_latency_s is None
+
+
 def test_machine_slowdown_and_step_gap_from_measured_steps():
     profile = _profile(TRUTH)
     fast = _synthetic_steps(noise=0.0, worker="decode-0")[:10]

@@ -1,10 +1,13 @@
-"""Engine workers ask for normal priority again (Ray starts worker processes at niceness 15)."""
+"""Engine workers and routers ask for normal priority again (Ray starts worker processes at niceness 15)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+
+import psutil
+import pytest
 
 from pdserve.priority import restore_normal_priority
 
@@ -50,3 +53,32 @@ def test_every_thread_of_a_niced_process_returns_to_niceness_0_where_permitted()
 
 def test_a_process_at_normal_priority_is_left_as_it_is():
     assert restore_normal_priority() == os.getpriority(os.PRIO_PROCESS, 0) == os.nice(0)
+
+
+def _thread_niceness(pid: int) -> set[int]:
+    return {os.getpriority(os.PRIO_PROCESS, t.id) for t in psutil.Process(pid).threads()}
+
+
+@pytest.mark.cluster
+def test_the_router_and_the_workers_of_a_deployment_run_at_normal_priority_in_a_cluster_of_niced_workers(
+    ray_cluster,
+):
+    """In a Ray cluster started at Ray's default worker niceness (15), every thread of the router process
+    and of the engine workers runs at niceness 0: a niced router next to two busy engines on 2 cores held
+    each token for up to seconds."""
+    import ray
+
+    from pdserve.deployment import Deployment, DeploymentConfig
+    from pdserve.engine import EngineConfig
+
+    @ray.remote(num_cpus=0)
+    def ray_worker_niceness() -> int:
+        return os.nice(0)
+
+    expected = 0 if _may_raise_priority() else ray.get(ray_worker_niceness.remote(), timeout=60)
+    engine = EngineConfig(model="tiny", device="cpu", num_kv_blocks=64, torch_threads=1, max_model_len=256)
+    config = DeploymentConfig(engine=engine, num_prefill_workers=1, num_decode_workers=1)
+    with Deployment(config) as d:
+        pids = {"router": d.router_usage()[0]["pid"], **{w["worker_id"]: w["pid"] for w in d.worker_info}}
+        niceness = {name: _thread_niceness(pid) for name, pid in pids.items()}
+    assert niceness == {name: {expected} for name in pids}, niceness

@@ -97,3 +97,63 @@ def test_replay_reports_disagreement_and_bad_traces():
         replay(reqs.requests, original.records, [s._replace(worker="decode-1") for s in original.steps], H100_8B, cfg)
     with pytest.raises(ValueError, match="no record of request"):
         replay([*reqs.requests, _req("z", 10, 2, 0.0)], original.records, original.steps, H100_8B, cfg)
+
+
+def test_a_request_that_found_its_worker_idle_reaches_it_after_its_recorded_call_latency():
+    from pdserve.bench.metrics import RequestRecord
+    from pdserve.messages import StepStats
+
+    # measured: "a" sent at 100.0 reached the idle worker 20 ms later (its prefill step began then, no queue);
+    # "b", sent while that step ran, was taken in only after it: its call's latency is not on record
+    steps = [StepStats(100.020, 0.05, num_prefill_tokens=300, num_seqs=1, worker="decode-0")]
+    steps += [StepStats(100.070 + 0.01 * k, 0.01, num_decode_tokens=1, num_seqs=1, worker="decode-0") for k in range(2)]
+    meta = {"decode_worker": "decode-0", "prefill_worker": "", "queue_s": 0.0, "prefill_s": 0.05}
+    records = [
+        RequestRecord("a", 100.0, (100.071, 100.081, 100.091), 300, meta=meta),
+        RequestRecord("b", 100.030, (100.2,), 64, meta={**meta, "queue_s": 0.04, "prefill_s": 0.1}),
+    ]
+    requests = [_req("a", 300, 3, 0.0), _req("b", 64, 1, 0.03)]
+    report = replay(
+        requests, records, steps, H100_8B, SimConfig(control_latency_s=1e-3, kv_link_bw=5e9, kv_link_latency_s=0)
+    )
+    first = report.result.steps[0]
+    assert first.started == pytest.approx(0.020) and first.num_prefill_tokens == 300
+    b_step = next(s for s in report.result.steps if s.num_prefill_tokens == 64)
+    assert b_step.started == pytest.approx(first.ended)  # at the config's 1 ms it arrived during a's prefill
+
+
+def test_prefill_admission_stays_on_the_last_ticks_count_while_the_loop_works_after_a_step():
+    # six 64-token prompts at once, budget 256: the first starts a step alone, three more are admitted during it
+    # (64 + 192 = 256). After the step, the loop pushes its KV before its next tick (a 10 ms gap): the admission
+    # rule still reads the last tick's count, so no fourth prompt slips in through the gap's quick round trip
+    cfg = SimConfig(
+        max_num_batched_tokens=256,
+        chunk_size=256,
+        control_latency_s=0.2e-3,
+        reserve_latency_s=0.5e-3,
+        step_gap_s=0.01,
+        kv_link_bw=5e9,
+        kv_link_latency_s=50e-6,
+    )
+    reqs = [_req(f"s{i}", 64, 2, 0.0) for i in range(6)]
+    res = simulate(reqs, H100_8B, cfg, mode="disaggregated")
+    sizes = [len(chunks) for chunks in _chunks_of(res, "prefill-0")]
+    assert sizes[:2] == [1, 3] and sum(sizes) == 6
+
+
+def test_a_request_handed_to_an_idle_decode_worker_takes_its_recorded_handoff():
+    from pdserve.bench.metrics import RequestRecord
+    from pdserve.messages import StepStats
+
+    # measured: the prefill worker took "r" in 10 ms after its send and prefilled it at once; the idle decode
+    # worker began the step that sampled its second token 30 ms after the prefill step's end
+    steps = [StepStats(100.0, 0.05, num_prefill_tokens=64, num_seqs=1, worker="prefill-0")]
+    steps += [StepStats(100.08 + 0.02 * k, 0.02, num_decode_tokens=1, num_seqs=1, worker="decode-0") for k in range(2)]
+    meta = {"decode_worker": "decode-0", "prefill_worker": "prefill-0", "queue_s": 0.0, "prefill_s": 0.05}
+    record = RequestRecord("r", 99.99, (100.052, 100.101, 100.121), 64, meta={**meta, "second_token_time": 100.1})
+    config = SimConfig(control_latency_s=1e-3, reserve_latency_s=0.0, handoff_latency_s=5e-3, kv_link_bw=5e9)
+    config = dataclasses.replace(config, kv_link_latency_s=0.0)
+    report = replay([_req("r", 64, 3, 0.0)], [record], steps, H100_8B, config, mode="disaggregated")
+    prefill, decode = report.result.steps_of("prefill-0")[0], report.result.steps_of("decode-0")[0]
+    assert prefill.started == pytest.approx(0.010) and prefill.ended == pytest.approx(0.060)
+    assert decode.started == pytest.approx(0.090)  # not the config's 5 ms

@@ -248,6 +248,28 @@ def test_deployment_latencies_shift_tokens_and_delay_the_handoff():
     assert rec.token_times[1] == pytest.approx(first_decode.ended + 0.003)
 
 
+def test_the_paths_between_the_workers_take_their_own_latencies():
+    req = [WorkloadRequest("r", [1] * 600, 4, 0.0)]
+    base = SimConfig(chunk_size=512, enable_prefix_caching=False)
+    plain = simulate(req, H100_8B, base, mode="disaggregated").records[0]
+    between = {
+        "token_latency_s": 0.003,
+        "control_latency_s": 0.010,
+        "reserve_latency_s": 0.004,
+        "handoff_latency_s": 0.006,
+    }
+    res = simulate(req, H100_8B, SimConfig(**{**base.to_dict(), **between}), mode="disaggregated")
+    rec = res.records[0]
+    # the client's call to the prefill worker, then the reservation's round trip between the workers (not two
+    # more client calls), then the same prefill
+    assert rec.ttft == pytest.approx(plain.ttft + 0.010 + 0.004 + 0.003)
+    # the decode worker takes the request in the handoff's latency after the prefill worker sampled its first token
+    prefill_end = res.steps_of("prefill-0")[-1].ended
+    assert res.steps_of("decode-0")[0].started == pytest.approx(prefill_end + 0.006)
+    with pytest.raises(ValueError, match="reserve_latency_s"):
+        SimConfig(reserve_latency_s=-0.001)
+
+
 # ---- cost model and profiles ------------------------------------------------------------------------------
 
 

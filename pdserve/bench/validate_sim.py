@@ -12,7 +12,8 @@
    read off the requests' token times), the slowdown while both workers run steps at once, the
    machine's slowdown per 0.1 s window inside a run at the median run's level (the tail that other
    load on 2 shared cores adds; the simulator replays a draw of it, shared by all workers), the token
-   delivery and control-call latencies and the engine loop's gap between steps (``sim.calibrate``).
+   delivery and control-call latencies, the reservation's round trip and the prefill-to-decode handoff
+   between a disaggregated deployment's workers, and the engine loop's gap between steps (``sim.calibrate``).
 3. Three checks, each able to catch its own kind of error, on the *validation* runs only:
 
    - **check 1, cost model per step, out of sample**: every validation step priced by its role's fit
@@ -21,7 +22,8 @@
      median of measured/predicted and the median and p90 absolute relative error. Pass: median ratio
      within ±5 % and median error ≤ 10 %;
    - **check 2, protocol by trace replay** (``sim.replay``): each validation run replayed with its own
-     recorded step durations and send times; the step agreement (share of steps, position by position
+     recorded step durations and send times (and each request's call latency and handoff where its
+     records show them); the step agreement (share of steps, position by position
      per worker, whose composition matches) and TTFT p50 and ITL p50 of the replay against the run.
      Pass: agreement ≥ 95 % and both p50s within 10 %, for every run;
    - **check 3, end to end**: each workload on each architecture simulated ``--sim-runs`` times (one

@@ -25,6 +25,7 @@ from typing import Any
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.explorer.app import ExplorerApi, add_explorer
+from pdserve.priority import restore_normal_priority
 from pdserve.router.http_api import HttpServer, build_app, metrics_app, server_tls_context
 from pdserve.router.policy import RouterConfig
 from pdserve.router.router import ModelLimits, Router, WorkerHandle
@@ -43,6 +44,9 @@ class RouterProcess:
         prefill_workers: list[WorkerHandle],
         security: ServerSecurity | None = None,
     ) -> None:
+        # Ray starts workers at niceness 15: next to busy engine workers on a small machine, a niced router
+        # gets the CPU in slices so rare that every token waits in it (seconds on 2 cores)
+        restore_normal_priority()
         model_config = ModelConfig.load(engine_config.model)
         limits = ModelLimits(model_config.vocab_size, engine_config.max_model_len)  # type: ignore[arg-type]
         tokenizer = load_tokenizer(engine_config.model, model_config.eos_token_ids or None)
@@ -83,6 +87,7 @@ class RouterProcess:
                 server = HttpServer(app(), bind_host, bind_port, tls=tls)
                 self._http.append(server)
                 ports[name] = await server.start()
+        restore_normal_priority()  # and the threads its servers started
         return ports
 
     def _http_app(self) -> Any:

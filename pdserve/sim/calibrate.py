@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 MIN_RECORDS = len(LINEAR_TERMS) + 2  # a role with fewer records is not fitted on its own
 RunSteps = tuple[str, Sequence[StepStats], Sequence[StepShape], Sequence[float]]  # + shapes, co-run fractions
 CO_RUN_GRID = tuple(i / 40 for i in range(41))  # the co-run slowdowns tried: 0, 0.025, ..., 1
+HANDOFF_MATCH_S = 0.002  # a decode step's end and the time of the token it sampled agree within this
 
 
 def step_role(worker: str, architecture: str) -> str:
@@ -217,16 +218,19 @@ def _busy_between(steps: Sequence[StepStats], lo: float, hi: float) -> bool:
 
 
 class Latencies(NamedTuple):
-    """What a deployment adds around the steps (seconds; 0.0 and () without data)."""
+    """What a deployment adds around the steps (seconds; 0.0 and () without data, None for the paths
+    between workers when no case measured them)."""
 
     token_s: float  # median
     control_s: float  # median
     control_percentiles: tuple[float, ...]  # at RATIO_PERCENTILES
+    reserve_s: float | None = None  # median: a prefill worker's reservation on the decode worker, round trip
+    handoff_s: float | None = None  # median: first token sampled on the prefill worker -> decode step begins
 
 
 def deployment_latencies(runs: Iterable[tuple[Sequence[StepStats], Sequence[RequestRecord]]]) -> Latencies:
-    """The token delivery latency (median) and the control-call latency (median and distribution),
-    measured on deployments.
+    """The token delivery latency (median), the control-call latency (median and distribution) and the
+    paths between a disaggregated deployment's workers (medians), measured on deployments.
 
     Token latency: for every token a client received, the time since the last step end on the worker
     that produced it (the first token of a remotely prefilled request comes from its prefill worker).
@@ -234,14 +238,23 @@ def deployment_latencies(runs: Iterable[tuple[Sequence[StepStats], Sequence[Requ
     to the worker taking it in: the end of the step that sampled its first token, less the worker's
     own ``prefill_s`` and ``queue_s`` (from its metadata). A worker busy with a step takes a call in
     only after it, which the simulator models by itself, so those requests are left out.
+    Reservation round trip: for a remotely prefilled request, its prefill worker's ``queue_s`` (taken in
+    to first scheduled), where neither worker ran a step and no other request was being admitted on that
+    prefill worker meanwhile: then the wait is the reservation call, its answer and the prompt's adding.
+    Handoff: from the end of the prefill step that sampled a remotely prefilled request's first token to
+    the start of the decode step that sampled its second (``second_token_time``), where the decode
+    worker ran no step in between (a busy one takes it in only after its step: the simulator's part).
     """
     delays: list[float] = []
     calls: list[float] = []
+    handoffs: list[float] = []
+    admissions: list[tuple[float, float, float, str, str]] = []  # (taken in, scheduled, queue_s, prefill, decode)
     for steps, records in runs:
         by_worker: dict[str, list[StepStats]] = defaultdict(list)
         for s in steps:
             by_worker[s.worker].append(s)
         ends = {w: sorted(s.ended for s in v) for w, v in by_worker.items()}
+        run_admissions: list[tuple[float, float, float, str, str]] = []
         for r in records:
             if not r.succeeded or "decode_worker" not in r.meta:
                 continue
@@ -251,20 +264,94 @@ def deployment_latencies(runs: Iterable[tuple[Sequence[StepStats], Sequence[Requ
                 end = _latest_end_before(ends.get(worker, []), t)
                 if end is not None:
                     delays.append(t - end)
-            if prefill_worker:
-                continue
-            worker = r.meta["decode_worker"]
+            worker = prefill_worker or r.meta["decode_worker"]
             first = _latest_end_before(ends.get(worker, []), r.token_times[0])
             if first is None:
                 continue
-            taken_in = first - r.meta.get("prefill_s", 0.0) - r.meta.get("queue_s", 0.0)
+            scheduled = first - r.meta.get("prefill_s", 0.0)
+            taken_in = scheduled - r.meta.get("queue_s", 0.0)
+            if prefill_worker:
+                decode_worker = r.meta["decode_worker"]
+                run_admissions.append((taken_in, scheduled, r.meta.get("queue_s", 0.0), prefill_worker, decode_worker))
+                handoff = _handoff(by_worker.get(decode_worker, []), first, r.meta.get("second_token_time") or 0.0)
+                if handoff is not None:
+                    handoffs.append(handoff)
+                continue
             if r.send_time <= taken_in and not _busy_between(by_worker[worker], r.send_time, taken_in):
                 calls.append(taken_in - r.send_time)
+        for i, (lo, hi, queue_s, prefill, decode) in enumerate(run_admissions):
+            others = [(a, b) for j, (a, b, _, p, _) in enumerate(run_admissions) if j != i and p == prefill]
+            alone = all(not (a < hi and b > lo) for a, b in others)
+            quiet = not _busy_between(by_worker[prefill], lo, hi - 1e-4)
+            if alone and quiet and not _busy_between(by_worker[decode], lo, hi):
+                admissions.append((lo, hi, queue_s, prefill, decode))
     token = statistics.median(delays) if delays else 0.0
+    reserve = statistics.median(a[2] for a in admissions) if admissions else None
+    handoff = statistics.median(handoffs) if handoffs else None
     if not calls:
-        return Latencies(token, 0.0, ())
+        return Latencies(token, 0.0, (), reserve, handoff)
     table = tuple(float(v) for v in np.percentile(calls, RATIO_PERCENTILES))
-    return Latencies(token, statistics.median(calls), table)
+    return Latencies(token, statistics.median(calls), table, reserve, handoff)
+
+
+def recorded_call_latencies(steps: Sequence[StepStats], records: Sequence[RequestRecord]) -> dict[str, float]:
+    """Per request whose records show it, the latency of its call from the client to its worker: the send to
+    the worker taking it in (``deployment_latencies`` reads it the same way). A prefill worker takes a call
+    in on arrival (its ``queue_s`` runs from then); a worker that prefills locally takes one in between its
+    steps, so only the requests that found it idle show their call's latency."""
+    by_worker: dict[str, list[StepStats]] = defaultdict(list)
+    for s in steps:
+        by_worker[s.worker].append(s)
+    ends = {w: sorted(s.ended for s in v) for w, v in by_worker.items()}
+    out: dict[str, float] = {}
+    for r in records:
+        if not r.succeeded or "decode_worker" not in r.meta or "queue_s" not in r.meta or "prefill_s" not in r.meta:
+            continue
+        prefill_worker = r.meta.get("prefill_worker") or ""
+        worker = prefill_worker or r.meta["decode_worker"]
+        first = _latest_end_before(ends.get(worker, []), r.token_times[0])
+        if first is None:
+            continue
+        taken_in = first - r.meta["prefill_s"] - r.meta["queue_s"]
+        if r.send_time <= taken_in and (prefill_worker or not _busy_between(by_worker[worker], r.send_time, taken_in)):
+            out[r.request_id] = taken_in - r.send_time
+    return out
+
+
+def recorded_handoff_latencies(steps: Sequence[StepStats], records: Sequence[RequestRecord]) -> dict[str, float]:
+    """Per remotely prefilled request whose records show it, its handoff: from the end of the prefill step that
+    sampled its first token to the start of the decode step that sampled its second, where the decode worker
+    ran no step in between (``deployment_latencies`` reads the same)."""
+    by_worker: dict[str, list[StepStats]] = defaultdict(list)
+    for s in steps:
+        by_worker[s.worker].append(s)
+    ends = {w: sorted(s.ended for s in v) for w, v in by_worker.items()}
+    out: dict[str, float] = {}
+    for r in records:
+        prefill_worker = r.meta.get("prefill_worker") or ""
+        if not r.succeeded or not prefill_worker or "decode_worker" not in r.meta:
+            continue
+        first = _latest_end_before(ends.get(prefill_worker, []), r.token_times[0])
+        if first is None:
+            continue
+        decode_steps = by_worker.get(r.meta["decode_worker"], [])
+        handoff = _handoff(decode_steps, first, r.meta.get("second_token_time") or 0.0)
+        if handoff is not None:
+            out[r.request_id] = handoff
+    return out
+
+
+def _handoff(decode_steps: Sequence[StepStats], prefill_end: float, second_token_time: float) -> float | None:
+    """The prefill step's end to the start of the decode step that sampled token #2 (ending at
+    ``second_token_time``), when the decode worker ran no step in between; else None."""
+    if not second_token_time or not decode_steps:
+        return None
+    step = min(decode_steps, key=lambda s: abs(s.ended - second_token_time))
+    if abs(step.ended - second_token_time) > HANDOFF_MATCH_S or step.started < prefill_end:
+        return None
+    if _busy_between(decode_steps, prefill_end, step.started - 1e-6):
+        return None
+    return step.started - prefill_end
 
 
 def step_gap(steps: Iterable[StepStats], busy_within_s: float = 0.05) -> float:
@@ -420,6 +507,8 @@ def calibrate_from_runs(
         token_latency_s=latency.token_s,
         control_latency_s=latency.control_s,
         control_latency_percentiles=latency.control_percentiles,
+        reserve_latency_s=latency.reserve_s,
+        handoff_latency_s=latency.handoff_s,
         step_gap_s=statistics.median([step_gap(steps) for _, steps, _ in runs]),
         slowdown_window_s=window_s,
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -450,6 +539,10 @@ def describe_profile(profile: LinearProfile) -> str:
         f"{profile.control_latency_s * 1e3:.2f} ms{spread}, gap between steps {profile.step_gap_s * 1e3:.2f} ms, "
         f"KV link {profile.kv_link_bw / 1e9:.1f} GB/s"
     )
+    paths = (("reservation round trip", profile.reserve_latency_s), ("handoff", profile.handoff_latency_s))
+    between = [f"{what} {value * 1e3:.2f} ms" for what, value in paths if value is not None]
+    if between:
+        lines.append(f"  between the workers: {', '.join(between)}")
     lines.append(f"  co-run slowdown: x{1 + profile.co_run_slowdown:.3g} while the other worker runs a step too")
     w = profile.slowdown_percentiles
     if w:

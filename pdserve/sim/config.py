@@ -36,10 +36,14 @@ class SimConfig:
     Around the steps: ``token_latency_s`` (a step's end to the client receiving its tokens),
     ``control_latency_s`` (one router-to-worker call) and ``step_gap_s`` (an engine loop's time between
     two steps), all 0 by default (a GPU profile's steps dwarf them) and measured for the cpu-measured
-    profile (``LinearProfile.sim_settings``). The machine's slowdown: with ``step_tail`` and
-    ``slowdown_percentiles``, every ``slowdown_window_s`` of virtual time draws one factor from that
-    distribution (``random.Random(seed)``), shared by all instances (a burst of other load slows them
-    all), and a step's priced work is stretched by the factors of the windows it spans; each control
+    profile (``LinearProfile.sim_settings``). Between the workers of a disaggregated deployment, no client
+    is on the path: ``reserve_latency_s`` is the round trip of a prefill worker's reservation on an idle
+    decode worker (the call and its answer), ``handoff_latency_s`` the time from the prefill worker
+    sampling the first token to the router's decode call reaching the decode worker; None prices them as
+    client calls (two control calls; the token's delivery plus a control call). The machine's slowdown:
+    with ``step_tail`` and ``slowdown_percentiles``, every ``slowdown_window_s`` of virtual time draws one
+    factor from that distribution (``random.Random(seed)``), shared by all instances (a burst of other
+    load slows them all), and a step's priced work is stretched by the factors of the windows it spans; each control
     call's latency is drawn from ``control_latency_percentiles``. ``step_tail=False`` leaves both out.
     ``co_run_slowdown`` (``k``): an instance's step runs ``1 + k`` times slower while every other
     instance runs a step too (``1 + k * busy / others`` in between; the cores and memory are shared),
@@ -66,6 +70,8 @@ class SimConfig:
     control_latency_s: float = 0.0
     control_latency_percentiles: tuple[float, ...] = ()
     step_gap_s: float = 0.0
+    reserve_latency_s: float | None = None
+    handoff_latency_s: float | None = None
     slowdown_window_s: float = 0.1
     slowdown_percentiles: tuple[float, ...] = ()
     co_run_slowdown: float = 0.0
@@ -89,6 +95,10 @@ class SimConfig:
         for name in ("token_latency_s", "control_latency_s", "step_gap_s", "auto_min_remote_tokens", "co_run_slowdown"):
             if getattr(self, name) < 0:
                 raise ValueError(f"sim: {name} must be >= 0, got {getattr(self, name)}")
+        for name in ("reserve_latency_s", "handoff_latency_s"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise ValueError(f"sim: {name} must be None or >= 0, got {v}")
         if not self.slowdown_window_s > 0:
             raise ValueError(f"sim: slowdown_window_s must be > 0, got {self.slowdown_window_s}")
 

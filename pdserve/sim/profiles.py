@@ -219,7 +219,10 @@ class LinearProfile:
     fits every record and stands in for a role that has none), plus what the deployment and the machine
     add around the steps, as measured: the KV link; ``token_latency_s`` (a worker's step end to the
     client's receipt of its tokens, median); ``control_latency_s`` (one call from the client or router to
-    a worker, median; ``control_latency_percentiles`` its distribution); ``step_gap_s`` (a busy engine
+    a worker, median; ``control_latency_percentiles`` its distribution); between a disaggregated
+    deployment's workers, ``reserve_latency_s`` (a reservation's round trip) and ``handoff_latency_s``
+    (the first token sampled on the prefill worker to the decode call on the decode worker), medians,
+    None when the calibration runs held no case to measure them on; ``step_gap_s`` (a busy engine
     loop's time between two steps, median); and the machine's slowdown: per ``slowdown_window_s`` of a
     worker's time, measured step time over the fit's, at percentiles 0 ... 100 (``slowdown_percentiles``).
     Valid for the model it was measured on.
@@ -233,6 +236,8 @@ class LinearProfile:
     control_latency_s: float = 0.0
     control_latency_percentiles: tuple[float, ...] = ()
     step_gap_s: float = 0.0
+    reserve_latency_s: float | None = None
+    handoff_latency_s: float | None = None
     slowdown_window_s: float = 0.1
     slowdown_percentiles: tuple[float, ...] = ()
     run_slowdown_percentiles: tuple[float, ...] = ()
@@ -255,7 +260,7 @@ class LinearProfile:
         """``SimConfig`` fields this profile sets: the KV link, the deployment's latencies, the machine's slowdown."""
         names: tuple[str, ...] = ("kv_link_bw", "kv_link_latency_s", "token_latency_s", "control_latency_s")
         names += ("control_latency_percentiles", "step_gap_s", "slowdown_window_s", "slowdown_percentiles")
-        names += ("co_run_slowdown",)
+        names += ("co_run_slowdown", "reserve_latency_s", "handoff_latency_s")
         return {name: getattr(self, name) for name in names}
 
     def to_dict(self) -> dict[str, Any]:

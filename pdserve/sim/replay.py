@@ -4,8 +4,11 @@ What it checks is the *protocol*: the scheduler, the routing, the prefill admiss
 handoff, with the cost model taken out. The requests are sent at the run's recorded send times and
 instance ``w``'s ``k``-th step lasts as long as the run's ``k``-th step on ``w``, followed by the
 loop's recorded time before its next step when that came at once (the durations already hold the
-machine's slowdown and the co-run slowdown, so the replay adds neither; the other latencies around the
-steps stay the config's medians). Then:
+machine's slowdown and the co-run slowdown, so the replay adds neither). A request whose records show
+when its worker took it in (a prefill worker takes every call in on arrival; a colocated worker that
+was idle took it at once) reaches that worker after its recorded call latency, and one whose decode
+worker was idle when its first token came is handed over after its recorded handoff; the other
+latencies around the steps stay the config's medians. Then:
 
 - **step agreement**: the share of steps, position by position on each instance, whose composition
   matches the run's. A real worker's step record (``StepStats``) carries the step's prompt and decode
@@ -29,6 +32,7 @@ from typing import Any
 from pdserve.bench.metrics import RequestRecord, compute_metrics
 from pdserve.bench.workloads import WorkloadRequest
 from pdserve.messages import StepStats
+from pdserve.sim.calibrate import recorded_call_latencies, recorded_handoff_latencies
 from pdserve.sim.config import SimConfig
 from pdserve.sim.cost_model import CostModel
 from pdserve.sim.simulator import SimResult, Simulator
@@ -173,8 +177,18 @@ def replay(
         raise ValueError("replay: the config must set kv_link_bw and kv_link_latency_s")
     durations = durations_by_worker(steps)
     gaps = gaps_by_worker(steps)
+    calls = recorded_call_latencies(steps, records)
     sim = Simulator(
-        cost_model, cfg, mode, num_instances, num_prefill, num_decode, step_durations=durations, step_gaps=gaps
+        cost_model,
+        cfg,
+        mode,
+        num_instances,
+        num_prefill,
+        num_decode,
+        step_durations=durations,
+        step_gaps=gaps,
+        call_latencies=calls,
+        handoff_latencies=recorded_handoff_latencies(steps, records),
     )
     result = sim.run(arrivals_from_records(requests, records, time_origin))
     unknown = sorted(set(durations) - set(result.instances))

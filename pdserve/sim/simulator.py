@@ -23,7 +23,8 @@ Modes (the deployment's default mode; ``auto`` decides per request):
 
 Around the steps, ``SimConfig`` adds a deployment's latencies (a token's delivery; each control call:
 starting a request, the reservation, applied between the decode instance's steps, and its answer, the
-decode call; the engine loop's gap between steps) and, with ``step_tail``, the machine's measured
+decode call, the last three priced as worker-to-worker paths where the config measures them; the engine
+loop's gap between steps) and, with ``step_tail``, the machine's measured
 slowdown: one factor per window of virtual time, shared by all instances, stretching the steps there.
 With a ``co_run_slowdown`` (instances sharing one machine's cores), a step also runs slower while
 other instances run steps: every step's end is re-timed when another instance starts or ends one.
@@ -37,7 +38,9 @@ admission rule reads the waiting prompt tokens as the loop last saw them: while 
 just before it (the prompts it is computing included) plus the prompts admitted since.
 
 ``step_durations`` (trace replay, ``sim.replay``) replaces the cost model: an instance's ``k``-th step
-lasts the ``k``-th recorded duration of that instance; ``step_gaps``, the loop's time after it.
+lasts the ``k``-th recorded duration of that instance; ``step_gaps``, the loop's time after it;
+``call_latencies`` and ``handoff_latencies``, per request, its call's recorded latency from the client to
+its worker and its recorded handoff from the prefill to the decode instance.
 Speed: a decode instance whose step is decode-only with nothing waiting runs the same batch step
 after step until a request finishes or something reaches it. Such a run of steps (``_DecodeRun``) is
 planned ahead, each step priced by the cost model and the clock advanced by the same additions as one
@@ -268,6 +271,8 @@ class Simulator:
         tp: int = 1,
         step_durations: Mapping[str, Sequence[float]] | None = None,
         step_gaps: Mapping[str, Sequence[float | None]] | None = None,
+        call_latencies: Mapping[str, float] | None = None,
+        handoff_latencies: Mapping[str, float] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"sim: mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -291,6 +296,8 @@ class Simulator:
         self.step_durations = step_durations
         self.step_gaps = step_gaps  # replay: the loop's recorded time after each step (None: the config's)
         self.unreplayed_steps = 0  # replay: steps beyond an instance's recorded ones (priced by the cost model)
+        self.call_latencies = call_latencies or {}  # replay: request id -> its recorded call's latency
+        self.handoff_latencies = handoff_latencies or {}  # replay: request id -> its recorded handoff
         self._wake: list[_Instance] = []  # idle instances that work just reached
         self.kv_bytes_moved = 0
         self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
@@ -344,6 +351,11 @@ class Simulator:
         if c.step_tail and c.control_latency_percentiles:
             return quantile_at(c.control_latency_percentiles, self._rng.random())
         return c.control_latency_s
+
+    def _reserve_leg(self) -> float:
+        """One leg of a reservation's round trip: the prefill instance's call, or the decode instance's answer."""
+        round_trip = self.config.reserve_latency_s
+        return self._control_latency() if round_trip is None else round_trip / 2
 
     def _at(self, t: float, handler: Callable[..., None], *args: Any) -> None:
         heapq.heappush(self._events, (t, next(self._seq), handler, args))
@@ -444,7 +456,8 @@ class Simulator:
         client.meta.update(
             mode=route.mode, decode_worker=route.decode_worker, prefill_worker=route.prefill_worker or ""
         )
-        self._at(self.now + self._control_latency(), self._on_dispatch, client)
+        recorded = self.call_latencies.get(w.request_id)
+        self._at(self.now + (self._control_latency() if recorded is None else recorded), self._on_dispatch, client)
 
     def _on_dispatch(self, client: _Client) -> None:
         route = client.route
@@ -869,14 +882,15 @@ class Simulator:
         client = inst.fifo[0]
         assert client.decode is not None
         inst.reserving = True
-        self._at(self.now + self._control_latency(), self._call, client.decode, self._reserve, inst, client)
+        self._at(self.now + self._reserve_leg(), self._call, client.decode, self._reserve, inst, client)
 
     @staticmethod
     def _prefill_admission_open(inst: _Instance) -> bool:
-        """``remote_kv.admission_open`` as the prefill worker applies it: between steps on the waiting
-        prompt tokens now; while a step runs on those of the loop's last tick (just before the step, so
-        the prompts the step is computing still count) plus the prompts admitted since."""
-        if inst.output is None:
+        """``remote_kv.admission_open`` as the prefill worker applies it: on an idle loop on the waiting
+        prompt tokens now; while a step runs, and while the loop does its own work after one (its pushes:
+        the gap before its next tick), on those of the loop's last tick (just before the step, so the
+        prompts the step computed still count) plus the prompts admitted since."""
+        if inst.output is None and not inst.busy:
             return remote_kv.prefill_admission_open(inst.scheduler)
         waiting = inst.tick_waiting_tokens + inst.admitted_since_tick
         return remote_kv.admission_open(waiting, inst.scheduler.config.max_num_batched_tokens)
@@ -897,7 +911,7 @@ class Simulator:
         if cached is None:
             client.decode.waiting_for_room.add(prefill)
             return
-        self._at(self.now + self._control_latency(), self._on_reserved, prefill, client, reservation, cached)
+        self._at(self.now + self._reserve_leg(), self._on_reserved, prefill, client, reservation, cached)
 
     def _on_reserved(self, inst: _Instance, client: _Client, reservation: Request, cached: int) -> None:
         inst.reserving = False
@@ -929,7 +943,9 @@ class Simulator:
         client.meta["prefill_done"] = self.now
         assert client.route is not None
         self.policy.prefill_done(client.route, client.wreq.prompt_token_ids)
-        self._at(client.token_times[0] + self._control_latency(), self._on_decode_call, client)
+        handoff = self.handoff_latencies.get(client.wreq.request_id, self.config.handoff_latency_s)
+        called = client.token_times[0] + self._control_latency() if handoff is None else self.now + handoff
+        self._at(called, self._on_decode_call, client)
 
     def _on_kv_complete(self, client: _Client) -> None:
         assert client.prefill is not None and client.prefill_req is not None
