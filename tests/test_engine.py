@@ -254,3 +254,23 @@ def test_every_step_records_its_device_time_within_its_duration(engine):
     assert steps and all(0.0 < s.device_s <= s.duration_s for s in steps)
     # the scheduler's share is host time outside the model: the device time leaves it out
     assert all(s.device_s <= s.duration_s - s.schedule_s + 1e-6 for s in steps)
+
+
+def test_small_cpu_steps_run_on_one_thread_and_restore_the_count():
+    from pdserve.engine.model import FEW_ROWS
+    from pdserve.engine.model_runner import step_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cpu = torch.device("cpu")
+        with step_threads(FEW_ROWS, cpu):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with step_threads(FEW_ROWS + 1, cpu):
+            assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError), step_threads(1, cpu):
+            raise RuntimeError("a failed step")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

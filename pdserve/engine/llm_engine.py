@@ -15,7 +15,7 @@ from pdserve.engine import remote_kv
 from pdserve.engine.block_manager import BlockManager, BlockUsage
 from pdserve.engine.config import EngineConfig, ModelConfig, gguf_file
 from pdserve.engine.gguf import GGUFCheckpoint, read_gguf
-from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_block_bytes
+from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_block_bytes, step_threads
 from pdserve.engine.quantization import (
     INT4_KINDS,
     INT8_KINDS,
@@ -259,7 +259,8 @@ class LLMEngine:
         params = {rid: r.params for rid, r in requests.items()}
         seeds = {rid: self._seeds[rid] for rid in requests}
         output_index = {rid: r.num_output_tokens for rid, r in requests.items()}
-        result = self.runner.run(output, params, seeds, output_index, keep_logits)
+        with step_threads(output.num_prefill_tokens + output.num_decode_tokens, self.device):
+            result = self.runner.run(output, params, seeds, output_index, keep_logits)
         self.last_logits = result.logits
         self.scheduler.update_after_step(output)
 
