@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         print("the steps carry no CPU time: check 1 on wall-clock time only", flush=True)
     else:
         save_linear_profile(cpu_profile, os.path.join(args.out, "profile_cpu.json"))
-        print(describe_profile(cpu_profile), flush=True)
+        print(describe_profile(cpu_profile, fits_only=True), flush=True)
     step_rows = check_steps(runs, cpu_profile, block_size, clock="cpu") + check_steps(runs, profile, block_size)
     replay_rows = check_replay(args, runs, profile)
     rows = compare(args, runs, profile)

@@ -553,8 +553,9 @@ def calibrate_from_runs(
     return dataclasses.replace(profile, slowdown_percentiles=slowdown.windows, run_slowdown_percentiles=slowdown.runs)
 
 
-def describe_profile(profile: LinearProfile) -> str:
-    """A few lines: each role's coefficients, fit quality and measured/predicted tail; the latencies."""
+def describe_profile(profile: LinearProfile, fits_only: bool = False) -> str:
+    """A few lines: each role's coefficients, fit quality and measured/predicted tail; the co-run slowdown;
+    unless ``fits_only``, the latencies and the machine's slowdown too."""
     units: tuple[tuple[float, str], ...] = ((1e3, "ms"), (1e6, "us/prefill tok"), (1e6, "us/decode tok"))
     units += ((1e9, "ns/prefill ctx"), (1e9, "ns/decode key"), (1e9, "ns/prefill KV read"))
     lines = [f"cpu-measured profile for {profile.model!r} ({profile.notes or 'no notes'}), a step alone:"]
@@ -567,6 +568,9 @@ def describe_profile(profile: LinearProfile) -> str:
             f"  {'':>9}  {fit.num_records} steps, R^2 {fit.r2:.3f}, |rel err| median "
             f"{fit.median_abs_rel_error:.1%} mean {fit.mean_abs_rel_error:.1%}; {tail}"
         )
+    if fits_only:
+        lines.append(f"  co-run slowdown: x{1 + profile.co_run_slowdown:.3g} while the other worker runs a step too")
+        return "\n".join(lines)
     c = profile.control_latency_percentiles
     spread = f" (p90 {c[90] * 1e3:.1f}, p99 {c[99] * 1e3:.1f})" if c else ""
     lines.append(
