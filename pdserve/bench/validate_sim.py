@@ -20,7 +20,11 @@
      (times the co-run slowdown for how much another worker ran meanwhile); per role (colocated,
      prefill, decode) and step kind (prefill-only, decode-only, mixed) with at least 30 steps, the
      median of measured/predicted and the median and p90 absolute relative error. Pass: median ratio
-     within ±5 % and median error ≤ 10 %;
+     within ±5 % and median error ≤ 10 %. On two clocks: the steps' CPU time (``StepStats.cpu_s``, the
+     stepping thread's; every worker runs 1 torch thread) against a fit of the calibration runs' CPU
+     time, and their wall-clock time against the ``cpu-measured`` profile's fit. The verdict is the CPU
+     time's when the steps recorded it (the time other processes held a worker's core is not a property
+     of the step's shape), else the wall clock's; the simulator itself uses the wall-clock profile;
    - **check 2, protocol by trace replay** (``sim.replay``): each validation run replayed with its own
      recorded step durations and send times (and each request's call latency and handoff where its
      records show them); the step agreement (share of steps, position by position
@@ -34,7 +38,8 @@
     flock -x /tmp/pdserve-ray.lock python bench/validate_sim.py [--repeats 3] [--out results/validate]
     python bench/validate_sim.py --measured results/validate/measured.json   # re-simulate, no Ray
 
-Writes ``validation.md``, ``checks.json``, ``measured.json`` and ``profile.json`` into ``--out``.
+Writes ``validation.md``, ``checks.json``, ``measured.json``, ``profile.json`` and (when the steps carry
+their CPU time) ``profile_cpu.json`` into ``--out``.
 """
 
 from __future__ import annotations
