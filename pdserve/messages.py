@@ -32,6 +32,9 @@ class StepStats(NamedTuple):
     num_kv_read_tokens: int = 0  # cached tokens whose KV the step reads (the sum of its chunks' starts)
     worker: str = ""  # the worker (or simulated instance) that ran it; filled in by whoever collects steps
     device_s: float = 0.0  # the model's compute in it: CUDA events on a GPU (not host time, which sees launches)
+    # the stepping thread's CPU time over the same span as duration_s (time.thread_time): the step's own work
+    # without the time other processes held the core; 0.0 when not recorded (the simulator, older records)
+    cpu_s: float = 0.0
 
     @property
     def ended(self) -> float:

@@ -3,6 +3,7 @@ latencies, the machine's slowdown, and how the simulator replays them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -339,6 +340,77 @@ def test_check_one_judges_each_role_and_step_kind_out_of_sample(tmp_path):
     assert not slow_rows[("decode", "decode-only")].ok
     summary = check_summary(rows, [], [])
     assert summary["check 1 (cost model per step)"]["ok"] and not summary["check 2 (trace replay)"]["ok"]
+
+
+def _preempted_runs(seed: int, purpose: str) -> list:
+    """Simulated runs whose steps' CPU time is ``TRUTH``'s price of their shape while their wall time is
+    stretched by bursts (no step slower before 40 % of them, then up to 2x: other processes on the core)."""
+    from pdserve.bench.validate_sim import Run
+
+    truth = _profile(TRUTH)
+    cost = LinearCostModel(truth, get_model("tiny"))
+    reqs = random_workload(40, prompt_len_mean=300, output_len_mean=30, rate=40.0, seed=seed)
+    bursts = tuple(1.0 if i <= 40 else 1.0 + (i - 40) / 60 for i in range(101))
+    config = SimConfig(
+        max_num_batched_tokens=256,
+        kv_link_bw=2e9,
+        kv_link_latency_s=1e-4,
+        slowdown_window_s=0.005,
+        slowdown_percentiles=bursts,
+        seed=seed,
+    )
+    runs = []
+    for arch, counts in (("colocated", {"num_instances": 2}), ("disaggregated", {"num_prefill": 1, "num_decode": 1})):
+        res = simulate(reqs, cost, config, mode=arch, **counts)
+        shapes = step_shapes(res.steps, res.records, config.block_size)
+        steps = [s._replace(cpu_s=cost.step_time(x)) for s, x in zip(res.steps, shapes, strict=True)]
+        runs.append(Run(purpose, "random", arch, 0, list(res.records), steps, 0.0))
+    return runs
+
+
+def test_check_one_on_cpu_time_judges_the_cost_model_where_the_wall_clock_cannot():
+    from pdserve.bench.validate_sim import check_steps, check_summary
+    from pdserve.sim.calibrate import calibrate_cpu_time
+
+    calibration, validation = _preempted_runs(5, "calibration"), _preempted_runs(2, "validation")
+    runs = calibration + validation
+    assert any(s.duration_s > 1.3 * s.cpu_s for r in validation for s in r.steps)  # the bursts stretch wall time
+    cpu = calibrate_cpu_time([(r.architecture, r.steps, r.records) for r in calibration], model="tiny")
+    assert cpu is not None and cpu.co_run_slowdown == 0.0
+    assert cpu.roles["colocated"].coefficients == pytest.approx(TRUTH, rel=0.02, abs=1e-9)
+    cpu_rows = check_steps(runs, cpu, block_size=16, clock="cpu")
+    wall_rows = check_steps(runs, _profile(TRUTH), block_size=16)  # even the exact model fails on wall time
+    assert cpu_rows and all(r.ok and r.median_error < 0.01 for r in cpu_rows if r.judged)
+    assert any(r.judged and r.median_error > 0.10 and not r.ok for r in wall_rows)
+    summary = check_summary(cpu_rows + wall_rows, [], [])["check 1 (cost model per step)"]
+    assert summary["ok"] and summary["clock"] == "cpu" and summary["other_clock_passed"] < summary["of"]
+    # a wrong cost model: the prefill-token coefficient 1.3x too high; CPU time catches it
+    wrong = dataclasses.replace(
+        cpu,
+        roles={
+            k: RoleFit((f.coefficients[0], f.coefficients[1] * 1.3, *f.coefficients[2:])) for k, f in cpu.roles.items()
+        },
+    )
+    wrong_rows = {(r.role, r.kind): r for r in check_steps(runs, wrong, block_size=16, clock="cpu")}
+    assert not wrong_rows[("prefill", "prefill-only")].ok and wrong_rows[("prefill", "prefill-only")].judged
+    assert wrong_rows[("prefill", "prefill-only")].median_ratio < 0.95
+    assert not check_summary(list(wrong_rows.values()) + wall_rows, [], [])["check 1 (cost model per step)"]["ok"]
+
+
+def test_check_one_without_cpu_time_is_judged_on_the_wall_clock():
+    from pdserve.bench.validate_sim import check_steps, check_summary, step_table
+    from pdserve.sim.calibrate import calibrate_cpu_time
+
+    runs = [r._replace(steps=[s._replace(cpu_s=0.0) for s in r.steps]) for r in _preempted_runs(2, "validation")]
+    assert calibrate_cpu_time([(r.architecture, r.steps, r.records) for r in runs], model="tiny") is None
+    assert check_steps(runs, _profile(TRUTH), block_size=16, clock="cpu") == []
+    with pytest.raises(ValueError, match="clock"):
+        check_steps(runs, _profile(TRUTH), block_size=16, clock="gpu")
+    rows = check_steps(runs, _profile(TRUTH), block_size=16)
+    summary = check_summary(rows, [], [])["check 1 (cost model per step)"]
+    assert summary["clock"] == "wall" and summary["other_clock_passed"] is None
+    assert summary["passed"] == sum(r.ok for r in rows if r.judged)
+    assert "not recorded" in step_table(rows)
 
 
 def test_auto_decode_workers_are_fitted_apart_and_fall_back_to_decode():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -274,3 +275,28 @@ def test_small_cpu_steps_run_on_one_thread_and_restore_the_count():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_every_step_records_its_threads_cpu_time_not_the_time_it_was_off_the_core(monkeypatch):
+    threads = torch.get_num_threads()
+    try:
+        engine = tiny(torch_threads=1)  # every step's compute runs on the stepping thread
+        engine.generate([list(range(1, 60)), list(range(3, 9))], SamplingParams(max_tokens=6, temperature=0.0))
+        steps = list(engine.step_history)
+        assert steps and all(0.0 < s.cpu_s <= s.duration_s + 1e-3 for s in steps)
+        # a step whose thread is off the core for 50 ms (as when other processes hold it): its wall time
+        # grows by that, its CPU time does not
+        run = engine.runner.run
+
+        def run_then_wait(*args, **kwargs):
+            out = run(*args, **kwargs)
+            time.sleep(0.05)
+            return out
+
+        monkeypatch.setattr(engine.runner, "run", run_then_wait)
+        engine.step_history.clear()
+        engine.generate([list(range(5, 40))], SamplingParams(max_tokens=3, temperature=0.0))
+        waited = list(engine.step_history)
+        assert waited and all(s.duration_s >= 0.05 and 0.0 < s.cpu_s < s.duration_s - 0.04 for s in waited)
+    finally:
+        torch.set_num_threads(threads)

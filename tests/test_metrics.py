@@ -178,6 +178,18 @@ def test_two_scrapers_see_the_same_cumulative_step_histograms():
     assert value(second_b, "pdserve_worker_kv_usage_ratio", **labels) == pytest.approx(0.25)
 
 
+def test_step_records_carry_their_cpu_time_over_grpc_and_older_records_read_as_not_recorded():
+    from pdserve.proto import pdserve_pb2 as pb
+    from pdserve.router.wire import worker_stats_from_proto, worker_stats_to_proto
+
+    step = StepStats(10.0, 0.05, 0.001, 32, 4, 5, worker="decode-0", device_s=0.04, cpu_s=0.03)
+    stats = WorkerStats("decode-0", "decode", 100, 90, 0, 10, 1, 0, 0, 36, 7, 0, steps=(step,))
+    wire = pb.WorkerStats.FromString(worker_stats_to_proto(stats).SerializeToString())
+    assert worker_stats_from_proto(wire).steps == (step,)
+    older = pb.WorkerStats(worker_id="decode-0", steps=[pb.StepRecord(started=10.0, duration_s=0.05)])
+    assert worker_stats_from_proto(pb.WorkerStats.FromString(older.SerializeToString())).steps[0].cpu_s == 0.0
+
+
 # ---- a real deployment ---------------------------------------------------------------------------------
 
 

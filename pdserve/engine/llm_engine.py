@@ -249,6 +249,7 @@ class LLMEngine:
     def step(self, keep_logits: bool = False) -> list[RequestOutput]:
         """Run one scheduled batch. Returns outputs of requests that got a token or finished."""
         t0 = time.perf_counter()
+        cpu0 = time.thread_time()
         started = time.time()
         output = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -295,6 +296,7 @@ class LLMEngine:
                 output.num_decode_context_tokens,
                 output.num_kv_read_tokens,
                 device_s=self.runner.last_device_s,
+                cpu_s=time.thread_time() - cpu0,
             )
         )
         return outputs

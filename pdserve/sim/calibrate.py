@@ -479,6 +479,47 @@ def fit_co_run_slowdown(by_role: Mapping[str, Sequence[Observed]], model: str = 
     return min(CO_RUN_GRID, key=error)
 
 
+def _observe(
+    runs: Sequence[tuple[str, Sequence[StepStats], Sequence[RequestRecord]]], block_size: int
+) -> tuple[list[RunSteps], dict[str, list[Observed]]]:
+    """Every run's steps with their shapes and co-run fractions, and every step by its role."""
+    shaped: list[RunSteps] = [
+        (arch, steps, step_shapes(steps, records, block_size), co_run_fractions(steps)) for arch, steps, records in runs
+    ]
+    by_role: dict[str, list[Observed]] = defaultdict(list)
+    for run, (arch, steps, shapes, fractions) in enumerate(shaped):
+        for step, shape, f in zip(steps, shapes, fractions, strict=True):
+            by_role[step_role(step.worker, arch)].append(Observed(step, shape, f, run))
+    return shaped, by_role
+
+
+def cpu_time_recorded(steps: Iterable[StepStats]) -> bool:
+    """Whether every one of ``steps`` carries its CPU time (``cpu_s`` > 0; 0 means not recorded)."""
+    steps = list(steps)
+    return bool(steps) and all(s.cpu_s > 0 for s in steps)
+
+
+def calibrate_cpu_time(
+    runs: Iterable[tuple[str, Sequence[StepStats], Sequence[RequestRecord]]],
+    model: str = "bench",
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> LinearProfile | None:
+    """The per-role fits and the co-run slowdown of the steps' *CPU time* (``StepStats.cpu_s``, the stepping
+    thread's), fitted exactly as ``calibrate_from_runs`` fits their wall time: the shapes and the co-run
+    fractions (the other worker's steps overlapping in wall-clock time) are the same. A profile of what a
+    shape costs the thread that runs it, without the time other processes held its core: for judging the
+    cost model (validate_sim's check 1), not for simulating (no latencies, no machine slowdown). None when
+    a step has no CPU time recorded."""
+    runs = list(runs)
+    if not cpu_time_recorded(s for _, steps, _ in runs for s in steps):
+        return None
+    _, by_role = _observe(runs, block_size)
+    cpu = {role: [o._replace(step=o.step._replace(duration_s=o.step.cpu_s)) for o in v] for role, v in by_role.items()}
+    k = fit_co_run_slowdown(cpu, model)
+    notes = "CPU time of the stepping thread (cpu_s) per step; for checking the cost model, not for simulating"
+    return fit_linear_profile(_alone(cpu, k), model, shapes_by_role=_role_shapes(cpu), co_run_slowdown=k, notes=notes)
+
+
 def calibrate_from_runs(
     runs: Iterable[tuple[str, Sequence[StepStats], Sequence[RequestRecord]]],
     model: str = "bench",
@@ -490,13 +531,7 @@ def calibrate_from_runs(
     of the steps (``step.worker`` names the worker; their shapes by ``step_shapes`` with the
     deployment's ``block_size``), the deployment's latencies and the machine's slowdown per ``window_s``."""
     runs = list(runs)
-    shaped: list[RunSteps] = [
-        (arch, steps, step_shapes(steps, records, block_size), co_run_fractions(steps)) for arch, steps, records in runs
-    ]
-    by_role: dict[str, list[Observed]] = defaultdict(list)
-    for run, (arch, steps, shapes, fractions) in enumerate(shaped):
-        for step, shape, f in zip(steps, shapes, fractions, strict=True):
-            by_role[step_role(step.worker, arch)].append(Observed(step, shape, f, run))
+    shaped, by_role = _observe(runs, block_size)
     k = fit_co_run_slowdown(by_role, model)
     latency = deployment_latencies((steps, records) for _, steps, records in runs)
     profile = fit_linear_profile(
@@ -518,8 +553,9 @@ def calibrate_from_runs(
     return dataclasses.replace(profile, slowdown_percentiles=slowdown.windows, run_slowdown_percentiles=slowdown.runs)
 
 
-def describe_profile(profile: LinearProfile) -> str:
-    """A few lines: each role's coefficients, fit quality and measured/predicted tail; the latencies."""
+def describe_profile(profile: LinearProfile, fits_only: bool = False) -> str:
+    """A few lines: each role's coefficients, fit quality and measured/predicted tail; the co-run slowdown;
+    unless ``fits_only``, the latencies and the machine's slowdown too."""
     units: tuple[tuple[float, str], ...] = ((1e3, "ms"), (1e6, "us/prefill tok"), (1e6, "us/decode tok"))
     units += ((1e9, "ns/prefill ctx"), (1e9, "ns/decode key"), (1e9, "ns/prefill KV read"))
     lines = [f"cpu-measured profile for {profile.model!r} ({profile.notes or 'no notes'}), a step alone:"]
@@ -532,6 +568,9 @@ def describe_profile(profile: LinearProfile) -> str:
             f"  {'':>9}  {fit.num_records} steps, R^2 {fit.r2:.3f}, |rel err| median "
             f"{fit.median_abs_rel_error:.1%} mean {fit.mean_abs_rel_error:.1%}; {tail}"
         )
+    if fits_only:
+        lines.append(f"  co-run slowdown: x{1 + profile.co_run_slowdown:.3g} while the other worker runs a step too")
+        return "\n".join(lines)
     c = profile.control_latency_percentiles
     spread = f" (p90 {c[90] * 1e3:.1f}, p99 {c[99] * 1e3:.1f})" if c else ""
     lines.append(
