@@ -250,10 +250,8 @@ def deployment_latencies(runs: Iterable[tuple[Sequence[StepStats], Sequence[Requ
     handoffs: list[float] = []
     admissions: list[tuple[float, float, float, str, str]] = []  # (taken in, scheduled, queue_s, prefill, decode)
     for steps, records in runs:
-        by_worker: dict[str, list[StepStats]] = defaultdict(list)
-        for s in steps:
-            by_worker[s.worker].append(s)
-        ends = {w: sorted(s.ended for s in v) for w, v in by_worker.items()}
+        by_worker = steps_by_worker(steps)
+        ends = step_ends_by_worker(by_worker)
         run_admissions: list[tuple[float, float, float, str, str]] = []
         for r in records:
             if not r.succeeded or "decode_worker" not in r.meta:
@@ -294,15 +292,26 @@ def deployment_latencies(runs: Iterable[tuple[Sequence[StepStats], Sequence[Requ
     return Latencies(token, statistics.median(calls), table, reserve, handoff)
 
 
+def steps_by_worker(steps: Iterable[StepStats]) -> dict[str, list[StepStats]]:
+    """The steps of each worker, in the order given."""
+    by_worker: dict[str, list[StepStats]] = defaultdict(list)
+    for s in steps:
+        by_worker[s.worker].append(s)
+    return by_worker
+
+
+def step_ends_by_worker(by_worker: dict[str, list[StepStats]]) -> dict[str, list[float]]:
+    """Each worker's step end times, sorted (for ``_latest_end_before``)."""
+    return {w: sorted(s.ended for s in v) for w, v in by_worker.items()}
+
+
 def recorded_call_latencies(steps: Sequence[StepStats], records: Sequence[RequestRecord]) -> dict[str, float]:
     """Per request whose records show it, the latency of its call from the client to its worker: the send to
     the worker taking it in (``deployment_latencies`` reads it the same way). A prefill worker takes a call
     in on arrival (its ``queue_s`` runs from then); a worker that prefills locally takes one in between its
     steps, so only the requests that found it idle show their call's latency."""
-    by_worker: dict[str, list[StepStats]] = defaultdict(list)
-    for s in steps:
-        by_worker[s.worker].append(s)
-    ends = {w: sorted(s.ended for s in v) for w, v in by_worker.items()}
+    by_worker = steps_by_worker(steps)
+    ends = step_ends_by_worker(by_worker)
     out: dict[str, float] = {}
     for r in records:
         if not r.succeeded or "decode_worker" not in r.meta or "queue_s" not in r.meta or "prefill_s" not in r.meta:
@@ -322,10 +331,8 @@ def recorded_handoff_latencies(steps: Sequence[StepStats], records: Sequence[Req
     """Per remotely prefilled request whose records show it, its handoff: from the end of the prefill step that
     sampled its first token to the start of the decode step that sampled its second, where the decode worker
     ran no step in between (``deployment_latencies`` reads the same)."""
-    by_worker: dict[str, list[StepStats]] = defaultdict(list)
-    for s in steps:
-        by_worker[s.worker].append(s)
-    ends = {w: sorted(s.ended for s in v) for w, v in by_worker.items()}
+    by_worker = steps_by_worker(steps)
+    ends = step_ends_by_worker(by_worker)
     out: dict[str, float] = {}
     for r in records:
         prefill_worker = r.meta.get("prefill_worker") or ""
@@ -357,9 +364,7 @@ def _handoff(decode_steps: Sequence[StepStats], prefill_end: float, second_token
 def step_gap(steps: Iterable[StepStats], busy_within_s: float = 0.05) -> float:
     """Median time between a worker's consecutive steps when the next began within ``busy_within_s``
     (the engine loop's own work between steps; longer gaps are idle time)."""
-    by_worker: dict[str, list[StepStats]] = defaultdict(list)
-    for s in steps:
-        by_worker[s.worker].append(s)
+    by_worker = steps_by_worker(steps)
     gaps = []
     for worker_steps in by_worker.values():
         pairs = itertools.pairwise(sorted(worker_steps, key=lambda s: s.started))
@@ -417,9 +422,7 @@ def machine_slowdown(
 def co_run_fractions(steps: Sequence[StepStats]) -> list[float]:
     """Per step, how much of it the other workers of its deployment (the other ``worker`` names in
     ``steps``) ran steps too: their overlapping step time over its duration, per other worker, in [0, 1]."""
-    by_worker: dict[str, list[StepStats]] = defaultdict(list)
-    for s in steps:
-        by_worker[s.worker].append(s)
+    by_worker = steps_by_worker(steps)
     others = len(by_worker) - 1
     if others < 1:
         return [0.0] * len(steps)
