@@ -207,11 +207,12 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Module | None = None  # q, k and v in one product, once fused (``fuse``)
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=False)
 
-    def fuse(self) -> None:
+    def fuse(self) -> bool:
         """Replace q/k/v_proj by one ``qkv_proj`` where they are plain float linears (after loading)."""
         fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])  # type: ignore[list-item]
         if fused is not None:
             self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = fused, None, None, None
+        return fused is not None
 
     def forward(
         self, x: torch.Tensor, rotation: Rotation, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -294,11 +295,12 @@ class MLP(nn.Module):
         self.gate_up_proj: nn.Module | None = None  # gate and up in one product, once fused (``fuse``)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def fuse(self) -> None:
+    def fuse(self) -> bool:
         """Replace gate/up_proj by one ``gate_up_proj`` where both are plain float linears (after loading)."""
         fused = fuse_linears([self.gate_proj, self.up_proj])  # type: ignore[list-item]
         if fused is not None:
             self.gate_up_proj, self.gate_proj, self.up_proj = fused, None, None
+        return fused is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
@@ -353,10 +355,13 @@ class LlamaForCausalLM(nn.Module):
         """Fuse every layer's q/k/v and gate/up projections into one product each, where they are plain float
         linears (the quantized ones stay apart). Call after the weights are loaded, before serving."""
         with torch.no_grad():
+            fused = False
             for layer in self.model.layers:
                 assert isinstance(layer, DecoderLayer)
-                layer.self_attn.fuse()
-                layer.mlp.fuse()
+                fused |= layer.self_attn.fuse()
+                fused |= layer.mlp.fuse()
+            if not fused:
+                return
             # own copies of the other weights too: a memory-mapped checkpoint's pages, all read once by the
             # fusion, would otherwise stay resident beside the fused copies
             for param in self.parameters():
