@@ -50,6 +50,9 @@ class WorkerRequestStats(NamedTuple):
     kv_transfer_s: float = 0.0  # first token sampled (prefill side) -> all KV here: the exposed transfer time
     kv_transfer_bytes: int = 0
     second_token_time: float = 0.0  # unix time output token #2 was sampled here (0 if none)
+    # unix time this worker received the call that started its part of the request (a prompt to prefill here,
+    # or the first token after a remote prefill): a busy worker takes the call in only after its step
+    call_time: float = 0.0
 
 
 class TokenUpdate(NamedTuple):
@@ -98,6 +101,7 @@ class RequestMetrics(NamedTuple):
     num_cached_tokens: int = 0  # prompt tokens found in the decode worker's prefix cache
     second_token_time: float = 0.0  # unix time the decode worker sampled output token #2 (0 if none)
     fallback: str = ""  # why a disaggregated request was prefilled locally instead (empty if it was not)
+    decode_call_time: float = 0.0  # unix time the decode worker received its call (generate, or decode); 0 if unknown
 
 
 class WorkerStats(NamedTuple):

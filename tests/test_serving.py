@@ -136,6 +136,17 @@ def test_first_token_reaches_the_client_before_the_second_is_decoded(deployment,
     assert meta.ttft_s > 0 and meta.prefill_s > 0 and meta.kv_transfer_s >= 0
 
 
+def test_the_decode_worker_says_when_each_call_reached_it(deployment, client):
+    prompt = [random.Random(7).randrange(256) for _ in range(140)]
+    for mode in ("colocated", "disaggregated"):
+        sent = time.time()
+        chunks = list(client.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True), mode=mode))
+        meta = chunks[-1].metadata
+        assert meta.mode == mode
+        # colocated: the generate call (before its prefill); disaggregated: the decode call after the first token
+        assert sent < meta.decode_call_time < meta.second_token_time, (mode, sent, meta)
+
+
 def test_seeded_sampling_is_the_same_in_every_mode(deployment, client):
     params = SamplingParams(max_tokens=10, temperature=1.0, top_k=40, seed=77)
     prompt = _prompts()[5]

@@ -84,6 +84,29 @@ def test_replaying_a_simulated_run_reproduces_it_exactly(mode, counts):
     assert report.passed and all(abs(report.error(f)) < 1e-9 for f in ("TTFT p50", "ITL p50", "TTFT p99"))
 
 
+def test_a_replay_follows_the_recorded_routes_and_reports_how_often_the_policy_differs():
+    # two requests sent at once: the real router happened to receive b first, so a went to decode-1 and b to
+    # decode-0; the replay's policy (a first) would send a to decode-0, which the replay reports and does not do
+    cfg = SimConfig(chunk_size=256, kv_link_bw=5e9, kv_link_latency_s=50e-6, step_tail=False, control_latency_s=1e-3)
+    reqs = [_req("a", 300, 4, 0.0), _req("b", 40, 4, 0.0)]
+    original = simulate(reqs, H100_8B, cfg, num_instances=2)
+    assert {r.request_id: r.meta["decode_worker"] for r in original.records} == {"a": "decode-0", "b": "decode-1"}
+    swap = {"decode-0": "decode-1", "decode-1": "decode-0"}
+    records = [
+        dataclasses.replace(r, meta={**r.meta, "decode_worker": swap[r.meta["decode_worker"]]})
+        for r in original.records
+    ]
+    steps = [s._replace(worker=swap[s.worker]) for s in original.steps]
+    chunks = list(original.step_chunks)
+    report = replay(reqs, records, steps, H100_8B, cfg, num_instances=2, compositions=chunks, time_origin=0.0)
+    # a is routed as recorded; b, on a view that holds a where it really went, goes where it went by itself
+    assert report.rerouted == 1 and report.routing_agreement == 0.5
+    assert report.step_agreement == 1.0
+    assert {r.request_id: r.meta["decode_worker"] for r in report.result.records} == {"a": "decode-1", "b": "decode-0"}
+    same = replay(reqs, original.records, original.steps, H100_8B, cfg, num_instances=2, time_origin=0.0)
+    assert same.routing_agreement == 1.0 and same.step_agreement == 1.0
+
+
 def test_replay_reports_disagreement_and_bad_traces():
     cfg = SimConfig(chunk_size=256, kv_link_bw=5e9, kv_link_latency_s=50e-6, step_tail=False)
     reqs = build_workload(WorkloadSpec(num_requests=20, rate=20.0, prompt_len_mean=600, output_len_mean=10, seed=1))
@@ -120,6 +143,46 @@ def test_a_request_that_found_its_worker_idle_reaches_it_after_its_recorded_call
     assert first.started == pytest.approx(0.020) and first.num_prefill_tokens == 300
     b_step = next(s for s in report.result.steps if s.num_prefill_tokens == 64)
     assert b_step.started == pytest.approx(first.ended)  # at the config's 1 ms it arrived during a's prefill
+
+
+def test_a_request_that_found_its_worker_busy_reaches_it_when_the_worker_says_it_did():
+    from pdserve.bench.metrics import RequestRecord
+    from pdserve.messages import StepStats
+
+    # measured: "b", sent during a's prefill, reached the busy worker only at 100.075 (its decode_call_time),
+    # during a's first decode, and was prefilled in the step after that one, not in the step after the prefill
+    steps = [StepStats(100.020, 0.05, num_prefill_tokens=300, num_seqs=1, worker="decode-0")]
+    steps.append(StepStats(100.070, 0.01, num_decode_tokens=1, num_seqs=1, worker="decode-0"))
+    steps.append(StepStats(100.080, 0.02, num_prefill_tokens=64, num_decode_tokens=1, num_seqs=2, worker="decode-0"))
+    meta = {"decode_worker": "decode-0", "prefill_worker": "", "queue_s": 0.0, "prefill_s": 0.05}
+    a = RequestRecord("a", 100.0, (100.071, 100.081, 100.101), 300, meta=meta)
+    requests = [_req("a", 300, 3, 0.0), _req("b", 64, 1, 0.03)]
+    config = SimConfig(control_latency_s=1e-3, kv_link_bw=5e9, kv_link_latency_s=0)
+
+    def b_step_start(b_meta):
+        b = RequestRecord("b", 100.030, (100.101,), 64, meta={**meta, "prefill_s": 0.02, **b_meta})
+        report = replay(requests, [a, b], steps, H100_8B, config)
+        return next(s for s in report.result.steps if s.num_prefill_tokens == 64).started
+
+    assert b_step_start({"decode_call_time": 100.075}) == pytest.approx(0.080)
+    assert b_step_start({}) == pytest.approx(0.070)  # without it: the config's 1 ms, and b joins one step early
+
+
+def test_a_handoff_to_a_busy_decode_worker_is_read_off_the_decode_call_time():
+    from pdserve.bench.metrics import RequestRecord
+    from pdserve.messages import StepStats
+    from pdserve.sim.calibrate import recorded_handoff_latencies
+
+    # the decode worker was stepping (another request) when r's first token came at 100.05: its decode call
+    # reached it at 100.062, and it took r in after the step that ended at 100.07
+    steps = [StepStats(100.0, 0.05, num_prefill_tokens=64, num_seqs=1, worker="prefill-0")]
+    steps += [StepStats(100.03 + 0.02 * k, 0.02, num_decode_tokens=1, num_seqs=1, worker="decode-0") for k in range(4)]
+    meta = {"decode_worker": "decode-0", "prefill_worker": "prefill-0", "queue_s": 0.0, "prefill_s": 0.05}
+    meta["second_token_time"] = 100.09
+    record = RequestRecord("r", 99.99, (100.052, 100.091), 64, meta=meta)
+    assert recorded_handoff_latencies(steps, [record]) == {}  # busy, and no call time: not on record
+    timed = RequestRecord("r", 99.99, (100.052, 100.091), 64, meta={**meta, "decode_call_time": 100.062})
+    assert recorded_handoff_latencies(steps, [timed]) == {"r": pytest.approx(0.012)}
 
 
 def test_prefill_admission_stays_on_the_last_ticks_count_while_the_loop_works_after_a_step():

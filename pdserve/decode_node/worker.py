@@ -80,6 +80,7 @@ class _Pending:
     pushes_seen: set[int] = field(default_factory=set)
     last_push: int | None = None  # chunk_index of the push marked is_last
     kv_done_at: float | None = None
+    decode_called_at: float = 0.0  # unix time the decode call arrived
 
 
 class _Served(NamedTuple):
@@ -87,6 +88,7 @@ class _Served(NamedTuple):
 
     request: Request
     remote_kv: WorkerRequestStats | None  # None for a request this worker prefilled itself
+    call_time: float = 0.0  # unix time its generate call arrived (a request prefilled here)
 
 
 class DecodeWorker:
@@ -142,16 +144,19 @@ class DecodeWorker:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, router_id: str
     ) -> None:
         """Start a request that this worker prefills and decodes; its tokens go to ``router_id``'s stream."""
+        received = time.time()
         self.aengine.claim(request_id, router_id)
         try:
-            await self.aengine.run(lambda e: self._add_local(e, request_id, prompt_token_ids, params))
+            await self.aengine.run(lambda e: self._add_local(e, request_id, prompt_token_ids, params, received))
         except Exception:
             self.aengine.unclaim(request_id)
             raise
 
-    def _add_local(self, engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def _add_local(
+        self, engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams, received: float
+    ) -> None:
         engine.add_request(prompt, params, request_id, detokenize=False)  # the router detokenizes
-        self._served[request_id] = _Served(engine.get_request(request_id), None)  # type: ignore[arg-type]
+        self._served[request_id] = _Served(engine.get_request(request_id), None, received)  # type: ignore[arg-type]
 
     # ---- disaggregated: KV comes from a prefill worker -----------------------------------------
     async def reserve(
@@ -182,6 +187,7 @@ class DecodeWorker:
 
     async def decode(self, request_id: str, first_token: int, first_token_time: float, router_id: str) -> None:
         """Decode after ``first_token`` (the router already sent it) once the KV is here; tokens go to the stream."""
+        received = time.time()
         self.aengine.claim(request_id, router_id)
 
         def do(engine: LLMEngine) -> None:
@@ -192,6 +198,7 @@ class DecodeWorker:
                     "(never reserved, aborted, or its KV deadline passed)"
                 )
             pending.first_token, pending.first_token_time = first_token, first_token_time
+            pending.decode_called_at = received
             self._admit_if_ready(engine, request_id, pending)
 
         try:
@@ -288,7 +295,9 @@ class DecodeWorker:
         kv_bytes = pushed_blocks * self.target.block_bytes
         self._kv_bytes += kv_bytes
         exposed = max(0.0, pending.kv_done_at - (pending.first_token_time or pending.kv_done_at))
-        remote_kv = WorkerRequestStats(kv_transfer_s=exposed, kv_transfer_bytes=kv_bytes)
+        remote_kv = WorkerRequestStats(
+            kv_transfer_s=exposed, kv_transfer_bytes=kv_bytes, call_time=pending.decode_called_at
+        )
         self._served[request_id] = _Served(request, remote_kv)
         final = engine.admit_remote(request_id, pending.first_token)
         if final is not None:  # the first token already ended it (EOS, stop token, max_tokens=1)
@@ -335,9 +344,9 @@ class DecodeWorker:
         served = self._served.pop(request_id, None)
         if served is None:
             return None
-        request, remote_kv = served
+        request, remote_kv, call_time = served
         if remote_kv is None:
-            return worker_request_stats(request)
+            return worker_request_stats(request, call_time=call_time)
         return remote_kv._replace(
             num_cached_tokens=request.num_cached_tokens, second_token_time=second_token_time(request)
         )

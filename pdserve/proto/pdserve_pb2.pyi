@@ -61,7 +61,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[Mode, str]] = ..., stream_interval: _Optional[int] = ..., apply_chat_template: _Optional[bool] = ...) -> None: ...
 
 class RequestMetadata(_message.Message):
-    __slots__ = ("request_id", "mode", "prefill_worker", "decode_worker", "queue_s", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "ttft_s", "e2e_s", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "second_token_time", "router", "fallback")
+    __slots__ = ("request_id", "mode", "prefill_worker", "decode_worker", "queue_s", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "ttft_s", "e2e_s", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "second_token_time", "router", "fallback", "decode_call_time")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class RequestMetadata(_message.Message):
     SECOND_TOKEN_TIME_FIELD_NUMBER: _ClassVar[int]
     ROUTER_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CALL_TIME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     mode: Mode
     prefill_worker: str
@@ -94,7 +95,8 @@ class RequestMetadata(_message.Message):
     second_token_time: float
     router: str
     fallback: str
-    def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[Mode, str]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., second_token_time: _Optional[float] = ..., router: _Optional[str] = ..., fallback: _Optional[str] = ...) -> None: ...
+    decode_call_time: float
+    def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[Mode, str]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., second_token_time: _Optional[float] = ..., router: _Optional[str] = ..., fallback: _Optional[str] = ..., decode_call_time: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finished", "finish_reason", "metadata")

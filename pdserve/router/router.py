@@ -517,6 +517,7 @@ class Router:
             num_cached_tokens=stats.num_cached_tokens if request.prefill is None else request.num_cached_tokens,
             second_token_time=stats.second_token_time,
             fallback=request.fallback,
+            decode_call_time=stats.call_time,
         )
 
     def _keep(self, awaitable: Any) -> asyncio.Future:

@@ -4,7 +4,7 @@ profile), and measure what a deployment adds around the steps.
 Model per role (seconds; the regressors are ``cost_model.linear_features``)::
 
     duration = fixed + a * prefill_tokens + b * decode_tokens + cp * prefill_context
-               + cd * decode_keys + r * prefill_kv_read
+               + cd * decode_keys + r * prefill_kv_read + s[n]   (n = the step's tokens, s[n] = 0 above 8)
 
 Roles (``cost_model.ROLES``) are where a step ran: ``colocated`` (a decode worker of a deployment
 without prefill workers: mixed steps), ``prefill`` (a prefill worker: prompts only), ``decode`` (a
@@ -53,15 +53,16 @@ import numpy as np
 from pdserve.bench.metrics import RequestRecord
 from pdserve.messages import StepStats
 from pdserve.sim.cost_model import DEFAULT_BLOCK_SIZE, ROLES, StepShape, linear_features
-from pdserve.sim.profiles import LINEAR_TERMS, RATIO_PERCENTILES, LinearProfile, RoleFit
+from pdserve.sim.profiles import BASE_TERMS, RATIO_PERCENTILES, LinearProfile, RoleFit
 
 if TYPE_CHECKING:
     from pdserve.engine import LLMEngine
 
-MIN_RECORDS = len(LINEAR_TERMS) + 2  # a role with fewer records is not fitted on its own
+MIN_RECORDS = len(BASE_TERMS) + 2  # a role with fewer records is not fitted on its own (a small-step term
+# is free only where its step size occurs)
 RunSteps = tuple[str, Sequence[StepStats], Sequence[StepShape], Sequence[float]]  # + shapes, co-run fractions
 CO_RUN_GRID = tuple(i / 40 for i in range(41))  # the co-run slowdowns tried: 0, 0.025, ..., 1
-HANDOFF_MATCH_S = 0.002  # a decode step's end and the time of the token it sampled agree within this
+HANDOFF_MATCH_S = 0.002  # a step's start or end and a request's timestamp of it (token, scheduling) agree within this
 
 
 def step_role(worker: str, architecture: str) -> str:
@@ -248,11 +249,11 @@ def deployment_latencies(runs: Iterable[tuple[Sequence[StepStats], Sequence[Requ
     delays: list[float] = []
     calls: list[float] = []
     handoffs: list[float] = []
-    admissions: list[tuple[float, float, float, str, str]] = []  # (taken in, scheduled, queue_s, prefill, decode)
+    reservations: list[float] = []
     for steps, records in runs:
         by_worker = steps_by_worker(steps)
         ends = step_ends_by_worker(by_worker)
-        run_admissions: list[tuple[float, float, float, str, str]] = []
+        reservations += recorded_reserve_latencies(steps, records).values()
         for r in records:
             if not r.succeeded or "decode_worker" not in r.meta:
                 continue
@@ -270,21 +271,14 @@ def deployment_latencies(runs: Iterable[tuple[Sequence[StepStats], Sequence[Requ
             taken_in = scheduled - r.meta.get("queue_s", 0.0)
             if prefill_worker:
                 decode_worker = r.meta["decode_worker"]
-                run_admissions.append((taken_in, scheduled, r.meta.get("queue_s", 0.0), prefill_worker, decode_worker))
                 handoff = _handoff(by_worker.get(decode_worker, []), first, r.meta.get("second_token_time") or 0.0)
                 if handoff is not None:
                     handoffs.append(handoff)
                 continue
             if r.send_time <= taken_in and not _busy_between(by_worker[worker], r.send_time, taken_in):
                 calls.append(taken_in - r.send_time)
-        for i, (lo, hi, queue_s, prefill, decode) in enumerate(run_admissions):
-            others = [(a, b) for j, (a, b, _, p, _) in enumerate(run_admissions) if j != i and p == prefill]
-            alone = all(not (a < hi and b > lo) for a, b in others)
-            quiet = not _busy_between(by_worker[prefill], lo, hi - 1e-4)
-            if alone and quiet and not _busy_between(by_worker[decode], lo, hi):
-                admissions.append((lo, hi, queue_s, prefill, decode))
     token = statistics.median(delays) if delays else 0.0
-    reserve = statistics.median(a[2] for a in admissions) if admissions else None
+    reserve = statistics.median(reservations) if reservations else None
     handoff = statistics.median(handoffs) if handoffs else None
     if not calls:
         return Latencies(token, 0.0, (), reserve, handoff)
@@ -309,7 +303,8 @@ def recorded_call_latencies(steps: Sequence[StepStats], records: Sequence[Reques
     """Per request whose records show it, the latency of its call from the client to its worker: the send to
     the worker taking it in (``deployment_latencies`` reads it the same way). A prefill worker takes a call
     in on arrival (its ``queue_s`` runs from then); a worker that prefills locally takes one in between its
-    steps, so only the requests that found it idle show their call's latency."""
+    steps: for a request that found it idle, that is the call's latency; for one that found it busy, the
+    call reached it when the worker says it did (``decode_call_time``), and it took it in after its step."""
     by_worker = steps_by_worker(steps)
     ends = step_ends_by_worker(by_worker)
     out: dict[str, float] = {}
@@ -324,13 +319,45 @@ def recorded_call_latencies(steps: Sequence[StepStats], records: Sequence[Reques
         taken_in = first - r.meta["prefill_s"] - r.meta["queue_s"]
         if r.send_time <= taken_in and (prefill_worker or not _busy_between(by_worker[worker], r.send_time, taken_in)):
             out[r.request_id] = taken_in - r.send_time
+        elif not prefill_worker and r.send_time <= (called := r.meta.get("decode_call_time") or 0.0) <= taken_in:
+            out[r.request_id] = called - r.send_time
+    return out
+
+
+def recorded_reserve_latencies(steps: Sequence[StepStats], records: Sequence[RequestRecord]) -> dict[str, float]:
+    """Per remotely prefilled request whose records show it, its reservation's round trip: its prefill worker's
+    ``queue_s`` (taken in to first scheduled) where neither worker ran a step meanwhile and no request ahead of
+    it was still being admitted on that prefill worker (reservations go one at a time, in order); then the
+    wait is the reservation call, its answer and the prompt's adding (``deployment_latencies`` takes the
+    median)."""
+    by_worker = steps_by_worker(steps)
+    ends = step_ends_by_worker(by_worker)
+    admissions: list[tuple[str, float, float, float, str, str]] = []  # (id, taken in, scheduled, queue_s, P, D)
+    for r in records:
+        prefill = r.meta.get("prefill_worker") or ""
+        if not r.succeeded or not prefill or not {"decode_worker", "queue_s", "prefill_s"} <= r.meta.keys():
+            continue
+        first = _latest_end_before(ends.get(prefill, []), r.token_times[0])
+        if first is None:
+            continue
+        scheduled = first - r.meta["prefill_s"]
+        queue_s = r.meta["queue_s"]
+        admissions.append((r.request_id, scheduled - queue_s, scheduled, queue_s, prefill, r.meta["decode_worker"]))
+    out: dict[str, float] = {}
+    for i, (rid, lo, hi, queue_s, prefill, decode) in enumerate(admissions):
+        others = [(a, b) for j, (_, a, b, _, p, _) in enumerate(admissions) if j != i and p == prefill]
+        first_in_line = all(not (a <= lo < b) for a, b in others)
+        quiet = not _busy_between(by_worker[prefill], lo, hi - HANDOFF_MATCH_S)  # its own step began at about hi
+        if first_in_line and quiet and not _busy_between(by_worker.get(decode, []), lo, hi):
+            out[rid] = queue_s
     return out
 
 
 def recorded_handoff_latencies(steps: Sequence[StepStats], records: Sequence[RequestRecord]) -> dict[str, float]:
     """Per remotely prefilled request whose records show it, its handoff: from the end of the prefill step that
     sampled its first token to the start of the decode step that sampled its second, where the decode worker
-    ran no step in between (``deployment_latencies`` reads the same)."""
+    ran no step in between (``deployment_latencies`` reads the same); where it ran one, to the decode call's
+    arrival on the decode worker (``decode_call_time``), which took it in after its step."""
     by_worker = steps_by_worker(steps)
     ends = step_ends_by_worker(by_worker)
     out: dict[str, float] = {}
@@ -343,8 +370,11 @@ def recorded_handoff_latencies(steps: Sequence[StepStats], records: Sequence[Req
             continue
         decode_steps = by_worker.get(r.meta["decode_worker"], [])
         handoff = _handoff(decode_steps, first, r.meta.get("second_token_time") or 0.0)
+        called = r.meta.get("decode_call_time") or 0.0
         if handoff is not None:
             out[r.request_id] = handoff
+        elif called >= first:
+            out[r.request_id] = called - first
     return out
 
 
@@ -563,10 +593,14 @@ def describe_profile(profile: LinearProfile, fits_only: bool = False) -> str:
     units += ((1e9, "ns/prefill ctx"), (1e9, "ns/decode key"), (1e9, "ns/prefill KV read"))
     lines = [f"cpu-measured profile for {profile.model!r} ({profile.notes or 'no notes'}), a step alone:"]
     for role, fit in profile.roles.items():
-        terms = " + ".join(f"{c * k:.3g} {u}" for c, (k, u) in zip(fit.coefficients, units, strict=True))
+        base, small = fit.coefficients[: len(units)], fit.coefficients[len(units) :]
+        terms = " + ".join(f"{c * k:.3g} {u}" for c, (k, u) in zip(base, units, strict=True))
         r = fit.ratio_percentiles
         tail = f"measured/predicted p50 {r[50]:.2f} p90 {r[90]:.2f} p99 {r[99]:.2f} max {r[100]:.2f}" if r else ""
         lines.append(f"  {role:>9}: {terms}")
+        if any(small):
+            sizes = ", ".join(f"{n}: {c * 1e3:.3g}" for n, c in enumerate(small, start=1) if c)
+            lines.append(f"  {'':>9}  + a step of n tokens, ms: {sizes}")
         lines.append(
             f"  {'':>9}  {fit.num_records} steps, R^2 {fit.r2:.3f}, |rel err| median "
             f"{fit.median_abs_rel_error:.1%} mean {fit.mean_abs_rel_error:.1%}; {tail}"

@@ -140,7 +140,8 @@ def get_model(name: str) -> ModelProfile:
     raise ValueError(f"model profile: unknown {name!r} (known: {', '.join(MODELS)})")
 
 
-LINEAR_TERMS = (
+SMALL_STEP_TOKENS = 8  # a step of 1 ... this many tokens has a cost of its own on top of the linear terms
+BASE_TERMS = (
     "fixed_s",  # per step
     "per_prefill_token_s",
     "per_decode_token_s",
@@ -148,6 +149,10 @@ LINEAR_TERMS = (
     "per_decode_key_s",  # per key a decode token's attention reads, padded as the engine pads (its KV read included)
     "per_prefill_kv_read_token_s",  # per cached token a prefill chunk reads (gathers) before its own keys
 )
+# per step of exactly n tokens: the matrix kernels' cost is not linear in a few rows (on a 2-core AMD EPYC VM
+# a decode step of 2 or 3 sequences cost about as much as one of 4: MKL's products of 2-3 rows are slow)
+SMALL_STEP_TERMS = tuple(f"step_of_{n}_tokens_s" for n in range(1, SMALL_STEP_TOKENS + 1))
+LINEAR_TERMS = BASE_TERMS + SMALL_STEP_TERMS
 RATIO_PERCENTILES = tuple(range(101))
 # A role without a fit of its own takes this one's (then ``all``'s): an auto deployment's decode
 # instance is a decode instance that also runs the prompts the router keeps local.
@@ -173,6 +178,7 @@ class RoleFit:
     included) at percentiles 0, 1, ..., 100: the body and the tail of what the machine adds on top of
     the fit. ``ratio_at(u)`` interpolates it.
     The quality figures (``r2``, ``rms_residual_s``, the relative errors) are over every record.
+    Coefficients of the ``BASE_TERMS`` alone (a fit made before the small-step terms) leave those at 0.
     """
 
     coefficients: tuple[float, ...]
@@ -184,6 +190,8 @@ class RoleFit:
     ratio_percentiles: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        if len(self.coefficients) == len(BASE_TERMS):
+            object.__setattr__(self, "coefficients", (*self.coefficients, *(0.0,) * len(SMALL_STEP_TERMS)))
         if len(self.coefficients) != len(LINEAR_TERMS):
             raise ValueError(f"RoleFit: need {len(LINEAR_TERMS)} coefficients ({', '.join(LINEAR_TERMS)})")
 
@@ -206,7 +214,10 @@ class RoleFit:
     @staticmethod
     def from_dict(d: dict[str, Any]) -> RoleFit:
         coef = d["coefficients"]
-        coef = tuple(float(coef[t]) for t in LINEAR_TERMS) if isinstance(coef, dict) else tuple(coef)
+        if isinstance(coef, dict):  # a file of before the small-step terms has none of them
+            coef = tuple(float(coef[t]) for t in BASE_TERMS) + tuple(float(coef.get(t, 0.0)) for t in SMALL_STEP_TERMS)
+        else:
+            coef = tuple(coef)
         known = {f.name for f in fields(RoleFit)} - {"coefficients", "ratio_percentiles"}
         rest = {k: v for k, v in d.items() if k in known}
         return RoleFit(coef, ratio_percentiles=tuple(d.get("ratio_percentiles", ())), **rest)

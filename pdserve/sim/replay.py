@@ -5,10 +5,15 @@ handoff, with the cost model taken out. The requests are sent at the run's recor
 instance ``w``'s ``k``-th step lasts as long as the run's ``k``-th step on ``w``, followed by the
 loop's recorded time before its next step when that came at once (the durations already hold the
 machine's slowdown and the co-run slowdown, so the replay adds neither). A request whose records show
-when its worker took it in (a prefill worker takes every call in on arrival; a colocated worker that
-was idle took it at once) reaches that worker after its recorded call latency, and one whose decode
-worker was idle when its first token came is handed over after its recorded handoff; the other
-latencies around the steps stay the config's medians. Then:
+when its call reached its worker (a prefill worker takes every call in on arrival; a colocated worker
+that was idle took it at once; a busy one says when the call came, ``decode_call_time``) reaches that
+worker after its recorded call latency, and one whose records show when its decode call reached the
+decode worker (the idle worker's next step, or the busy one's ``decode_call_time``) is handed over
+after its recorded handoff, and one whose reservation found both workers idle takes its recorded
+round trip; the other latencies around the steps stay the config's medians. Each request is served by
+the workers that served it (a burst of requests sent within a millisecond can reach the real router in
+another order, and so on other workers); how often the routing policy would have chosen others is
+reported, ``routing_agreement``. Then:
 
 - **step agreement**: the share of steps, position by position on each instance, whose composition
   matches the run's. A real worker's step record (``StepStats``) carries the step's prompt and decode
@@ -32,7 +37,7 @@ from typing import Any
 from pdserve.bench.metrics import RequestRecord, compute_metrics
 from pdserve.bench.workloads import WorkloadRequest
 from pdserve.messages import StepStats
-from pdserve.sim.calibrate import recorded_call_latencies, recorded_handoff_latencies
+from pdserve.sim.calibrate import recorded_call_latencies, recorded_handoff_latencies, recorded_reserve_latencies
 from pdserve.sim.config import SimConfig
 from pdserve.sim.cost_model import CostModel
 from pdserve.sim.simulator import SimResult, Simulator
@@ -116,6 +121,14 @@ class ReplayReport:
     replayed: dict[str, float]  # FIGURES of the replay, ms
     recorded: dict[str, float]  # FIGURES of the run, ms
     mismatches: tuple[tuple[str, int], ...] = ()  # (worker, position) of the first steps that differ
+    num_requests: int = 0
+    rerouted: int = 0  # requests the routing policy, on the replay's view, would have sent elsewhere
+
+    @property
+    def routing_agreement(self) -> float:
+        """The share of requests the routing policy routed as the real router did (the replay then follows
+        the recorded routes: a burst of requests can reach the real router in another order than sent)."""
+        return 1 - self.rerouted / self.num_requests if self.num_requests else 1.0
 
     @property
     def step_agreement(self) -> float:
@@ -137,6 +150,7 @@ class ReplayReport:
             "num_matched": self.num_matched,
             "step_agreement": self.step_agreement,
             "unreplayed_steps": self.unreplayed_steps,
+            "routing_agreement": self.routing_agreement,
             "replayed_ms": self.replayed,
             "recorded_ms": self.recorded,
             "passed": self.passed,
@@ -189,6 +203,8 @@ def replay(
         step_gaps=gaps,
         call_latencies=calls,
         handoff_latencies=recorded_handoff_latencies(steps, records),
+        routes=recorded_routes(records),
+        reserve_latencies=recorded_reserve_latencies(steps, records),
     )
     result = sim.run(arrivals_from_records(requests, records, time_origin))
     unknown = sorted(set(durations) - set(result.instances))
@@ -205,7 +221,18 @@ def replay(
         replayed=latency_figures(result.records),
         recorded=latency_figures(records),
         mismatches=tuple(mismatches[:20]),
+        num_requests=len(requests),
+        rerouted=sim.rerouted,
     )
+
+
+def recorded_routes(records: Sequence[RequestRecord]) -> dict[str, tuple[str, str]]:
+    """Per request whose record names its workers, ``(decode worker, prefill worker or "")``."""
+    return {
+        r.request_id: (str(r.meta["decode_worker"]), str(r.meta.get("prefill_worker") or ""))
+        for r in records
+        if r.meta.get("decode_worker")
+    }
 
 
 def _agreement(

@@ -40,7 +40,9 @@ just before it (the prompts it is computing included) plus the prompts admitted 
 ``step_durations`` (trace replay, ``sim.replay``) replaces the cost model: an instance's ``k``-th step
 lasts the ``k``-th recorded duration of that instance; ``step_gaps``, the loop's time after it;
 ``call_latencies`` and ``handoff_latencies``, per request, its call's recorded latency from the client to
-its worker and its recorded handoff from the prefill to the decode instance.
+its worker and its recorded handoff from the prefill to the decode instance; ``reserve_latencies``, its
+reservation's recorded round trip; ``routes``, the workers it
+was served by (where the routing policy, on its own view, would have chosen others: ``rerouted``).
 Speed: a decode instance whose step is decode-only with nothing waiting runs the same batch step
 after step until a request finishes or something reaches it. Such a run of steps (``_DecodeRun``) is
 planned ahead, each step priced by the cost model and the clock advanced by the same additions as one
@@ -273,6 +275,8 @@ class Simulator:
         step_gaps: Mapping[str, Sequence[float | None]] | None = None,
         call_latencies: Mapping[str, float] | None = None,
         handoff_latencies: Mapping[str, float] | None = None,
+        routes: Mapping[str, tuple[str, str]] | None = None,
+        reserve_latencies: Mapping[str, float] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"sim: mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -298,6 +302,9 @@ class Simulator:
         self.unreplayed_steps = 0  # replay: steps beyond an instance's recorded ones (priced by the cost model)
         self.call_latencies = call_latencies or {}  # replay: request id -> its recorded call's latency
         self.handoff_latencies = handoff_latencies or {}  # replay: request id -> its recorded handoff
+        self.routes = routes or {}  # replay: request id -> its recorded (decode worker, prefill worker or "")
+        self.rerouted = 0  # replay: requests the policy would have routed otherwise than recorded
+        self.reserve_latencies = reserve_latencies or {}  # replay: request id -> its reservation's round trip
         self._wake: list[_Instance] = []  # idle instances that work just reached
         self.kv_bytes_moved = 0
         self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
@@ -352,9 +359,10 @@ class Simulator:
             return quantile_at(c.control_latency_percentiles, self._rng.random())
         return c.control_latency_s
 
-    def _reserve_leg(self) -> float:
-        """One leg of a reservation's round trip: the prefill instance's call, or the decode instance's answer."""
-        round_trip = self.config.reserve_latency_s
+    def _reserve_leg(self, client: _Client) -> float:
+        """One leg of a reservation's round trip: the prefill instance's call, or the decode instance's answer
+        (half the request's recorded round trip in a replay, where its records show it)."""
+        round_trip = self.reserve_latencies.get(client.wreq.request_id, self.config.reserve_latency_s)
         return self._control_latency() if round_trip is None else round_trip / 2
 
     def _at(self, t: float, handler: Callable[..., None], *args: Any) -> None:
@@ -451,6 +459,9 @@ class Simulator:
             return
         client.prompt_hashes = compute_block_hashes(w.prompt_token_ids, self.config.block_size)
         route = self.policy.route(w.prompt_token_ids, w.max_tokens, None, client.prompt_hashes)
+        recorded_route = self.routes.get(w.request_id)
+        if recorded_route is not None and recorded_route != (route.decode_worker, route.prefill_worker or ""):
+            route = self._recorded_route(w, client.prompt_hashes, *recorded_route)
         self.policy.start(route, w.prompt_token_ids, w.max_tokens, client.prompt_hashes)
         client.route, client.decode = route, self.instances[route.decode_worker]
         client.meta.update(
@@ -458,6 +469,19 @@ class Simulator:
         )
         recorded = self.call_latencies.get(w.request_id)
         self._at(self.now + (self._control_latency() if recorded is None else recorded), self._on_dispatch, client)
+
+    def _recorded_route(
+        self, w: WorkloadRequest, hashes: Sequence[bytes], decode_worker: str, prefill_worker: str
+    ) -> Route:
+        """Replay: the route the run took (the real router's order of arrivals can differ from the sends')."""
+        view = self.policy.decode.get(decode_worker)
+        if view is None or (prefill_worker and prefill_worker not in self.policy.prefill):
+            raise ValueError(f"replay: {w.request_id} was served by workers this deployment lacks")
+        self.rerouted += 1
+        bs = self.config.block_size
+        cached = view.matched_tokens(list(hashes[: (w.num_prompt_tokens - 1) // bs]), bs)
+        mode = "disaggregated" if prefill_worker else "colocated"
+        return Route(mode, decode_worker, prefill_worker or None, cached)
 
     def _on_dispatch(self, client: _Client) -> None:
         route = client.route
@@ -882,7 +906,7 @@ class Simulator:
         client = inst.fifo[0]
         assert client.decode is not None
         inst.reserving = True
-        self._at(self.now + self._reserve_leg(), self._call, client.decode, self._reserve, inst, client)
+        self._at(self.now + self._reserve_leg(client), self._call, client.decode, self._reserve, inst, client)
 
     @staticmethod
     def _prefill_admission_open(inst: _Instance) -> bool:
@@ -911,7 +935,7 @@ class Simulator:
         if cached is None:
             client.decode.waiting_for_room.add(prefill)
             return
-        self._at(self.now + self._reserve_leg(), self._on_reserved, prefill, client, reservation, cached)
+        self._at(self.now + self._reserve_leg(client), self._on_reserved, prefill, client, reservation, cached)
 
     def _on_reserved(self, inst: _Instance, client: _Client, reservation: Request, cached: int) -> None:
         inst.reserving = False
