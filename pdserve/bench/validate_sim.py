@@ -689,7 +689,10 @@ def report(
         f.write(f"# Simulator vs measured ({args.model}, chunk budget {args.chunk}, {args.transport})\n\n{text}")
     doc = {
         "summary": summary,
-        "check1": [r._asdict() for r in step_rows],
+        "check1": [
+            {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r._asdict().items()}
+            for r in step_rows
+        ],
         "check2": [{**r._asdict(), "report": r.report.to_dict()} for r in replay_rows],
         "check3": [r._asdict() for r in rows],
     }

@@ -239,9 +239,8 @@ def deployment_latencies(runs: Iterable[tuple[Sequence[StepStats], Sequence[Requ
     to the worker taking it in: the end of the step that sampled its first token, less the worker's
     own ``prefill_s`` and ``queue_s`` (from its metadata). A worker busy with a step takes a call in
     only after it, which the simulator models by itself, so those requests are left out.
-    Reservation round trip: for a remotely prefilled request, its prefill worker's ``queue_s`` (taken in
-    to first scheduled), where neither worker ran a step and no other request was being admitted on that
-    prefill worker meanwhile: then the wait is the reservation call, its answer and the prompt's adding.
+    Reservation round trip: the median of ``recorded_reserve_latencies`` (a prefill worker's ``queue_s``
+    where neither worker ran a step meanwhile and no request ahead of it was being admitted).
     Handoff: from the end of the prefill step that sampled a remotely prefilled request's first token to
     the start of the decode step that sampled its second (``second_token_time``), where the decode
     worker ran no step in between (a busy one takes it in only after its step: the simulator's part).

@@ -38,7 +38,7 @@ under-price such a step and, fitted over many uniform ones, over-price the unifo
 
 ``s[n]`` is a small step's own cost: a matrix product of a few rows does not cost a linear function of
 the rows. On a 2-core AMD EPYC VM a decode step of 2 or 3 sequences of the ``bench`` model took about
-as long as one of 4 (20 and 28 ms against 25), where a line through the sizes priced them 20-30 % low.
+as long as one of 4 (20 and 28 ms against 25), where a line through the sizes priced them 19-31 % low.
 """
 
 from __future__ import annotations

@@ -150,7 +150,7 @@ BASE_TERMS = (
     "per_prefill_kv_read_token_s",  # per cached token a prefill chunk reads (gathers) before its own keys
 )
 # per step of exactly n tokens: the matrix kernels' cost is not linear in a few rows (on a 2-core AMD EPYC VM
-# a decode step of 2 or 3 sequences cost about as much as one of 4: MKL's products of 2-3 rows are slow)
+# a decode step of 2 or 3 sequences cost about as much as one of 4: MKL multiplies 2-4 rows at one speed)
 SMALL_STEP_TERMS = tuple(f"step_of_{n}_tokens_s" for n in range(1, SMALL_STEP_TOKENS + 1))
 LINEAR_TERMS = BASE_TERMS + SMALL_STEP_TERMS
 RATIO_PERCENTILES = tuple(range(101))

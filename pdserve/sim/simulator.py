@@ -41,8 +41,8 @@ just before it (the prompts it is computing included) plus the prompts admitted 
 lasts the ``k``-th recorded duration of that instance; ``step_gaps``, the loop's time after it;
 ``call_latencies`` and ``handoff_latencies``, per request, its call's recorded latency from the client to
 its worker and its recorded handoff from the prefill to the decode instance; ``reserve_latencies``, its
-reservation's recorded round trip; ``routes``, the workers it
-was served by (where the routing policy, on its own view, would have chosen others: ``rerouted``).
+reservation's recorded round trip; ``routes``, the workers it was served by (where the routing policy,
+on its own view, would have chosen others, counted in ``rerouted``).
 Speed: a decode instance whose step is decode-only with nothing waiting runs the same batch step
 after step until a request finishes or something reaches it. Such a run of steps (``_DecodeRun``) is
 planned ahead, each step priced by the cost model and the clock advanced by the same additions as one
