@@ -358,11 +358,11 @@ def test_one_burst_at_a_time():
 ENGINE = EngineConfig(
     model="tiny",
     device="cpu",
-    num_kv_blocks=800,
+    num_kv_blocks=1100,  # four 4000-token runners
     max_num_seqs=4,
     max_num_batched_tokens=32,
     torch_threads=1,
-    max_model_len=1024,
+    max_model_len=4096,
 )
 MAX_QUEUE_TIME_S = 3.0
 MAX_REQUEST_BYTES = 64 << 10
@@ -505,8 +505,8 @@ def test_a_request_past_max_queue_time_is_refused_429_and_resource_exhausted(clo
     rejected_before = closed.metric("pdserve_requests_total", outcome="rejected")
     runners = [closed.https() for _ in range(RUNNERS)]
     try:
-        for conn in runners:
-            open_stream(conn, max_tokens=1000, headers=AUTH)
+        for conn in runners:  # long enough to outlast two max_queue_time waits on a fast CPU
+            open_stream(conn, max_tokens=4000, headers=AUTH)
         started = time.monotonic()
         status, body = post(closed.https(), "/v1/completions", completion(2), AUTH)
         waited = time.monotonic() - started
