@@ -52,7 +52,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 from pdserve.bench.metrics import RequestRecord, compute_metrics
@@ -331,7 +331,7 @@ def check_steps(runs: Sequence[Run], profile: Any, block_size: int, clock: str =
     CPU-time fit (``sim.calibrate.calibrate_cpu_time``); no rows when a validation step has no CPU time."""
     import numpy as np
 
-    from pdserve.sim.calibrate import co_run_fractions, cpu_time_recorded, step_role, step_shapes
+    from pdserve.sim.calibrate import cpu_time_recorded
     from pdserve.sim.cost_model import linear_features
 
     if clock not in CLOCKS:
@@ -346,17 +346,13 @@ def check_steps(runs: Sequence[Run], profile: Any, block_size: int, clock: str =
     table = same_shape_table([r for r in runs if r.purpose == "calibration"], profile, block_size, measured)
     ratios: dict[tuple[str, str], list[float]] = {}
     tabled: dict[tuple[str, str], list[tuple[float, float]]] = {}  # (model's ratio, table's ratio)
-    for run in validation:
-        shapes = step_shapes(run.steps, run.records, block_size)
-        for step, shape, co_run in zip(run.steps, shapes, co_run_fractions(run.steps), strict=True):
-            role = step_role(step.worker, run.architecture)
-            fit = profile.fit_for(role)
-            factor = 1 + profile.co_run_slowdown * co_run
-            ratio = measured(step) / max(fit.predict(linear_features(shape)) * factor, 1e-12)
-            ratios.setdefault((role, step_kind(shape)), []).append(ratio)
-            entry = table.get(shape_key(role, shape))
-            if entry is not None:
-                tabled.setdefault((role, step_kind(shape)), []).append((ratio, measured(step) / (entry * factor)))
+    for step, shape, co_run, role in shaped_steps(validation, block_size):
+        factor = 1 + profile.co_run_slowdown * co_run
+        ratio = measured(step) / max(profile.fit_for(role).predict(linear_features(shape)) * factor, 1e-12)
+        ratios.setdefault((role, step_kind(shape)), []).append(ratio)
+        entry = table.get(shape_key(role, shape))
+        if entry is not None:
+            tabled.setdefault((role, step_kind(shape)), []).append((ratio, measured(step) / (entry * factor)))
     rows = []
     from pdserve.sim.cost_model import ROLES
 
@@ -409,15 +405,20 @@ def same_shape_table(
     """The best a function of the step's shape alone could do, fitted out of sample: per ``shape_key``
     seen at least ``TABLE_MIN_STEPS`` times in the calibration runs, the median of ``measured(step)`` there,
     taken alone (divided by the co-run slowdown as the fit is)."""
+    seen: dict[tuple[Any, ...], list[float]] = {}
+    for step, shape, co_run, role in shaped_steps(calibration, block_size):
+        seen.setdefault(shape_key(role, shape), []).append(measured(step) / (1 + profile.co_run_slowdown * co_run))
+    return {k: statistics.median(v) for k, v in seen.items() if len(v) >= TABLE_MIN_STEPS}
+
+
+def shaped_steps(runs: Sequence[Run], block_size: int) -> Iterator[tuple[StepStats, Any, float, str]]:
+    """Every step of ``runs`` with its shape (``sim.calibrate.step_shapes``), its co-run fraction and its role."""
     from pdserve.sim.calibrate import co_run_fractions, step_role, step_shapes
 
-    seen: dict[tuple[Any, ...], list[float]] = {}
-    for run in calibration:
+    for run in runs:
         shapes = step_shapes(run.steps, run.records, block_size)
         for step, shape, co_run in zip(run.steps, shapes, co_run_fractions(run.steps), strict=True):
-            key = shape_key(step_role(step.worker, run.architecture), shape)
-            seen.setdefault(key, []).append(measured(step) / (1 + profile.co_run_slowdown * co_run))
-    return {k: statistics.median(v) for k, v in seen.items() if len(v) >= TABLE_MIN_STEPS}
+            yield step, shape, co_run, step_role(step.worker, run.architecture)
 
 
 def verdict_rows(step_rows: Sequence[StepCheckRow]) -> list[StepCheckRow]:

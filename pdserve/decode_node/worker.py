@@ -88,7 +88,7 @@ class _Served(NamedTuple):
 
     request: Request
     remote_kv: WorkerRequestStats | None  # None for a request this worker prefilled itself
-    call_time: float = 0.0  # unix time its generate call arrived (a request prefilled here)
+    call_time: float = 0.0  # unix time its call arrived (generate, or decode after a remote prefill)
 
 
 class DecodeWorker:
@@ -295,10 +295,8 @@ class DecodeWorker:
         kv_bytes = pushed_blocks * self.target.block_bytes
         self._kv_bytes += kv_bytes
         exposed = max(0.0, pending.kv_done_at - (pending.first_token_time or pending.kv_done_at))
-        remote_kv = WorkerRequestStats(
-            kv_transfer_s=exposed, kv_transfer_bytes=kv_bytes, call_time=pending.decode_called_at
-        )
-        self._served[request_id] = _Served(request, remote_kv)
+        remote_kv = WorkerRequestStats(kv_transfer_s=exposed, kv_transfer_bytes=kv_bytes)
+        self._served[request_id] = _Served(request, remote_kv, pending.decode_called_at)
         final = engine.admit_remote(request_id, pending.first_token)
         if final is not None:  # the first token already ended it (EOS, stop token, max_tokens=1)
             self.aengine.publish([self._update(final)])
@@ -348,7 +346,9 @@ class DecodeWorker:
         if remote_kv is None:
             return worker_request_stats(request, call_time=call_time)
         return remote_kv._replace(
-            num_cached_tokens=request.num_cached_tokens, second_token_time=second_token_time(request)
+            num_cached_tokens=request.num_cached_tokens,
+            second_token_time=second_token_time(request),
+            call_time=call_time,
         )
 
     def _end(self, request_id: str, error: str | None = None) -> None:
