@@ -9,6 +9,8 @@ close enough to the float32 reference: teacher-forced top-1 agreement of at leas
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 import torch
@@ -28,6 +30,7 @@ from pdserve.engine.quantization import (
     Int8Linear,
     Int8Weight,
     TileScratch,
+    fbgemm_float16_available,
     weight_bytes,
 )
 
@@ -172,12 +175,13 @@ def test_quantized_smollm2_answers_the_demo_questions(quantized_engine):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7])
 @pytest.mark.parametrize("float32_output", [False, True])
-def test_float16_linear_gives_every_row_the_same_result_in_any_batch(rows, float32_output):
+def test_float16_linear_tiles_give_every_row_the_same_result_in_any_batch(rows, float32_output):
+    """The path for CPUs without FBGEMM: float16 matrix-vector products and float32 tiles."""
     torch.manual_seed(0)
     weight, bias = torch.randn(300, 200) * 0.1, torch.randn(300)
-    layer = Float16Linear(weight, bias, TileScratch(), float32_output=float32_output)
+    layer = Float16Linear(weight, bias, TileScratch(), float32_output=float32_output, use_fbgemm=False)
     layer.tile_rows = 64  # several tiles, the last one short
-    assert layer.weight.dtype == torch.float16
+    assert layer.weight is not None and layer.weight.dtype == torch.float16
     x = torch.randn(rows, 200)
     exact = x.half().float() @ layer.weight.float().t()
     if not float32_output:
@@ -192,6 +196,26 @@ def test_float16_linear_gives_every_row_the_same_result_in_any_batch(rows, float
     else:  # rounded to float16: identical but where float32 accumulation orders straddle a rounding step
         differ = (alone != out).float().mean().item()
         assert differ <= 0.01, f"{differ:.2%} of the outputs depend on the batch"
+
+
+def test_float16_linear_on_fbgemm_is_exact_to_float32_and_batch_invariant():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(1000, 576) * 0.05, torch.randn(1000)
+    layer = Float16Linear(weight, bias, TileScratch())
+    if platform.machine() not in ("x86_64", "AMD64"):  # FBGEMM ships only in x86 builds of torch
+        assert not fbgemm_float16_available() and not layer.use_fbgemm
+        return
+    assert layer.use_fbgemm and layer.weight is None and layer.packed_bytes == 2 * weight.numel()
+    x = torch.randn(600, 576)
+    out = layer(x)
+    exact = x @ weight.half().float().t() + bias  # float32 activations against the float16 weights
+    assert out.dtype == torch.float32
+    assert (out - exact).abs().max().item() <= 1e-5 * exact.abs().max().item()
+    # a row's result is its own in any batch: FBGEMM's one- and two-row kernels sum in another order, so
+    # batches of those sizes (and their remainders) are padded with zero rows
+    for start, rows in [(0, n) for n in range(1, 41)] + [(7, 1), (3, 2), (100, 17), (101, 122), (64, 512)]:
+        assert torch.equal(layer(x[start : start + rows]), out[start : start + rows]), (start, rows)
+    assert layer(x.view(2, 300, 576)).shape == (2, 300, 1000)
 
 
 def test_float16_weights_halve_the_bytes_and_share_the_tied_table(float16_engine, reference_engine):
@@ -213,8 +237,28 @@ def test_float16_smollm2_agrees_with_the_float32_reference_and_answers(reference
     _assert_answers_the_demo_questions(float16_engine)
 
 
+def test_float16_smollm2_gives_a_request_the_same_tokens_alone_and_in_any_batch(float16_engine):
+    """Decode batches of 1 to 5 rows and chunked prefills of several prompts: the rows' sizes that FBGEMM pads."""
+    tokenizer = float16_engine.tokenizer
+    questions = ["What is the capital of France?", "Name a large ocean.", "What is 2+2?", "Say hello.", "Why?"]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = [float16_engine.generate([p], params)[0].token_ids for p in prompts]
+    together = [c.token_ids for c in float16_engine.generate(prompts, params)]
+    assert together == alone
+    float16_engine.block_manager.check_integrity()
+
+
+def _cpu_like(monkeypatch, fbgemm: bool, avx512: bool) -> None:
+    from pdserve.engine import quantization
+
+    monkeypatch.setattr(quantization, "fbgemm_float16_available", lambda: fbgemm)
+    monkeypatch.setattr(quantization, "fast_weight_only_kernels", lambda device: device.type == "cuda" or avx512)
+    monkeypatch.setattr(engine_module, "fast_weight_only_kernels", quantization.fast_weight_only_kernels)
+
+
 def test_float16_is_asked_for_and_refused_off_the_cpu(monkeypatch):
-    monkeypatch.setattr(engine_module, "fast_weight_only_kernels", lambda device: False)
+    _cpu_like(monkeypatch, fbgemm=False, avx512=False)
     assert resolve_quantization("auto", "smollm2", CPU) == ("none", None)  # batches keep float32's throughput
     assert resolve_quantization("float16", "smollm2", CPU) == ("float16", None)
     assert resolve_quantization("float16", "tiny", CPU) == ("float16", None)
@@ -224,12 +268,17 @@ def test_float16_is_asked_for_and_refused_off_the_cpu(monkeypatch):
         LLMEngine(EngineConfig(model="tiny", device="cpu", dtype="bfloat16", quantization="float16"))
 
 
-def test_auto_keeps_the_files_format_only_where_the_kernels_are_fast(monkeypatch):
-    monkeypatch.setattr(engine_module, "fast_weight_only_kernels", lambda device: True)
+def test_auto_picks_the_fastest_format_the_machine_has(monkeypatch):
+    _cpu_like(monkeypatch, fbgemm=True, avx512=True)  # x86: FBGEMM's float16 GEMM beats int4 and float32
+    assert resolve_quantization("auto", "smollm2", CPU) == ("float16", None)
+    assert resolve_quantization("auto", "tiny", CPU) == ("none", None)  # a float checkpoint is served as it is
+    assert quantized_checkpoint("auto", "smollm2", CPU, "bfloat16") is not None  # float16 computes in float32
+    assert quantized_checkpoint("auto", "smollm2", torch.device("cuda")) is not None
+    _cpu_like(monkeypatch, fbgemm=False, avx512=True)  # an AVX-512 CPU without FBGEMM: torch's int4 kernels
     assert quantized_checkpoint("auto", "smollm2", CPU) is not None
     assert quantized_checkpoint("auto", "tiny", CPU) is None  # nothing quantized to keep
     assert quantized_checkpoint("none", "smollm2", CPU) is None
-    monkeypatch.setattr(engine_module, "fast_weight_only_kernels", lambda device: False)
+    _cpu_like(monkeypatch, fbgemm=False, avx512=False)
     assert quantized_checkpoint("auto", "smollm2", CPU) is None
     assert quantized_checkpoint("native", "smollm2", CPU) is not None
     with pytest.raises(ValueError, match="not a GGUF file with Q4_0, Q4_1 or Q8_0 weights"):

@@ -11,11 +11,13 @@ repetitions so that load from other processes falls on every variant alike:
 
 The floor of a small-batch decode step is weight bytes / memory bandwidth; the bandwidth is measured here
 with a torch copy of 512 MiB (bytes read + written per second). ``--before REF`` adds the engine of a git
-revision (exported to a temporary directory) as the variant ``before``, ``--after REF`` runs the others on a
+revision (exported to a temporary directory) as the variant ``before`` (with the options of
+``--before-variant``, its defaults unless given), ``--after REF`` runs the others on a
 revision instead of the working tree; ``--profile`` prints torch.profiler's top entries for 16-stream decode
 steps of each variant.
 
-    python bench/decode_speed.py [--model smollm2] [--variants none,native] [--before REF] [--after REF] [--tokens 128]
+    python bench/decode_speed.py [--model smollm2] [--variants none,native] [--before REF [--before-variant float16]]
+        [--after REF] [--tokens 128]
         [--repeat 2] [--threads 2] [--profile]
     python bench/decode_speed.py --kernels [--model smollm2]   # the GEMM kernels alone, over the model's shapes
 """
@@ -76,7 +78,8 @@ def kernel_times(model: str, threads: int, repeats: int = 5) -> dict[str, dict[i
     """Seconds for every linear layer of ``model`` (random weights of its shapes) once, per GEMM and batch size:
     float32 dense (``F.linear``, and the engine's ``Linear``, which runs a few rows as a two-batch product) and
     bfloat16 dense, int4 weight-only (float32 and bfloat16 activations), int8 weight-only, and float16 weights
-    computed in float32 (``--quantization float16``'s ``Float16Linear``)."""
+    computed in float32 (``--quantization float16``'s ``Float16Linear``: FBGEMM's float16 GEMM where torch has
+    it, and the path it takes elsewhere, float16 matrix-vector products and float32 tiles)."""
     import torch
 
     from pdserve.engine.config import ModelConfig
@@ -101,7 +104,8 @@ def kernel_times(model: str, threads: int, repeats: int = 5) -> dict[str, dict[i
     int8 = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for n, k in shapes]
     scales_bf16 = [torch.rand(n).bfloat16() for n, _ in shapes]
     scratch = TileScratch()
-    half = [Float16Linear(w, None, scratch) for w in dense]
+    half = [Float16Linear(w, None, scratch) for w in dense]  # FBGEMM's float16 GEMM where torch has it
+    half_tiles = [Float16Linear(w, None, scratch, use_fbgemm=False) for w in dense]
     engine_linear = []
     for w in dense:
         layer = Linear(w.shape[1], w.shape[0], bias=False)
@@ -126,6 +130,8 @@ def kernel_times(model: str, threads: int, repeats: int = 5) -> dict[str, dict[i
                 mm4(xb[k], int4[i], 32, sz_bf16[i])
             elif kind == "float16 weights, float32 activations":
                 half[i](x[k])
+            elif kind == "float16 weights, matrix-vector / float32 tiles":
+                half_tiles[i](x[k])
             else:
                 mm8(xb[k], int8[i], scales_bf16[i])
 
@@ -137,6 +143,7 @@ def kernel_times(model: str, threads: int, repeats: int = 5) -> dict[str, dict[i
         "int4, bfloat16 activations",
         "int8",
         "float16 weights, float32 activations",
+        "float16 weights, matrix-vector / float32 tiles",
     )
     out: dict[str, dict[int, float]] = {}
     for m in (1, 16):
@@ -176,6 +183,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         if tensor.data_ptr() not in seen:
             seen.add(tensor.data_ptr())
             weight_bytes += tensor.numel() * tensor.element_size()
+    weight_bytes += sum(getattr(sub, "packed_bytes", 0) for sub in model.modules())  # FBGEMM's packed weights
     if getattr(model.model.embed_tokens, "weight", None) is not None and not model.config.tie_word_embeddings:
         weight_bytes -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
     weight_bytes -= model.model.rotary_emb.cos.numel() * 4 * 2  # tables read a row per token, not streamed
@@ -246,7 +254,7 @@ def export_revision(ref: str) -> str:
 
 
 def run_variant(args: argparse.Namespace, name: str, source_root: str) -> dict[str, Any]:
-    overrides = VARIANTS[name] if name != "before" else {}
+    overrides = VARIANTS[name] if name != "before" else VARIANTS[args.before_variant]
     command = (
         [
             sys.executable,
@@ -278,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--variants", default="none,none-kv-bf16", help=f"comma-separated: {', '.join(VARIANTS)}")
     parser.add_argument("--before", metavar="REF", help="also run the engine of this git revision ('before')")
+    parser.add_argument(
+        "--before-variant", default="auto", help="the variant's options for 'before' (default: its own defaults)"
+    )
     parser.add_argument("--after", metavar="REF", help="run the other variants on this git revision, not the tree")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=2)
@@ -304,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     names = [n for n in args.variants.split(",") if n]
     unknown = [n for n in names if n not in VARIANTS or n == "before"]
+    if args.before_variant == "before" or args.before_variant not in VARIANTS:
+        unknown.append(args.before_variant)
     if unknown:
         parser.error(f"unknown variants: {', '.join(unknown)}")
     after_root = export_revision(args.after) if args.after else here

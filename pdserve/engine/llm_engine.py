@@ -19,8 +19,10 @@ from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_block
 from pdserve.engine.quantization import (
     INT4_KINDS,
     INT8_KINDS,
+    auto_weight_format,
     fast_weight_only_kernels,
     quantized_compute_dtype,
+    release_freed_memory,
     store_weights_in_float16,
 )
 from pdserve.engine.request import FinishReason, Request, RequestStatus, RequestTimes
@@ -77,9 +79,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_quantization(mode: str, model: str, device: torch.device) -> tuple[str, GGUFCheckpoint | None]:
+def resolve_quantization(
+    mode: str, model: str, device: torch.device, dtype: str = "auto"
+) -> tuple[str, GGUFCheckpoint | None]:
     """The weight format to serve ``model`` in (``native``, ``float16`` or ``none``), with the GGUF file whose
-    blocks ``native`` keeps (None otherwise). See ``engine.quantization`` for what ``auto`` picks and why.
+    blocks ``native`` keeps (None otherwise). See ``engine.quantization`` for what ``auto`` picks and why;
+    ``float16`` computes in float32, so ``auto`` with another ``dtype`` picks among the other two.
 
     ``native`` on a model that is not a GGUF file with Q4_0/Q4_1/Q8_0 weights, and ``float16`` off the CPU,
     raise ValueError.
@@ -96,14 +101,15 @@ def resolve_quantization(mode: str, model: str, device: torch.device) -> tuple[s
         if mode == "auto":
             return "none", None
         raise ValueError(f"quantization native: model {model!r} is not a GGUF file with Q4_0, Q4_1 or Q8_0 weights")
-    if mode == "native" or fast_weight_only_kernels(device):
-        return "native", checkpoint
-    return "none", None
+    picked = "native" if mode == "native" else auto_weight_format(device)
+    if picked == "float16" and dtype not in ("auto", "float32"):
+        picked = "native" if fast_weight_only_kernels(device) else "none"
+    return picked, checkpoint if picked == "native" else None
 
 
-def quantized_checkpoint(mode: str, model: str, device: torch.device) -> GGUFCheckpoint | None:
+def quantized_checkpoint(mode: str, model: str, device: torch.device, dtype: str = "auto") -> GGUFCheckpoint | None:
     """The GGUF file to serve in its own quantized format, or None for a dequantised path."""
-    return resolve_quantization(mode, model, device)[1]
+    return resolve_quantization(mode, model, device, dtype)[1]
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -119,7 +125,9 @@ class LLMEngine:
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
         self.device = resolve_device(self.config.device)
-        self.quantization, quantized = resolve_quantization(self.config.quantization, self.config.model, self.device)
+        self.quantization, quantized = resolve_quantization(
+            self.config.quantization, self.config.model, self.device, self.config.dtype
+        )
         self.quantized = quantized is not None
         if quantized is not None and self.config.dtype == "auto":
             self.dtype = quantized_compute_dtype(self.device)
@@ -142,6 +150,7 @@ class LLMEngine:
         model.fuse_projections()
         if self.quantization == "float16":
             store_weights_in_float16(model)
+        release_freed_memory()
 
         block_size = self.config.block_size
         block_bytes = kv_block_bytes(self.model_config, block_size, self.kv_cache_dtype)

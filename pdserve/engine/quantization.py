@@ -7,17 +7,20 @@
   and minimums (exact: ``w = d * q + m``), Q8_0 ones as int8 weight-only GEMM (one scale per row,
   re-derived from the per-32 ones); other tensors are dequantised to the compute dtype;
 - ``float16``: every weight (linears and the embedding) stored in float16, half float32's bytes, and
-  computed in float32 (``Float16Linear``): a batch of one or two rows goes through torch's float16
-  matrix-vector kernel (float32 accumulation), which reads half the bytes of a float32 one; larger batches
-  convert the weight to float32 a cache-sized tile at a time and run the float32 GEMM on the tile. Inputs
-  and outputs are rounded to float16 on both paths, so a request's tokens do not depend on its batch. The
-  output projection keeps float32 logits (float16 ones would tie a confident model's top tokens);
-- ``auto``: ``native`` for a GGUF file where torch's kernels are fast (CUDA, or a CPU with AVX-512), else
-  ``none``. On an AVX2-only CPU torch's int4/int8 weight-only kernels are several times slower than a
-  float32 GEMM over the dequantised weights. ``float16`` is not ``auto``'s pick there either: it decodes
-  one stream faster and halves the memory, but converting tiles costs batches of 16 or more about a third
-  of their throughput (docs/benchmarks.md has the figures), and a server's throughput is what ``auto``
-  keeps.
+  computed in float32 (``Float16Linear``). On x86 builds of torch one kernel does every batch size:
+  FBGEMM's float16-weight GEMM (weights converted to float32 in registers, float32 accumulation), with
+  small batches padded by a few zero rows where its short-remainder kernels would sum in another order, so
+  a row's result is the same in any batch (``fbgemm_float16_padding`` finds the padding on the CPU it runs
+  on). Elsewhere a batch of one or two rows goes through torch's float16 matrix-vector kernel and larger
+  ones convert the weight to float32 a cache-sized tile at a time; inputs and outputs are rounded to
+  float16 on both of those paths, for the same invariance. The output projection keeps float32 logits
+  (float16 ones would tie a confident model's top tokens);
+- ``auto``: ``float16`` for a GGUF file with Q4/Q8 weights on a CPU where torch has FBGEMM: measured on AMD
+  EPYC CPUs with AVX2 and with AVX-512, its GEMM beats torch's int4/int8 weight-only kernels and the float32
+  one at every batch size measured (docs/benchmarks.md has the figures). On CUDA, ``native``;
+  on another CPU, ``native`` where torch runs it at AVX-512 and ``none`` where it does not (there torch's
+  int4/int8 kernels are slower than a float32 GEMM over the dequantised weights). A checkpoint that is not
+  such a GGUF file is served as it is (``none``).
 
 The compute dtype of the quantized path (``--dtype auto``) is bfloat16 on CUDA and on a CPU with
 AVX512-BF16 or AMX, float32 elsewhere. The CUDA kernels (``_convert_weight_to_int4pack``,
@@ -26,7 +29,9 @@ AVX512-BF16 or AMX, float32 elsewhere. The CUDA kernels (``_convert_weight_to_in
 
 from __future__ import annotations
 
+import ctypes
 import functools
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -72,6 +77,82 @@ def fast_weight_only_kernels(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     return device.type == "cpu" and torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX"))
+
+
+FBGEMM_PROBE_ROWS = 360  # a multiple of every row block FBGEMM's float16 kernels use (up to 120 on AVX2)
+
+
+class RowPadding(NamedTuple):
+    """How many rows to hand FBGEMM's float16 GEMM so that each row's result is the same in any batch.
+
+    The GEMM splits a batch into blocks of rows and gives a short remainder (one or two rows, on AVX2) a
+    kernel that sums in another order, a few ulps apart. Padding with zero rows to a count whose split has
+    no such block gives every row the result it would have in any other batch.
+    """
+
+    table: tuple[int, ...]  # table[m]: the rows to compute for m rows, m <= FBGEMM_PROBE_ROWS
+    multiple: int  # beyond the table: the next multiple of this
+
+    def rows_for(self, rows: int) -> int:
+        if rows < len(self.table):
+            return self.table[rows]
+        return -(-rows // self.multiple) * self.multiple
+
+
+@functools.cache
+def fbgemm_float16_padding() -> RowPadding | None:
+    """The padding under which FBGEMM's float16-weight GEMM (x86 builds of torch: weights packed in float16,
+    converted to float32 in registers, float32 accumulation) is batch-invariant on this CPU, found by trying
+    every batch of up to ``FBGEMM_PROBE_ROWS`` rows against the full one, on one thread and on torch's
+    current number; None where torch has no such kernel, or no padding makes it invariant."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(32, 256, generator=generator)
+    x = torch.randn(FBGEMM_PROBE_ROWS, 256, generator=generator)
+    try:
+        packed = torch.ops.quantized.linear_prepack_fp16(weight, None)
+        full = torch.ops.quantized.linear_dynamic_fp16(x, packed)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            one_thread = torch.ops.quantized.linear_dynamic_fp16(x, packed)
+        finally:
+            torch.set_num_threads(threads)
+    except (RuntimeError, AttributeError):
+        return None
+    if not torch.equal(full, one_thread) or not torch.allclose(full, x @ weight.half().float().t(), atol=1e-4):
+        return None
+    exact = [True] + [
+        torch.equal(torch.ops.quantized.linear_dynamic_fp16(x[:rows], packed), full[:rows])
+        for rows in range(1, FBGEMM_PROBE_ROWS + 1)
+    ]
+    multiple = next((m for m in (1, 2, 3, 4, 6, 8, 12) if all(exact[m::m])), None)
+    if multiple is None:
+        return None
+    table = [0] * (FBGEMM_PROBE_ROWS + 1)
+    for rows in range(FBGEMM_PROBE_ROWS, 0, -1):
+        table[rows] = rows if exact[rows] else table[rows + 1] if rows < FBGEMM_PROBE_ROWS else rows
+    if not all(exact[n] for n in table[1:]):
+        return None
+    return RowPadding(tuple(table), multiple)
+
+
+def fbgemm_float16_available() -> bool:
+    """True when ``--quantization float16`` runs on FBGEMM's float16-weight GEMM here (x86 builds)."""
+    return fbgemm_float16_padding() is not None
+
+
+def auto_weight_format(device: torch.device) -> str:
+    """What ``--quantization auto`` serves a GGUF file with Q4_0/Q4_1/Q8_0 weights in, on ``device``:
+    ``native`` on CUDA; ``float16`` on a CPU where torch has FBGEMM (x86), whose float16-weight GEMM beats
+    both the int4/int8 kernels and the float32 one at every batch size measured; else ``native`` where
+    torch runs the CPU at AVX-512 and ``none`` where it does not."""
+    if device.type == "cuda":
+        return "native"
+    if device.type == "cpu" and fbgemm_float16_available():
+        return "float16"
+    return "native" if fast_weight_only_kernels(device) else "none"
 
 
 def quantized_compute_dtype(device: torch.device) -> torch.dtype:
@@ -204,12 +285,15 @@ class TileScratch:
 class Float16Linear(nn.Module):
     """``y = x @ w.T (+ bias)`` with ``w`` stored in float16, ``x`` and ``y`` in float32.
 
-    Both paths compute ``dot(fp16(x), w)`` with float32 accumulation: one or two rows by the float16
-    matrix-vector kernel, more by tiles of ``w`` converted to float32. The result is rounded to float16
-    (as the matrix-vector kernel returns it) unless ``float32_output``, which always takes the tiled path.
+    Where torch has FBGEMM (x86), one kernel does every batch size: ``w`` packed in float16, converted to
+    float32 in registers, float32 accumulation; the batch is padded with zero rows to a size whose blocks all
+    sum in the same order (``fbgemm_float16_padding``), so a row's result is the same in any batch.
+    Elsewhere both paths compute ``dot(fp16(x), w)`` with float32 accumulation: one or two rows by the float16
+    matrix-vector kernel, more by tiles of ``w`` converted to float32; the result is rounded to float16 (as the
+    matrix-vector kernel returns it) unless ``float32_output``, which always takes the tiled path.
     """
 
-    weight: torch.Tensor
+    weight: torch.Tensor | None
 
     def __init__(
         self,
@@ -217,17 +301,36 @@ class Float16Linear(nn.Module):
         bias: torch.Tensor | None,
         scratch: TileScratch,
         float32_output: bool = False,
+        use_fbgemm: bool | None = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight", weight.to(torch.float16).contiguous())
-        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
-        self.scratch = scratch
         self.float32_output = float32_output
+        if use_fbgemm is None:
+            use_fbgemm = weight.device.type == "cpu" and fbgemm_float16_available()
+        self.use_fbgemm = use_fbgemm
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        if use_fbgemm:  # the packed copy is the only one (a tied table's owner keeps its own)
+            self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float(), self.bias)
+            self.packed_bytes = 2 * weight.numel()
+            self.weight = None
+            return
+        self.register_buffer("weight", weight.to(torch.float16).contiguous())
+        self.scratch = scratch
         self.tile_rows = max(1, TILE_BYTES // (4 * self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
+        if self.use_fbgemm:
+            rows = flat.shape[0]
+            padding = fbgemm_float16_padding()
+            assert padding is not None
+            padded = padding.rows_for(rows)
+            flat = flat.float()
+            flat = F.pad(flat, (0, 0, 0, padded - rows)) if padded > rows else flat.contiguous()
+            out = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)[:rows]
+            return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        assert self.weight is not None
         if flat.shape[0] <= GEMV_MAX_ROWS and not self.float32_output:
             out = F.linear(flat.to(torch.float16), self.weight).float()
         else:
@@ -239,6 +342,7 @@ class Float16Linear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.weight is not None
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
         for lo in range(0, self.out_features, self.tile_rows):
             hi = min(lo + self.tile_rows, self.out_features)
@@ -282,6 +386,15 @@ def store_weights_in_float16(module: nn.Module) -> None:
             param.data = param.data.clone()
 
 
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's ``malloc_trim``; nothing elsewhere): building a
+    model in one format and converting it to another leaves hundreds of MB free but resident."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def weight_bytes(module: nn.Module) -> int:
     """Bytes of every parameter and buffer (shared ones once): what a decode step streams, at most."""
     seen: set[int] = set()
@@ -291,4 +404,4 @@ def weight_bytes(module: nn.Module) -> int:
             continue
         seen.add(tensor.data_ptr())
         total += tensor.numel() * tensor.element_size()
-    return total
+    return total + sum(getattr(sub, "packed_bytes", 0) for sub in module.modules())  # FBGEMM's packed weights
