@@ -16,8 +16,8 @@
   float16 on both of those paths, for the same invariance. The output projection keeps float32 logits
   (float16 ones would tie a confident model's top tokens);
 - ``auto``: ``float16`` for a GGUF file with Q4/Q8 weights on a CPU where torch has FBGEMM: measured on AMD
-  EPYC CPUs with AVX2 and with AVX-512, its GEMM beats torch's int4/int8 weight-only kernels and the float32
-  one at every batch size measured (docs/benchmarks.md has the figures). On CUDA, ``native``;
+  EPYC CPUs with AVX2 and with AVX-512, the whole engine decodes faster on it than on torch's int4 weight-only
+  kernels or in float32, one stream and batches (docs/benchmarks.md has the figures). On CUDA, ``native``;
   on another CPU, ``native`` where torch runs it at AVX-512 and ``none`` where it does not (there torch's
   int4/int8 kernels are slower than a float32 GEMM over the dequantised weights). A checkpoint that is not
   such a GGUF file is served as it is (``none``).
@@ -145,8 +145,8 @@ def fbgemm_float16_available() -> bool:
 
 def auto_weight_format(device: torch.device) -> str:
     """What ``--quantization auto`` serves a GGUF file with Q4_0/Q4_1/Q8_0 weights in, on ``device``:
-    ``native`` on CUDA; ``float16`` on a CPU where torch has FBGEMM (x86), whose float16-weight GEMM beats
-    both the int4/int8 kernels and the float32 one at every batch size measured; else ``native`` where
+    ``native`` on CUDA; ``float16`` on a CPU where torch has FBGEMM (x86), on whose float16-weight GEMM the
+    engine decodes faster than on the int4 kernels or in float32; else ``native`` where
     torch runs the CPU at AVX-512 and ``none`` where it does not."""
     if device.type == "cuda":
         return "native"
