@@ -18,7 +18,6 @@ from gguf_writer import write_gguf
 from prompt_logits import engine_prompt_logits
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pdserve.engine import llm_engine as engine_module
 from pdserve.engine.config import checkpoint_preset_file
 from pdserve.engine.gguf import QuantizedBlocks, read_gguf
 from pdserve.engine.llm_engine import quantized_checkpoint, resolve_quantization
@@ -254,7 +253,6 @@ def _cpu_like(monkeypatch, fbgemm: bool, avx512: bool) -> None:
 
     monkeypatch.setattr(quantization, "fbgemm_float16_available", lambda: fbgemm)
     monkeypatch.setattr(quantization, "fast_weight_only_kernels", lambda device: device.type == "cuda" or avx512)
-    monkeypatch.setattr(engine_module, "fast_weight_only_kernels", quantization.fast_weight_only_kernels)
 
 
 def test_float16_is_asked_for_and_refused_off_the_cpu(monkeypatch):

@@ -172,18 +172,13 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+    from pdserve.engine.quantization import weight_bytes as model_weight_bytes
 
     torch.set_num_threads(args.threads)
     overrides = json.loads(args.overrides)
     engine = LLMEngine(EngineConfig(model=args.model, device="cpu", max_num_seqs=64, **overrides))
     model = engine.runner.model
-    seen: set[int] = set()
-    weight_bytes = 0
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            weight_bytes += tensor.numel() * tensor.element_size()
-    weight_bytes += sum(getattr(sub, "packed_bytes", 0) for sub in model.modules())  # FBGEMM's packed weights
+    weight_bytes = model_weight_bytes(model)
     if getattr(model.model.embed_tokens, "weight", None) is not None and not model.config.tie_word_embeddings:
         weight_bytes -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
     weight_bytes -= model.model.rotary_emb.cos.numel() * 4 * 2  # tables read a row per token, not streamed

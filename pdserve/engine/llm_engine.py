@@ -20,7 +20,6 @@ from pdserve.engine.quantization import (
     INT4_KINDS,
     INT8_KINDS,
     auto_weight_format,
-    fast_weight_only_kernels,
     quantized_compute_dtype,
     release_freed_memory,
     store_weights_in_float16,
@@ -83,8 +82,8 @@ def resolve_quantization(
     mode: str, model: str, device: torch.device, dtype: str = "auto"
 ) -> tuple[str, GGUFCheckpoint | None]:
     """The weight format to serve ``model`` in (``native``, ``float16`` or ``none``), with the GGUF file whose
-    blocks ``native`` keeps (None otherwise). See ``engine.quantization`` for what ``auto`` picks and why;
-    ``float16`` computes in float32, so ``auto`` with another ``dtype`` picks among the other two.
+    blocks ``native`` keeps (None otherwise). See ``engine.quantization.auto_weight_format`` for what ``auto``
+    picks with ``dtype`` and why.
 
     ``native`` on a model that is not a GGUF file with Q4_0/Q4_1/Q8_0 weights, and ``float16`` off the CPU,
     raise ValueError.
@@ -101,9 +100,7 @@ def resolve_quantization(
         if mode == "auto":
             return "none", None
         raise ValueError(f"quantization native: model {model!r} is not a GGUF file with Q4_0, Q4_1 or Q8_0 weights")
-    picked = "native" if mode == "native" else auto_weight_format(device)
-    if picked == "float16" and dtype not in ("auto", "float32"):
-        picked = "native" if fast_weight_only_kernels(device) else "none"
+    picked = "native" if mode == "native" else auto_weight_format(device, dtype)
     return picked, checkpoint if picked == "native" else None
 
 

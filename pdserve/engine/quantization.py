@@ -130,11 +130,10 @@ def fbgemm_float16_padding() -> RowPadding | None:
     multiple = next((m for m in (1, 2, 3, 4, 6, 8, 12) if all(exact[m::m])), None)
     if multiple is None:
         return None
-    table = [0] * (FBGEMM_PROBE_ROWS + 1)
-    for rows in range(FBGEMM_PROBE_ROWS, 0, -1):
-        table[rows] = rows if exact[rows] else table[rows + 1] if rows < FBGEMM_PROBE_ROWS else rows
-    if not all(exact[n] for n in table[1:]):
-        return None
+    table = list(range(FBGEMM_PROBE_ROWS + 1))  # each count padded to the next exact one (the full batch is)
+    for rows in range(FBGEMM_PROBE_ROWS - 1, 0, -1):
+        if not exact[rows]:
+            table[rows] = table[rows + 1]
     return RowPadding(tuple(table), multiple)
 
 
@@ -143,14 +142,15 @@ def fbgemm_float16_available() -> bool:
     return fbgemm_float16_padding() is not None
 
 
-def auto_weight_format(device: torch.device) -> str:
-    """What ``--quantization auto`` serves a GGUF file with Q4_0/Q4_1/Q8_0 weights in, on ``device``:
-    ``native`` on CUDA; ``float16`` on a CPU where torch has FBGEMM (x86), on whose float16-weight GEMM the
-    engine decodes faster than on the int4 kernels or in float32; else ``native`` where
-    torch runs the CPU at AVX-512 and ``none`` where it does not."""
+def auto_weight_format(device: torch.device, dtype: str = "auto") -> str:
+    """What ``--quantization auto`` serves a GGUF file with Q4_0/Q4_1/Q8_0 weights in, on ``device`` with
+    ``--dtype dtype``: ``native`` on CUDA; ``float16`` on a CPU where torch has FBGEMM (x86), on whose
+    float16-weight GEMM the engine decodes faster than on the int4 kernels or in float32 (it computes in
+    float32, so only under ``--dtype auto`` or ``float32``); else ``native`` where torch runs the CPU at
+    AVX-512 and ``none`` where it does not."""
     if device.type == "cuda":
         return "native"
-    if device.type == "cpu" and fbgemm_float16_available():
+    if device.type == "cpu" and dtype in ("auto", "float32") and fbgemm_float16_available():
         return "float16"
     return "native" if fast_weight_only_kernels(device) else "none"
 
@@ -306,11 +306,13 @@ class Float16Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.float32_output = float32_output
-        if use_fbgemm is None:
-            use_fbgemm = weight.device.type == "cpu" and fbgemm_float16_available()
-        self.use_fbgemm = use_fbgemm
+        padding = fbgemm_float16_padding() if use_fbgemm is not False and weight.device.type == "cpu" else None
+        if use_fbgemm and padding is None:
+            raise ValueError("FBGEMM's float16 GEMM is not available (or not batch-invariant) here")
+        self.padding = padding
+        self.use_fbgemm = padding is not None
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
-        if use_fbgemm:  # the packed copy is the only one (a tied table's owner keeps its own)
+        if self.use_fbgemm:  # the packed copy is the only one (a tied table's owner keeps its own)
             self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float(), self.bias)
             self.packed_bytes = 2 * weight.numel()
             self.weight = None
@@ -321,11 +323,9 @@ class Float16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.use_fbgemm:
+        if self.padding is not None:
             rows = flat.shape[0]
-            padding = fbgemm_float16_padding()
-            assert padding is not None
-            padded = padding.rows_for(rows)
+            padded = self.padding.rows_for(rows)
             flat = flat.float()
             flat = F.pad(flat, (0, 0, 0, padded - rows)) if padded > rows else flat.contiguous()
             out = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)[:rows]
