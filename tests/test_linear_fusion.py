@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine import EngineConfig, LLMEngine
-from pdserve.engine.model import FEW_ROWS, Linear, fuse_linears
-from pdserve.engine.quantization import Int4Linear
+from pdserve.engine.model import FEW_ROWS, Linear, LlamaForCausalLM, fuse_linears
+from pdserve.engine.quantization import Int4Linear, Int8Linear
 from tests.prompt_logits import engine_prompt_logits
 
 
@@ -62,11 +62,19 @@ def test_fused_engine_gives_the_unfused_logits():
     )
 
 
-def test_quantized_projections_stay_apart(tmp_path):
+@pytest.mark.parametrize("matrix_type", ["Q4_0", "Q8_0"])
+def test_quantized_projections_fuse_with_the_same_results(tmp_path, monkeypatch, matrix_type):
     from tests.gguf_writer import write_gguf
 
-    path = write_gguf(tmp_path / "llama.gguf", "llama", "Q4_0", tied=True)
-    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", quantization="native"))
-    layer = engine.runner.model.model.layers[0]
-    assert isinstance(layer.self_attn.q_proj, Int4Linear) and layer.self_attn.qkv_proj is None
-    assert isinstance(layer.mlp.up_proj, Int4Linear) and layer.mlp.gate_up_proj is None
+    path = write_gguf(tmp_path / "llama.gguf", "llama", matrix_type, tied=True)
+    common = dict(model=str(path), device="cpu", quantization="native", num_kv_blocks=64)
+    engine = LLMEngine(EngineConfig(**common))
+    kind = Int4Linear if matrix_type == "Q4_0" else Int8Linear
+    for layer in engine.runner.model.model.layers:
+        assert isinstance(layer.self_attn.qkv_proj, kind) and layer.self_attn.q_proj is None
+        assert isinstance(layer.mlp.gate_up_proj, kind) and layer.mlp.gate_proj is None
+    monkeypatch.setattr(LlamaForCausalLM, "fuse_projections", lambda self: None)
+    apart = LLMEngine(EngineConfig(**common))
+    assert isinstance(apart.runner.model.model.layers[0].self_attn.q_proj, kind)
+    prompt = list(range(3, 60))
+    assert torch.equal(engine_prompt_logits(engine, prompt), engine_prompt_logits(apart, prompt))

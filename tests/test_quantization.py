@@ -108,8 +108,8 @@ def test_quantized_small_files_give_the_dequantised_logits(tmp_path, arch, matri
     native = LLMEngine(EngineConfig(quantization="native", **common))
     assert native.quantized and not exact.quantized
     linear_kind = Int8Linear if matrix_type == "Q8_0" else Int4Linear
-    assert isinstance(native.runner.model.model.layers[0].mlp.up_proj, linear_kind)
-    assert isinstance(native.runner.model.lm_head, linear_kind)
+    assert isinstance(native.runner.model.model.layers[0].mlp.gate_up_proj, linear_kind)  # fused, as float ones
+    assert isinstance(native.runner.model.lm_head, linear_kind)  # float32 kernel inputs: float32 logits on it
     prompt = native.tokenizer.encode("the quick brown fox jumps over the lazy dog")
     ours, reference = engine_prompt_logits(native, prompt), engine_prompt_logits(exact, prompt)
     if matrix_type == "Q8_0":  # one int8 scale per row instead of per 32 weights: close, not exact
@@ -130,7 +130,7 @@ def reference_engine() -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def quantized_engine() -> LLMEngine:
-    return _smollm2_engine(dtype="bfloat16", quantization="native")
+    return _smollm2_engine(quantization="native")
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +152,16 @@ def _top1_agreement(engine: LLMEngine, reference: LLMEngine) -> float:
 
 
 def test_quantized_smollm2_agrees_with_the_float32_reference(reference_engine, quantized_engine):
+    """The int4 kernels on bfloat16 inputs, the rest of the model in float32."""
     model = quantized_engine.runner.model
-    assert isinstance(model.model.layers[0].self_attn.q_proj, Int4Linear)
-    assert isinstance(model.lm_head, Int8Linear) and isinstance(model.model.embed_tokens, Int8Embedding)
+    assert quantized_engine.dtype == torch.float32 and quantized_engine.kv_cache.dtype == torch.float16
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, Int4Linear)
+    assert model.model.layers[0].self_attn.qkv_proj.scales_and_zeros.dtype == torch.bfloat16
+    assert isinstance(model.model.embed_tokens, Int8Embedding)  # the file's Q8_0 table, as int8
+    if platform.machine() in ("x86_64", "AMD64"):  # float32 logits from float16 weights on FBGEMM
+        assert isinstance(model.lm_head, Float16Linear) and model.lm_head.float32_output
+    else:
+        assert isinstance(model.lm_head, Int8Linear) and model.lm_head.float32_output
     agreement = _top1_agreement(quantized_engine, reference_engine)
     assert agreement >= 0.98, f"top-1 agreement {agreement:.1%}"
 
@@ -170,6 +177,18 @@ def _assert_answers_the_demo_questions(engine: LLMEngine) -> None:
 
 def test_quantized_smollm2_answers_the_demo_questions(quantized_engine):
     _assert_answers_the_demo_questions(quantized_engine)
+
+
+def test_int4_linear_on_bfloat16_inputs_returns_float32_and_is_row_independent():
+    blocks = _random_blocks("Q4_1", 192, 576)
+    layer = Int4Linear(blocks, torch.bfloat16, CPU)
+    x = torch.randn(40, 576)
+    out = layer(x)
+    assert out.dtype == torch.float32
+    exact = x.bfloat16().float() @ torch.from_numpy(blocks.dequantize()).t()  # inputs rounded, float32 sums
+    assert (out - exact).abs().max().item() <= 2**-7 * exact.abs().max().item()  # + bfloat16 outputs
+    fused = Int4Linear.concatenate([layer, Int4Linear(_random_blocks("Q4_1", 64, 576, seed=1), torch.bfloat16, CPU)])
+    assert fused is not None and torch.equal(fused(x)[:, :192], out)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7])
@@ -305,7 +324,8 @@ def test_kernels_and_compute_dtype_follow_the_cpu(monkeypatch):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
         assert quantization.fast_weight_only_kernels(CPU) is fast
     assert quantization.fast_weight_only_kernels(torch.device("cuda")) is True
-    for flags, dtype in (({"avx2", "avx512f"}, torch.float32), ({"avx512f", "avx512_bf16"}, torch.bfloat16)):
-        monkeypatch.setattr(quantization, "cpu_flags", lambda f=flags: frozenset(f))
-        assert quantization.quantized_compute_dtype(CPU) == dtype
+    # activations in float32 on a CPU, the int4/int8 kernels' inputs in bfloat16; bfloat16 on CUDA
+    assert quantization.quantized_compute_dtype(CPU) == torch.float32
+    assert quantization.weight_only_input_dtype(CPU) == torch.bfloat16
     assert quantization.quantized_compute_dtype(torch.device("cuda")) == torch.bfloat16
+    assert quantization.weight_only_input_dtype(torch.device("cuda")) == torch.bfloat16

@@ -238,8 +238,8 @@ class EngineConfig:
     model: str = _option("tiny", "a preset (tiny, bench, smollm2), a GGUF file or a Hugging Face checkpoint directory")
     dtype: str = _option(
         "auto",
-        "compute dtype; auto = bfloat16 on CUDA, float32 on CPU (on the quantized path bfloat16 where the CPU "
-        "has AVX512-BF16 or AMX)",
+        "compute dtype; auto = bfloat16 on CUDA, float32 on CPU (where --quantization native's int4/int8 GEMMs "
+        "take bfloat16 inputs)",
         choices=DTYPES,
     )
     quantization: str = _option(
@@ -252,8 +252,8 @@ class EngineConfig:
     )
     kv_cache_dtype: str = _option(
         "auto",
-        "dtype of the KV cache; auto = the compute dtype, float16 under --quantization float16 (bfloat16 or float16 "
-        "halve float32's bytes)",
+        "dtype of the KV cache; auto = the compute dtype, float16 under --quantization float16, and under native "
+        "on CPU with --dtype auto (bfloat16 or float16 halve float32's bytes)",
         choices=DTYPES,
     )
     device: str = _option("auto", "auto, cpu, cuda or cuda:N; auto = cuda when present, else cpu")

@@ -23,6 +23,7 @@ from pdserve.engine.quantization import (
     quantized_compute_dtype,
     release_freed_memory,
     store_weights_in_float16,
+    weight_only_input_dtype,
 )
 from pdserve.engine.request import FinishReason, Request, RequestStatus, RequestTimes
 from pdserve.engine.sampler import TokenLogprobs
@@ -128,13 +129,16 @@ class LLMEngine:
         self.quantized = quantized is not None
         if quantized is not None and self.config.dtype == "auto":
             self.dtype = quantized_compute_dtype(self.device)
+            kernel_dtype = weight_only_input_dtype(self.device)
         else:
-            self.dtype = resolve_dtype(self.config.dtype, self.device)
+            self.dtype = kernel_dtype = resolve_dtype(self.config.dtype, self.device)
         if self.quantization == "float16" and self.dtype != torch.float32:
             raise ValueError(f"quantization float16 computes in float32: --dtype auto or float32, not {self.dtype}")
         kv_dtype = self.config.kv_cache_dtype
-        if kv_dtype == "auto":  # float16 weights: a float16 cache too, as llama.cpp's, half the bytes per token
-            self.kv_cache_dtype = torch.float16 if self.quantization == "float16" else self.dtype
+        if kv_dtype == "auto":  # 16-bit weights or fewer on a CPU: a float16 cache, as llama.cpp's
+            bfloat16_inputs = self.dtype == torch.float32 and kernel_dtype != torch.float32  # native on a CPU
+            compact = self.quantization == "float16" or bfloat16_inputs
+            self.kv_cache_dtype = torch.float16 if compact else self.dtype
         else:
             self.kv_cache_dtype = resolve_dtype(kv_dtype, self.device)
         self.tokenizer = load_tokenizer(self.config.model, self.model_config.eos_token_ids or None)
@@ -142,7 +146,13 @@ class LLMEngine:
         if not self.eos_token_ids and self.tokenizer is not None:
             self.eos_token_ids = self.tokenizer.eos_token_ids
         model = build_model(
-            self.config.model, self.model_config, self.dtype, self.device, self.config.seed, quantized=quantized
+            self.config.model,
+            self.model_config,
+            self.dtype,
+            self.device,
+            self.config.seed,
+            quantized=quantized,
+            kernel_dtype=kernel_dtype,
         )
         model.fuse_projections()
         if self.quantization == "float16":

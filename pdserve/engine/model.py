@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.quantization import Int4Linear, Int8Linear
 
 
 @dataclass
@@ -96,10 +97,14 @@ class Linear(nn.Linear):
         return F.linear(x, w, self.bias)
 
 
-def fuse_linears(parts: list[nn.Module]) -> Linear | None:
-    """One ``Linear`` computing ``parts`` side by side (their outputs concatenated), or None unless every part
-    is a plain float linear on one input: one product per layer instead of three (q, k, v) or two (gate, up)
-    saves a weight pass's overhead and, for one row, small inefficient matrix-vector products."""
+def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
+    """One layer computing ``parts`` side by side (their outputs concatenated), or None unless every part is
+    a plain float linear, or every one an ``Int4Linear`` or an ``Int8Linear`` that can be joined, on one input:
+    one product per layer instead of three (q, k, v) or two (gate, up) saves a kernel call's overhead and, for
+    one row, small inefficient matrix-vector products."""
+    for kind in (Int4Linear, Int8Linear):
+        if all(type(p) is kind for p in parts):
+            return kind.concatenate(parts)  # type: ignore[arg-type]
     if not all(type(p) in (Linear, nn.Linear) for p in parts):
         return None
     linears: list[nn.Linear] = parts  # type: ignore[assignment]
@@ -208,7 +213,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=False)
 
     def fuse(self) -> bool:
-        """Replace q/k/v_proj by one ``qkv_proj`` where they are plain float linears (after loading)."""
+        """Replace q/k/v_proj by one ``qkv_proj`` where ``fuse_linears`` can join them (after loading)."""
         fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])  # type: ignore[list-item]
         if fused is not None:
             self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = fused, None, None, None
@@ -296,7 +301,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def fuse(self) -> bool:
-        """Replace gate/up_proj by one ``gate_up_proj`` where both are plain float linears (after loading)."""
+        """Replace gate/up_proj by one ``gate_up_proj`` where ``fuse_linears`` can join them (after loading)."""
         fused = fuse_linears([self.gate_proj, self.up_proj])  # type: ignore[list-item]
         if fused is not None:
             self.gate_up_proj, self.gate_proj, self.up_proj = fused, None, None
@@ -352,8 +357,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def fuse_projections(self) -> None:
-        """Fuse every layer's q/k/v and gate/up projections into one product each, where they are plain float
-        linears (the quantized ones stay apart). Call after the weights are loaded, before serving."""
+        """Fuse every layer's q/k/v and gate/up projections into one product each, where they are float
+        linears or int4/int8 ones ``fuse_linears`` can join. Call after the weights are loaded, before serving."""
         with torch.no_grad():
             fused = False
             for layer in self.model.layers:

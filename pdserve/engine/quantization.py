@@ -5,7 +5,10 @@
 - ``none``: every weight is dequantised to ``--dtype`` (the exact float path);
 - ``native``: Q4_0/Q4_1 weights run as torch's packed int4 weight-only GEMM with the file's per-32 scales
   and minimums (exact: ``w = d * q + m``), Q8_0 ones as int8 weight-only GEMM (one scale per row,
-  re-derived from the per-32 ones); other tensors are dequantised to the compute dtype;
+  re-derived from the per-32 ones); q/k/v and gate/up are joined into one GEMM each, as float ones are;
+  other tensors are dequantised to the compute dtype. On a CPU under ``--dtype auto`` the model computes
+  in float32 and the GEMMs take bfloat16 inputs (``weight_only_input_dtype``; float32 inputs are 10-35x
+  slower), with a float16 KV cache and, on x86, a float16 output projection on FBGEMM (float32 logits);
 - ``float16``: every weight (linears and the embedding) stored in float16, half float32's bytes, and
   computed in float32 (``Float16Linear``). On x86 builds of torch one kernel does every batch size:
   FBGEMM's float16-weight GEMM (weights converted to float32 in registers, float32 accumulation), with
@@ -16,14 +19,15 @@
   float16 on both of those paths, for the same invariance. The output projection keeps float32 logits
   (float16 ones would tie a confident model's top tokens);
 - ``auto``: ``float16`` for a GGUF file with Q4/Q8 weights on a CPU where torch has FBGEMM: measured on AMD
-  EPYC CPUs with AVX2 and with AVX-512, the whole engine decodes faster on it than on torch's int4 weight-only
-  kernels or in float32, one stream and batches (docs/benchmarks.md has the figures). On CUDA, ``native``;
+  EPYC CPUs with AVX2 and with AVX-512, it decodes batches as fast as any other path or faster, and a
+  request's tokens stay those it gets alone (docs/benchmarks.md has the figures; ``native`` decodes one
+  stream faster on AVX512-BF16, see ``auto_weight_format`` for why it is not the default). On CUDA, ``native``;
   on another CPU, ``native`` where torch runs it at AVX-512 and ``none`` where it does not (there torch's
   int4/int8 kernels are slower than a float32 GEMM over the dequantised weights). A checkpoint that is not
   such a GGUF file is served as it is (``none``).
 
-The compute dtype of the quantized path (``--dtype auto``) is bfloat16 on CUDA and on a CPU with
-AVX512-BF16 or AMX, float32 elsewhere. The CUDA kernels (``_convert_weight_to_int4pack``,
+The compute dtype of the ``native`` path (``--dtype auto``) is bfloat16 on CUDA, float32 on a CPU. The CUDA
+kernels (``_convert_weight_to_int4pack``,
 ``_weight_int4pack_mm``) are called the same way as the CPU ones but have not been run on a GPU yet.
 """
 
@@ -52,24 +56,6 @@ __all__ = [
 ]
 INT4_KINDS = frozenset({"Q4_0", "Q4_1"})
 INT8_KINDS = frozenset({"Q8_0"})
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_has_bfloat16() -> bool:
-    """True when the CPU computes in bfloat16 natively (AVX512-BF16 or AMX)."""
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def fast_weight_only_kernels(device: torch.device) -> bool:
@@ -145,9 +131,14 @@ def fbgemm_float16_available() -> bool:
 def auto_weight_format(device: torch.device, dtype: str = "auto") -> str:
     """What ``--quantization auto`` serves a GGUF file with Q4_0/Q4_1/Q8_0 weights in, on ``device`` with
     ``--dtype dtype``: ``native`` on CUDA; ``float16`` on a CPU where torch has FBGEMM (x86), on whose
-    float16-weight GEMM the engine decodes faster than on the int4 kernels or in float32 (it computes in
-    float32, so only under ``--dtype auto`` or ``float32``); else ``native`` where torch runs the CPU at
-    AVX-512 and ``none`` where it does not."""
+    float16-weight GEMM the engine decodes batches as fast as on any other path and a request's tokens do not
+    depend on its batch (it computes in float32, so only under ``--dtype auto`` or ``float32``); else
+    ``native`` where torch runs the CPU at AVX-512 and ``none`` where it does not.
+
+    ``native`` decodes one stream faster on a CPU with AVX512-BF16 (docs/benchmarks.md), but the bfloat16
+    rounding of its GEMMs' inputs and outputs turns the last-bit differences of attention between chunkings
+    and batches into different tokens now and then, so it is not the default there.
+    """
     if device.type == "cuda":
         return "native"
     if device.type == "cpu" and dtype in ("auto", "float32") and fbgemm_float16_available():
@@ -156,14 +147,27 @@ def auto_weight_format(device: torch.device, dtype: str = "auto") -> str:
 
 
 def quantized_compute_dtype(device: torch.device) -> torch.dtype:
-    """Activations' dtype on the quantized path under ``--dtype auto``."""
-    if device.type == "cuda" or (device.type == "cpu" and cpu_has_bfloat16()):
-        return torch.bfloat16
-    return torch.float32
+    """Activations' dtype on the ``native`` path under ``--dtype auto``: bfloat16 on CUDA, float32 on a CPU
+    (where the int4/int8 GEMMs take their inputs in ``weight_only_input_dtype``)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def weight_only_input_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the ``native`` path's int4/int8 GEMMs take their inputs in under ``--dtype auto``.
+
+    On a CPU, bfloat16 whatever the activations are kept in: torch's CPU kernels are 10-35x slower with
+    float32 inputs than with bfloat16 ones (measured on AVX2 and AVX-512 CPUs), while the norms, attention
+    and residual stream stay in float32. On CUDA, the compute dtype (bfloat16).
+    """
+    return torch.bfloat16 if device.type == "cpu" else quantized_compute_dtype(device)
 
 
 class Int4Linear(nn.Module):
-    """``y = x @ w.T (+ bias)`` with ``w`` as packed 4-bit codes and per-``group_size`` scales and minimums."""
+    """``y = x @ w.T (+ bias)`` with ``w`` as packed 4-bit codes and per-``group_size`` scales and minimums.
+
+    ``dtype`` is the kernel's: ``x`` is rounded to it and the product returned in ``x``'s dtype; the bias is
+    added in its own dtype (the model's).
+    """
 
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
@@ -183,7 +187,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", pack_int4(codes, device))
         sz = torch.stack((scale.t(), zero.t()), dim=-1).contiguous()  # [groups, out_features, 2]
         self.register_buffer("scales_and_zeros", sz.to(device=device, dtype=dtype))
-        self.bias = None if bias is None else nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.to(device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype)
@@ -191,9 +195,32 @@ class Int4Linear(nn.Module):
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
         else:
             out = torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group_size, self.scales_and_zeros)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return out if self.bias is None else out + self.bias
+
+    @classmethod
+    def concatenate(cls, parts: list[Int4Linear]) -> Int4Linear | None:
+        """One layer computing ``parts`` side by side (their outputs concatenated), with the same results: the
+        kernel computes each output from its own row of codes and scales. None unless every part is on the CPU
+        (whose packed layout keeps a row per output) with the same input size, dtype and bias or no bias."""
+        first = parts[0]
+        if any(
+            p.packed.device.type != "cpu"
+            or p.in_features != first.in_features
+            or p.scales_and_zeros.dtype != first.scales_and_zeros.dtype
+            or (p.bias is None) != (first.bias is None)
+            for p in parts
+        ):
+            return None
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused.out_features, fused.in_features = sum(p.out_features for p in parts), first.in_features
+        fused.group_size = first.group_size
+        fused.register_buffer("packed", torch.cat([p.packed for p in parts]))
+        fused.register_buffer("scales_and_zeros", torch.cat([p.scales_and_zeros for p in parts], dim=1))
+        biases: list[torch.Tensor] = [p.bias.detach() for p in parts if p.bias is not None]
+        fused.bias = nn.Parameter(torch.cat(biases), requires_grad=False) if biases else None
+        return fused
 
 
 def pack_int4(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -212,8 +239,10 @@ class Int8Weight(nn.Module):
     codes: torch.Tensor
     scales: torch.Tensor
 
-    def __init__(self, blocks: QuantizedBlocks, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, blocks: QuantizedBlocks | None, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
+        if blocks is None:  # filled by the caller (``concatenate``)
+            return
         if blocks.kind not in INT8_KINDS:
             raise ValueError(f"Int8Weight takes Q8_0 blocks, not {blocks.kind}")
         weight = torch.from_numpy(blocks.dequantize())
@@ -222,12 +251,21 @@ class Int8Weight(nn.Module):
         self.register_buffer("codes", codes.to(device))
         self.register_buffer("scales", scales.to(device=device, dtype=dtype))
 
+    @classmethod
+    def concatenate(cls, parts: list[Int8Weight]) -> Int8Weight:
+        """The rows of ``parts`` one after another, in one matrix."""
+        weight = cls(None, parts[0].scales.dtype, parts[0].scales.device)
+        weight.register_buffer("codes", torch.cat([p.codes for p in parts]))
+        weight.register_buffer("scales", torch.cat([p.scales for p in parts]))
+        return weight
+
 
 class Int8Linear(nn.Module):
     """``y = x @ w.T (+ bias)`` over an ``Int8Weight``.
 
-    ``float32_output``: compute in float32 whatever the weight's dtype, and return float32. For the output
-    projection: bfloat16 logits (a step of 0.125 at 25) tie the top tokens of a confident model.
+    ``x`` is rounded to the weight's dtype and the product returned in ``x``'s; the bias is added in its own
+    dtype. ``float32_output``: compute in float32 whatever the weight's dtype, and return float32. For the
+    output projection: bfloat16 logits (a step of 0.125 at 25) tie the top tokens of a confident model.
     """
 
     scales_float32: torch.Tensor | None
@@ -237,32 +275,50 @@ class Int8Linear(nn.Module):
         self.weight_int8 = weight
         self.out_features, self.in_features = weight.codes.shape
         dtype, device = weight.scales.dtype, weight.scales.device
+        self.float32_output = float32_output
         self.compute_dtype = torch.float32 if float32_output else dtype
         scales = weight.scales.float() if float32_output and dtype != torch.float32 else None
         self.register_buffer("scales_float32", scales)
-        self.bias = None if bias is None else nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.to(device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight_int8
         scales = w.scales if self.scales_float32 is None else self.scales_float32
         flat = x.reshape(-1, self.in_features).to(self.compute_dtype)
-        out = torch.ops.aten._weight_int8pack_mm(flat, w.codes, scales)
-        if self.bias is not None:
-            out = out + self.bias
-        out = out.view(*x.shape[:-1], self.out_features)
-        return out if self.compute_dtype == torch.float32 else out.to(x.dtype)
+        out = torch.ops.aten._weight_int8pack_mm(flat, w.codes, scales).view(*x.shape[:-1], self.out_features)
+        if not self.float32_output:
+            out = out.to(x.dtype)
+        return out if self.bias is None else out + self.bias
+
+    @classmethod
+    def concatenate(cls, parts: list[Int8Linear]) -> Int8Linear | None:
+        """One layer computing ``parts`` side by side (their outputs concatenated), with the same results (one
+        scale per output row); None unless the parts agree in input size, dtype, output dtype and bias."""
+        first = parts[0]
+        if any(
+            p.in_features != first.in_features
+            or p.weight_int8.scales.dtype != first.weight_int8.scales.dtype
+            or p.float32_output != first.float32_output
+            or (p.bias is None) != (first.bias is None)
+            for p in parts
+        ):
+            return None
+        biases: list[torch.Tensor] = [p.bias.detach() for p in parts if p.bias is not None]
+        weight = Int8Weight.concatenate([p.weight_int8 for p in parts])
+        return cls(weight, torch.cat(biases) if biases else None, first.float32_output)
 
 
 class Int8Embedding(nn.Module):
-    """Rows of an ``Int8Weight`` looked up by token id, scaled back to the compute dtype."""
+    """Rows of an ``Int8Weight`` looked up by token id, scaled back to ``dtype`` (default: the weight's)."""
 
-    def __init__(self, weight: Int8Weight) -> None:
+    def __init__(self, weight: Int8Weight, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight_int8 = weight
+        self.dtype = weight.scales.dtype if dtype is None else dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weight_int8
-        return w.codes[ids].to(w.scales.dtype) * w.scales[ids].unsqueeze(-1)
+        return (w.codes[ids].float() * w.scales[ids].float().unsqueeze(-1)).to(self.dtype)
 
 
 GEMV_MAX_ROWS = 2  # up to this many rows, torch's float16 matrix-vector kernel beats a float32 GEMM
@@ -291,6 +347,7 @@ class Float16Linear(nn.Module):
     Elsewhere both paths compute ``dot(fp16(x), w)`` with float32 accumulation: one or two rows by the float16
     matrix-vector kernel, more by tiles of ``w`` converted to float32; the result is rounded to float16 (as the
     matrix-vector kernel returns it) unless ``float32_output``, which always takes the tiled path.
+    ``y`` is returned in ``x``'s dtype, or in float32 under ``float32_output`` (an output projection's logits).
     """
 
     weight: torch.Tensor | None
@@ -328,8 +385,8 @@ class Float16Linear(nn.Module):
             padded = self.padding.rows_for(rows)
             flat = flat.float()
             flat = F.pad(flat, (0, 0, 0, padded - rows)) if padded > rows else flat.contiguous()
-            out = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)[:rows]
-            return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+            out = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)[:rows].view(*x.shape[:-1], -1)
+            return out if self.float32_output else out.to(x.dtype)
         assert self.weight is not None
         if flat.shape[0] <= GEMV_MAX_ROWS and not self.float32_output:
             out = F.linear(flat.to(torch.float16), self.weight).float()
@@ -339,7 +396,8 @@ class Float16Linear(nn.Module):
                 out = out.to(torch.float16).float()
         if self.bias is not None:
             out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if self.float32_output else out.to(x.dtype)
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         assert self.weight is not None

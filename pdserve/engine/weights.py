@@ -18,7 +18,17 @@ from torch import nn
 from pdserve.engine.config import PRESETS, ModelConfig, resolve_checkpoint
 from pdserve.engine.gguf import GGUFCheckpoint
 from pdserve.engine.model import LlamaForCausalLM
-from pdserve.engine.quantization import INT4_KINDS, INT8_KINDS, Int4Linear, Int8Embedding, Int8Linear, Int8Weight
+from pdserve.engine.quantization import (
+    INT4_KINDS,
+    INT8_KINDS,
+    Float16Linear,
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    Int8Weight,
+    TileScratch,
+    fbgemm_float16_available,
+)
 
 
 def build_model(
@@ -28,12 +38,14 @@ def build_model(
     device: torch.device,
     seed: int = 0,
     quantized: GGUFCheckpoint | None = None,
+    kernel_dtype: torch.dtype | None = None,
 ) -> LlamaForCausalLM:
-    """The model with its weights, in ``dtype`` on ``device``; from ``quantized``'s blocks when given."""
+    """The model with its weights, in ``dtype`` on ``device``; from ``quantized``'s blocks when given, whose
+    int4/int8 GEMMs take their inputs in ``kernel_dtype`` (default ``dtype``)."""
     with torch.device("meta"), _skip_parameter_init():
         module = LlamaForCausalLM(config)
     if quantized is not None:
-        return load_quantized(module, quantized, dtype, device).eval()
+        return load_quantized(module, quantized, dtype, device, kernel_dtype or dtype).eval()
     module = module.to_empty(device="cpu")
     if config.tie_word_embeddings:  # to_empty() allocates every parameter anew, which unties them
         module.lm_head.weight = module.model.embed_tokens.weight
@@ -48,11 +60,21 @@ def build_model(
 
 
 def load_quantized(
-    module: LlamaForCausalLM, checkpoint: GGUFCheckpoint, dtype: torch.dtype, device: torch.device
+    module: LlamaForCausalLM,
+    checkpoint: GGUFCheckpoint,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernel_dtype: torch.dtype | None = None,
 ) -> LlamaForCausalLM:
     """Fill a meta-device ``module`` from a GGUF file: Q4_0/Q4_1 linears become ``Int4Linear``, Q8_0 ones
-    ``Int8Linear`` (a tied Q8_0 embedding shares its int8 table with the output projection); every other
-    weight is dequantised to ``dtype``."""
+    ``Int8Linear`` (a tied Q8_0 embedding shares its int8 table with the output projection), both taking
+    their inputs in ``kernel_dtype`` (default ``dtype``); every other weight is dequantised to ``dtype``.
+
+    With 16-bit kernel inputs on a CPU with FBGEMM (x86), a quantized output projection is a float16
+    ``Float16Linear`` instead: float32 logits cost 12x more on torch's int8 kernel with float32 inputs than
+    with bfloat16 ones, and bfloat16 logits tie a confident model's top tokens (a tied embedding keeps the
+    file's int8 table)."""
+    kernel_dtype = kernel_dtype or dtype
     tensors = {t.hf_name: t for t in checkpoint.tensors}
 
     def dense(name: str) -> torch.Tensor:
@@ -62,8 +84,9 @@ def load_quantized(
     head_name = "model.embed_tokens.weight" if module.config.tie_word_embeddings else "lm_head.weight"
     shared: Int8Weight | None = None
     if embed.kind in INT8_KINDS:
-        shared = Int8Weight(embed.quantized_blocks(), dtype, device)
-        module.model.embed_tokens = Int8Embedding(shared)  # type: ignore[assignment]
+        shared = Int8Weight(embed.quantized_blocks(), kernel_dtype, device)
+        module.model.embed_tokens = Int8Embedding(shared, dtype)  # type: ignore[assignment]
+    float16_head = kernel_dtype != torch.float32 and device.type == "cpu" and fbgemm_float16_available()
     for name, sub in list(module.named_modules()):
         if not isinstance(sub, nn.Linear):
             continue
@@ -71,12 +94,15 @@ def load_quantized(
         bias = dense(f"{name}.bias") if f"{name}.bias" in tensors else None
         source = tensors[weight_name]
         replacement: nn.Module
-        if source.kind in INT4_KINDS:
-            replacement = Int4Linear(source.quantized_blocks(), dtype, device, bias)
+        if name == "lm_head" and float16_head and source.kind in INT4_KINDS | INT8_KINDS:
+            head = torch.from_numpy(np.array(source.dequantize())).to(device)
+            replacement = Float16Linear(head, bias, TileScratch(), float32_output=True, use_fbgemm=True)
+        elif source.kind in INT4_KINDS:
+            replacement = Int4Linear(source.quantized_blocks(), kernel_dtype, device, bias)
         elif weight_name == "model.embed_tokens.weight" and shared is not None:
             replacement = Int8Linear(shared, bias, float32_output=name == "lm_head")
         elif source.kind in INT8_KINDS:
-            weight = Int8Weight(source.quantized_blocks(), dtype, device)
+            weight = Int8Weight(source.quantized_blocks(), kernel_dtype, device)
             replacement = Int8Linear(weight, bias, float32_output=name == "lm_head")
         else:
             continue
