@@ -77,14 +77,14 @@ def test_int4_linear_computes_with_the_files_scales_and_minimums(kind, rows):
 def test_int8_weight_keeps_every_value_within_half_a_step():
     blocks = _random_blocks("Q8_0", 64, 128)
     weight = torch.from_numpy(blocks.dequantize())
-    int8 = Int8Weight(blocks, torch.float32, CPU)
+    int8 = Int8Weight.from_blocks(blocks, torch.float32, CPU)
     restored = int8.codes.float() * int8.scales[:, None]
     assert ((restored - weight).abs() <= int8.scales[:, None] / 2 + 1e-7).all()
     ids = torch.tensor([3, 0, 63])
     assert torch.equal(Int8Embedding(int8)(ids), restored[ids])
     x = torch.randn(2, 128)
     assert torch.allclose(Int8Linear(int8)(x), x @ restored.t(), atol=1e-4)
-    bf16_head = Int8Linear(Int8Weight(blocks, torch.bfloat16, CPU), float32_output=True)
+    bf16_head = Int8Linear(Int8Weight.from_blocks(blocks, torch.bfloat16, CPU), float32_output=True)
     assert bf16_head(x.bfloat16()).dtype == torch.float32
 
 

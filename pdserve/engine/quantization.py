@@ -239,25 +239,25 @@ class Int8Weight(nn.Module):
     codes: torch.Tensor
     scales: torch.Tensor
 
-    def __init__(self, blocks: QuantizedBlocks | None, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
         super().__init__()
-        if blocks is None:  # filled by the caller (``concatenate``)
-            return
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+
+    @classmethod
+    def from_blocks(cls, blocks: QuantizedBlocks, dtype: torch.dtype, device: torch.device) -> Int8Weight:
+        """A GGUF file's Q8_0 blocks with one scale per row, re-derived from the per-32 ones; scales in ``dtype``."""
         if blocks.kind not in INT8_KINDS:
             raise ValueError(f"Int8Weight takes Q8_0 blocks, not {blocks.kind}")
         weight = torch.from_numpy(blocks.dequantize())
         scales = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0
         codes = torch.round(weight / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-        self.register_buffer("codes", codes.to(device))
-        self.register_buffer("scales", scales.to(device=device, dtype=dtype))
+        return cls(codes.to(device), scales.to(device=device, dtype=dtype))
 
     @classmethod
     def concatenate(cls, parts: list[Int8Weight]) -> Int8Weight:
         """The rows of ``parts`` one after another, in one matrix."""
-        weight = cls(None, parts[0].scales.dtype, parts[0].scales.device)
-        weight.register_buffer("codes", torch.cat([p.codes for p in parts]))
-        weight.register_buffer("scales", torch.cat([p.scales for p in parts]))
-        return weight
+        return cls(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
 
 
 class Int8Linear(nn.Module):

@@ -77,14 +77,14 @@ def load_quantized(
     kernel_dtype = kernel_dtype or dtype
     tensors = {t.hf_name: t for t in checkpoint.tensors}
 
-    def dense(name: str) -> torch.Tensor:
-        return torch.from_numpy(np.array(tensors[name].dequantize())).to(device=device, dtype=dtype)
+    def dense(name: str, to: torch.dtype = dtype) -> torch.Tensor:
+        return torch.from_numpy(np.array(tensors[name].dequantize())).to(device=device, dtype=to)
 
     embed = tensors["model.embed_tokens.weight"]
     head_name = "model.embed_tokens.weight" if module.config.tie_word_embeddings else "lm_head.weight"
     shared: Int8Weight | None = None
     if embed.kind in INT8_KINDS:
-        shared = Int8Weight(embed.quantized_blocks(), kernel_dtype, device)
+        shared = Int8Weight.from_blocks(embed.quantized_blocks(), kernel_dtype, device)
         module.model.embed_tokens = Int8Embedding(shared, dtype)  # type: ignore[assignment]
     float16_head = kernel_dtype != torch.float32 and device.type == "cpu" and fbgemm_float16_available()
     for name, sub in list(module.named_modules()):
@@ -95,14 +95,14 @@ def load_quantized(
         source = tensors[weight_name]
         replacement: nn.Module
         if name == "lm_head" and float16_head and source.kind in INT4_KINDS | INT8_KINDS:
-            head = torch.from_numpy(np.array(source.dequantize())).to(device)
+            head = dense(weight_name, torch.float32)  # not rounded to a bfloat16 --dtype on the way to float16
             replacement = Float16Linear(head, bias, TileScratch(), float32_output=True, use_fbgemm=True)
         elif source.kind in INT4_KINDS:
             replacement = Int4Linear(source.quantized_blocks(), kernel_dtype, device, bias)
         elif weight_name == "model.embed_tokens.weight" and shared is not None:
             replacement = Int8Linear(shared, bias, float32_output=name == "lm_head")
         elif source.kind in INT8_KINDS:
-            weight = Int8Weight(source.quantized_blocks(), kernel_dtype, device)
+            weight = Int8Weight.from_blocks(source.quantized_blocks(), kernel_dtype, device)
             replacement = Int8Linear(weight, bias, float32_output=name == "lm_head")
         else:
             continue
