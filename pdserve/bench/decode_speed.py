@@ -19,7 +19,7 @@ steps of each variant.
     python bench/decode_speed.py [--model smollm2] [--variants none,native] [--before REF [--before-variant float16]]
         [--after REF] [--tokens 128]
         [--repeat 2] [--threads 2] [--profile]
-    python bench/decode_speed.py --kernels [--model smollm2]   # the GEMM kernels alone, over the model's shapes
+    python bench/decode_speed.py --kernels [--model smollm2] [--kernel-batches 1,16]   # the GEMM kernels alone
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ def measure_bandwidth(mib: int = 512, repeats: int = 5) -> float:
     return 2 * src.numel() * 4 / best
 
 
-def kernel_times(model: str, threads: int, repeats: int = 5) -> dict[str, dict[int, float]]:
+def kernel_times(
+    model: str, threads: int, repeats: int = 5, batches: tuple[int, ...] = (1, 16)
+) -> dict[str, dict[int, float]]:
     """Seconds for every linear layer of ``model`` (random weights of its shapes) once, per GEMM and batch size:
     float32 dense (``F.linear``, and the engine's ``Linear``, which runs a few rows as a two-batch product) and
     bfloat16 dense, int4 weight-only (float32 and bfloat16 activations), int8 weight-only, and float16 weights
@@ -146,7 +148,7 @@ def kernel_times(model: str, threads: int, repeats: int = 5) -> dict[str, dict[i
         "float16 weights, matrix-vector / float32 tiles",
     )
     out: dict[str, dict[int, float]] = {}
-    for m in (1, 16):
+    for m in batches:
         x = {k: torch.randn(m, k) for k in {k for _, k in shapes}}
         xb = {k: v.bfloat16() for k, v in x.items()}
         for kind in kinds:
@@ -293,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-rows", type=int, default=12)
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--kernels", action="store_true", help="only time the GEMM kernels over the model's shapes")
+    parser.add_argument("--kernel-batches", default="1,16", help="--kernels: the batch sizes (rows), comma-separated")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--overrides", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -301,11 +304,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.kernels:
-        times = kernel_times(args.model, args.threads)
+        try:
+            batches = tuple(int(b) for b in args.kernel_batches.split(","))
+        except ValueError:
+            batches = ()
+        if not batches or min(batches) < 1:
+            parser.error(f"--kernel-batches: positive integers, comma-separated, not {args.kernel_batches!r}")
+        times = kernel_times(args.model, args.threads, batches=batches)
         print(f"every linear layer of {args.model} once (random weights), {args.threads} threads; ms")
-        print("| GEMM | batch 1 | batch 16 |\n|---|---:|---:|")
+        print("| GEMM | " + " | ".join(f"batch {b}" for b in batches) + " |")
+        print("|---|" + "---:|" * len(batches))
         for name, by_batch in times.items():
-            print(f"| {name} | {1000 * by_batch[1]:.1f} | {1000 * by_batch[16]:.1f} |")
+            print(f"| {name} | " + " | ".join(f"{1000 * by_batch[b]:.1f}" for b in batches) + " |")
         return 0
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     names = [n for n in args.variants.split(",") if n]

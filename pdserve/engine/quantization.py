@@ -7,7 +7,7 @@
   and minimums (exact: ``w = d * q + m``), Q8_0 ones as int8 weight-only GEMM (one scale per row,
   re-derived from the per-32 ones); q/k/v and gate/up are joined into one GEMM each, as float ones are;
   other tensors are dequantised to the compute dtype. On a CPU under ``--dtype auto`` the model computes
-  in float32 and the GEMMs take bfloat16 inputs (``weight_only_input_dtype``; float32 inputs are 10-35x
+  in float32 and the GEMMs take bfloat16 inputs (``weight_only_input_dtype``; float32 inputs are 10-100x
   slower), with a float16 KV cache and, on x86, a float16 output projection on FBGEMM (float32 logits);
 - ``float16``: every weight (linears and the embedding) stored in float16, half float32's bytes, and
   computed in float32 (``Float16Linear``). On x86 builds of torch one kernel does every batch size:
@@ -155,7 +155,7 @@ def quantized_compute_dtype(device: torch.device) -> torch.dtype:
 def weight_only_input_dtype(device: torch.device) -> torch.dtype:
     """The dtype the ``native`` path's int4/int8 GEMMs take their inputs in under ``--dtype auto``.
 
-    On a CPU, bfloat16 whatever the activations are kept in: torch's CPU kernels are 10-35x slower with
+    On a CPU, bfloat16 whatever the activations are kept in: torch's CPU kernels are 10-100x slower with
     float32 inputs than with bfloat16 ones (measured on AVX2 and AVX-512 CPUs), while the norms, attention
     and residual stream stay in float32. On CUDA, the compute dtype (bfloat16).
     """
