@@ -82,6 +82,9 @@ def test_replaying_a_simulated_run_reproduces_it_exactly(mode, counts):
     for a, b in zip(replayed.records, original.records, strict=True):
         assert a.request_id == b.request_id and a.token_times == pytest.approx(b.token_times, abs=1e-9)
     assert report.passed and all(abs(report.error(f)) < 1e-9 for f in ("TTFT p50", "ITL p50", "TTFT p99"))
+    # every admission's recorded step count is the one its replayed timeline reaches: nothing to move
+    alignment = report.alignment
+    assert alignment["events"] >= len(reqs.requests) and alignment["on_time"] == alignment["events"]
 
 
 def test_a_replay_follows_the_recorded_routes_and_reports_how_often_the_policy_differs():
@@ -168,6 +171,57 @@ def test_a_request_that_found_its_worker_busy_reaches_it_when_the_worker_says_it
     assert b_step_start({}) == pytest.approx(0.070)  # without it: the config's 1 ms, and b joins one step early
 
 
+def _boundary_trace(b_sent: float, b_queued_at: int):
+    """A worker's recorded steps (its step counts 40..42: the run began after earlier ones): a's prefill, a's
+    first decode, then a's decode with b's prompt. a's prefill runs from 0.001 to 0.051 on the replay's clock;
+    b's call reaches the worker 1 ms after b is sent (the config's latency); the run recorded the step count at
+    which b was queued."""
+    from pdserve.bench.metrics import RequestRecord
+    from pdserve.messages import StepStats
+
+    steps = [StepStats(100.0, 0.05, num_prefill_tokens=300, num_seqs=1, worker="decode-0", step_index=40)]
+    steps.append(StepStats(100.05, 0.01, num_decode_tokens=1, num_seqs=1, worker="decode-0", step_index=41))
+    both = {"num_prefill_tokens": 64, "num_decode_tokens": 1, "num_seqs": 2}
+    steps.append(StepStats(100.06, 0.02, **both, worker="decode-0", step_index=42))
+    meta = {"decode_worker": "decode-0", "prefill_worker": ""}
+    a = RequestRecord("a", 99.999, (100.051, 100.061, 100.081), 300, meta={**meta, "decode_queued_step": 40})
+    b = RequestRecord("b", 100 + b_sent, (100.081,), 64, meta={**meta, "decode_queued_step": b_queued_at})
+    requests = [_req("a", 300, 3, 0.0), _req("b", 64, 1, b_sent + 0.001)]
+    return requests, [a, b], steps
+
+
+@pytest.mark.parametrize(("window_s", "aligned"), [(0.005, True), (0.002, False), (0.0, False)])
+def test_an_admission_just_before_a_step_boundary_joins_the_step_the_run_recorded(window_s, aligned):
+    # b's call reaches the worker at 0.048 in the replay, 3 ms before a's prefill ends: the replayed timeline
+    # puts it in step 41, the run recorded it queued at 42 (its call took a few ms longer there)
+    requests, records, steps = _boundary_trace(0.046, 42)
+    cfg = SimConfig(control_latency_s=1e-3, kv_link_bw=5e9, kv_link_latency_s=0)
+    report = replay(requests, records, steps, H100_8B, cfg, time_origin=99.999, tie_window_s=window_s)
+    b_step = next(k for k, s in enumerate(report.result.steps) if s.num_prefill_tokens == 64)
+    assert b_step == (2 if aligned else 1)
+    shapes = [(s.num_prefill_tokens, s.num_decode_tokens) for s in report.result.steps]
+    assert shapes == ([(300, 0), (0, 1), (64, 1)] if aligned else [(300, 0), (64, 1), (0, 1)])
+    assert report.alignment["moved"] == (1 if aligned else 0) and report.alignment["off"] == (0 if aligned else 1)
+    if aligned:
+        assert report.alignment["moved_max_ms"] == pytest.approx(3.0, abs=0.01)
+
+
+@pytest.mark.parametrize(("window_s", "aligned"), [(0.005, True), (0.0, False)])
+def test_a_step_waits_for_an_admission_the_run_recorded_for_it_that_comes_just_after_it_would_start(window_s, aligned):
+    # b's call reaches the worker at 0.052 in the replay, 1 ms after step 41 would start; the run had b queued
+    # before it (at 41): within the window the step waits for b, and starts 1 ms late
+    requests, records, steps = _boundary_trace(0.050, 41)
+    cfg = SimConfig(control_latency_s=1e-3, kv_link_bw=5e9, kv_link_latency_s=0)
+    report = replay(requests, records, steps, H100_8B, cfg, time_origin=99.999, tie_window_s=window_s)
+    second = report.result.steps[1]
+    if aligned:
+        assert second.num_prefill_tokens == 64 and second.started == pytest.approx(0.052)
+        assert report.alignment["moved_max_ms"] == pytest.approx(1.0, abs=0.01)
+    else:
+        assert second.num_prefill_tokens == 0 and second.started == pytest.approx(0.051)
+        assert report.alignment["off"] == 1
+
+
 def test_a_handoff_to_a_busy_decode_worker_is_read_off_the_decode_call_time():
     from pdserve.bench.metrics import RequestRecord
     from pdserve.messages import StepStats
@@ -220,3 +274,31 @@ def test_a_request_handed_to_an_idle_decode_worker_takes_its_recorded_handoff():
     prefill, decode = report.result.steps_of("prefill-0")[0], report.result.steps_of("decode-0")[0]
     assert prefill.started == pytest.approx(0.010) and prefill.ended == pytest.approx(0.060)
     assert decode.started == pytest.approx(0.090)  # not the config's 5 ms
+
+
+def test_calls_that_reach_a_prefill_worker_together_keep_the_order_its_records_show():
+    # a, b and c reach the prefill worker 1 ms apart; the run's workers took c in before b (the real router
+    # and worker saw them in another order than sent): the replay's FIFO follows the record, not the send order
+    cfg = SimConfig(
+        max_num_batched_tokens=256, chunk_size=256, control_latency_s=1e-3, kv_link_bw=5e9, kv_link_latency_s=0
+    )
+    reqs = [_req("a", 300, 2, 0.0), _req("b", 300, 2, 0.001), _req("c", 260, 2, 0.002)]
+    original = simulate(reqs, H100_8B, cfg, mode="disaggregated")
+    first_chunks = [c for chunks in _chunks_of(original, "prefill-0") for c in chunks if c[0] != "a"]
+    assert list(dict.fromkeys(rid for rid, _ in first_chunks)) == ["b", "c"]
+    meta = {r.request_id: r.meta for r in original.records}
+    assert meta["b"]["prefill_queued_step"] < meta["c"]["prefill_queued_step"]  # one admitted per step
+    swapped = {"b": "c", "c": "b"}
+    events = ("prefill_queued_step", "decode_reserved_step", "decode_queued_step")
+    records = [
+        dataclasses.replace(r, meta={**r.meta, **{e: meta[swapped[r.request_id]][e] for e in events}})
+        if r.request_id in swapped
+        else r
+        for r in original.records
+    ]
+    for window, order in ((0.005, ["c", "b"]), (0.0, ["b", "c"])):
+        report = replay(
+            reqs, records, original.steps, H100_8B, cfg, mode="disaggregated", time_origin=0.0, tie_window_s=window
+        )
+        chunks = [c for step in _chunks_of(report.result, "prefill-0") for c in step if c[0] != "a"]
+        assert list(dict.fromkeys(rid for rid, _ in chunks)) == order, window

@@ -113,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--measured", default=None, help="a measured.json to re-simulate (no deployment is started)")
     p.add_argument("--no-tail", action="store_true", help="simulate without the measured step-time tail")
+    p.add_argument(
+        "--tie-window-ms",
+        type=float,
+        default=None,
+        help="check 2: an admission this close to a step boundary joins the step its worker recorded (0: off; "
+        "default: the calibration's control-call latency range, p1 to p99)",
+    )
     p.add_argument("--sim-runs", type=int, default=9, help="simulated runs per figure (seeds; the median is compared)")
     p.add_argument("--out", default=os.path.join("results", "validate"))
     return p
@@ -436,6 +443,7 @@ class ReplayRow(NamedTuple):
     architecture: str
     repeat: int
     report: Any  # sim.replay.ReplayReport
+    tie_window_s: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -448,12 +456,13 @@ def check_replay(args: argparse.Namespace, runs: Sequence[Run], profile: Any) ->
     from pdserve.sim.config import SimConfig
     from pdserve.sim.cost_model import LinearCostModel
     from pdserve.sim.profiles import get_model
-    from pdserve.sim.replay import replay
+    from pdserve.sim.replay import default_tie_window, replay
 
     engine = engine_config(bench_arguments(args))
     config = SimConfig.from_engine_config(engine, **profile.sim_settings())
     cost = LinearCostModel(profile, get_model(args.model))
     rows = []
+    window = default_tie_window(config) if args.tie_window_ms is None else max(0.0, args.tie_window_ms / 1e3)
     for run in runs:
         if run.purpose != "validation":
             continue
@@ -469,8 +478,9 @@ def check_replay(args: argparse.Namespace, runs: Sequence[Run], profile: Any) ->
             num_instances=instances,
             num_prefill=1,
             num_decode=1,
+            tie_window_s=window,
         )
-        rows.append(ReplayRow(run.workload, run.architecture, run.repeat, report))
+        rows.append(ReplayRow(run.workload, run.architecture, run.repeat, report, window))
     return rows
 
 
@@ -526,8 +536,9 @@ def step_table(rows: Sequence[StepCheckRow]) -> str:
 def replay_table(rows: Sequence[ReplayRow]) -> str:
     lines = [
         "| workload | architecture | repeat | steps | step agreement | TTFT p50 replay/real ms | "
-        "ITL p50 replay/real ms | verdict | routed as the real router did |",
-        "|---|---|---:|---:|---:|---:|---:|---|---:|",
+        "ITL p50 replay/real ms | verdict | routed as the real router did | "
+        "admissions: at the timeline's step / moved to the recorded one (max ms) / off by more |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---|",
     ]
     for r in rows:
         rep = r.report
@@ -535,14 +546,25 @@ def replay_table(rows: Sequence[ReplayRow]) -> str:
             f"| {r.workload} | {r.architecture} | {r.repeat} | {rep.num_steps} | {rep.step_agreement:.1%} | "
             f"{rep.replayed['TTFT p50']:.1f}/{rep.recorded['TTFT p50']:.1f} | "
             f"{rep.replayed['ITL p50']:.1f}/{rep.recorded['ITL p50']:.1f} | {'pass' if r.ok else '**fail**'} | "
-            f"{rep.routing_agreement:.0%} |"
+            f"{rep.routing_agreement:.0%} | {_alignment_cell(rep.alignment)} |"
         )
     note = (
         "The replay serves each request on the workers the run served it on; the last column is the share the "
         "routing policy, on the replay's view, would have sent there itself (requests sent within a millisecond "
-        "can reach the real router in another order)."
+        "can reach the real router in another order). The last one counts the requests' admissions (a prompt "
+        "or its remote KV queued on a worker, blocks reserved on the decode worker) against the step counts the "
+        "workers recorded: those the replayed timeline put within the tie window "
+        f"({1e3 * (rows[0].tie_window_s if rows else 0.0):.1f} ms: the calibration's control-call latencies, p1 "
+        "to p99, unless --tie-window-ms says otherwise) of the recorded step boundary joined the recorded step."
     )
     return "\n".join(lines) + "\n\n" + note
+
+
+def _alignment_cell(alignment: dict[str, float]) -> str:
+    if not alignment.get("events"):
+        return "not recorded"
+    a = alignment
+    return f"{a['on_time']:.0f} / {a['moved']:.0f} ({a['moved_max_ms']:.1f}) / {a['off']:.0f}"
 
 
 def table(rows: Sequence[Row]) -> str:

@@ -43,6 +43,8 @@ def worker_request_stats(request: Request, **extra: Any) -> WorkerRequestStats:
         prefill_s=max(0.0, first - scheduled),
         num_cached_tokens=request.num_cached_tokens,
         second_token_time=second_token_time(request),
+        queued_at_step=request.queued_at_step,
+        reserved_at_step=request.reserved_at_step,
         **extra,
     )
 

@@ -313,6 +313,7 @@ class LLMEngine:
                 output.num_kv_read_tokens,
                 device_s=self.runner.last_device_s,
                 cpu_s=time.thread_time() - cpu0,
+                step_index=self.scheduler.num_steps - 1,
             )
         )
         return outputs

@@ -82,6 +82,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.num_steps = 0  # steps scheduled so far (a stalled schedule, with no chunks, is not one)
         self.clock = time.time  # the simulator swaps in its virtual clock
         # Which running requests may be preempted to break a stall (a prefill worker keeps those whose
         # KV blocks a push is still reading); None = any.
@@ -93,11 +94,15 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         if request.status == RequestStatus.WAITING:
+            request.queued_at_step = self.num_steps
             self.waiting.append(request)
+        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            request.reserved_at_step = self.num_steps
 
     def admit_front(self, request: Request) -> None:
         """Queue an already-known request (remote KV arrived) ahead of new arrivals."""
         request.status = RequestStatus.WAITING
+        request.queued_at_step = self.num_steps
         self.waiting.appendleft(request)
 
     def finish(self, request: Request, reason: FinishReason, free_blocks: bool = True) -> None:
@@ -131,6 +136,8 @@ class Scheduler:
             self._preempt(victim)
             preempted.append(victim.request_id)
             output = self._schedule_once()
+        if output.chunks:
+            self.num_steps += 1
         return SchedulerOutput(output.chunks, preempted + output.preempted) if preempted else output
 
     def _schedule_once(self) -> SchedulerOutput:

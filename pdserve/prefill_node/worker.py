@@ -55,6 +55,7 @@ class PrefillResult(NamedTuple):
     num_cached_tokens: int  # prompt tokens found in this worker's own prefix cache
     num_pushes: int  # pushes issued so far (the last one may still be in flight)
     decode_cached_tokens: int  # prompt tokens the decode worker already had (their blocks were not pushed)
+    queued_at_step: int = -1  # this worker's step count when its scheduler queued the prompt
 
 
 @dataclass
@@ -167,7 +168,7 @@ class PrefillWorker:
             job.admitted.set()
         if job.cancelled:
             raise RuntimeError(f"request {request_id!r} aborted")
-        first_token, first_time, queue_s, prefill_s, num_cached = await job.first_token
+        first_token, first_time, queue_s, prefill_s, num_cached, queued_at_step = await job.first_token
         return PrefillResult(
             self.worker_id,
             first_token,
@@ -177,6 +178,7 @@ class PrefillWorker:
             num_cached,
             job.push_index,
             job.next_block_at_start * self.block_size,
+            queued_at_step,
         )
 
     async def _admit(
@@ -311,7 +313,14 @@ class PrefillWorker:
                 stats = worker_request_stats(request)
                 first_time = request.times.first_token or time.time()
                 queue_s = max(0.0, (request.times.first_scheduled or first_time) - job.accepted_at)
-                first = (out.new_token_ids[0], first_time, queue_s, stats.prefill_s, stats.num_cached_tokens)
+                first = (
+                    out.new_token_ids[0],
+                    first_time,
+                    queue_s,
+                    stats.prefill_s,
+                    stats.num_cached_tokens,
+                    request.queued_at_step,
+                )
                 job.resolve(job.first_token, first)
 
     def _on_tick(self, engine: LLMEngine) -> None:

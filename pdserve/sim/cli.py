@@ -402,6 +402,12 @@ def run_replay(args: argparse.Namespace, sim: Simulation, say: Callable[..., Non
                 f"  {figure:<9} {rep.replayed[figure]:10.2f} {rep.recorded[figure]:10.2f} "
                 f"{100 * rep.error(figure):+7.1f}%"
             )
+        a = rep.alignment
+        if a.get("events"):
+            say(
+                f"  admissions at their recorded step: {a['on_time']:.0f} on the replayed timeline, "
+                f"{a['moved']:.0f} moved there (at most {a['moved_max_ms']:.1f} ms), {a['off']:.0f} further off"
+            )
         verdict = "pass" if rep.passed else "fail"
         say(
             f"  {verdict}: step agreement >= {100 * AGREEMENT_TARGET:.0f}% and TTFT p50, ITL p50 within "

@@ -10,7 +10,14 @@ that was idle took it at once; a busy one says when the call came, ``decode_call
 worker after its recorded call latency, and one whose records show when its decode call reached the
 decode worker (the idle worker's next step, or the busy one's ``decode_call_time``) is handed over
 after its recorded handoff, and one whose reservation found both workers idle takes its recorded
-round trip; the other latencies around the steps stay the config's medians. Each request is served by
+round trip; the other latencies around the steps stay the config's medians. Where the records give each
+worker's step count when it took a request in (its prompt or its remote KV queued, its blocks reserved:
+``decode_queued_step``, ``decode_reserved_step``, ``prefill_queued_step``, against the steps' ``step_index``), an
+admission the replayed timeline puts within ``tie_window_s`` of the step boundary the run put it behind (by
+default the range of the config's measured control-call latencies, p1 to p99, else 5 ms) joins the step the
+run recorded: a latency measured to a few milliseconds cannot tell which side of
+a boundary it fell, the record can. One further off stays where the timeline puts it, and shows as the
+steps that differ; ``alignment`` counts both. Each request is served by
 the workers that served it (a burst of requests sent within a millisecond can reach the real router in
 another order, and so on other workers); how often the routing policy would have chosen others is
 reported, ``routing_agreement``. Then:
@@ -40,10 +47,11 @@ from pdserve.messages import StepStats
 from pdserve.sim.calibrate import recorded_call_latencies, recorded_handoff_latencies, recorded_reserve_latencies
 from pdserve.sim.config import SimConfig
 from pdserve.sim.cost_model import CostModel
-from pdserve.sim.simulator import SimResult, Simulator
+from pdserve.sim.simulator import ADMISSION_EVENTS, SimResult, Simulator
 
 FIGURES = ("TTFT p50", "TTFT p99", "ITL p50", "ITL p99")
 AGREEMENT_TARGET = 0.95
+TIE_WINDOW_S = 0.005  # without measured call latencies: how close to a step boundary an admission is a tie
 BUSY_GAP_S = 0.05  # a pause between two steps shorter than this is the loop's own work, not idle time
 P50_TOLERANCE = 0.10
 
@@ -123,6 +131,7 @@ class ReplayReport:
     mismatches: tuple[tuple[str, int], ...] = ()  # (worker, position) of the first steps that differ
     num_requests: int = 0
     rerouted: int = 0  # requests the routing policy, on the replay's view, would have sent elsewhere
+    alignment: dict[str, float] = dataclasses.field(default_factory=dict)  # AlignmentTally.to_dict()
 
     @property
     def routing_agreement(self) -> float:
@@ -155,6 +164,7 @@ class ReplayReport:
             "recorded_ms": self.recorded,
             "passed": self.passed,
             "first_mismatches": [list(m) for m in self.mismatches],
+            "alignment": self.alignment,
         }
 
 
@@ -176,13 +186,15 @@ def replay(
     num_decode: int = 1,
     compositions: Sequence[Composition] | None = None,
     time_origin: float | None = None,
+    tie_window_s: float | None = None,
 ) -> ReplayReport:
     """Replay the run that sent ``requests`` (its ``records`` and every worker's ``steps``, named as the
     simulator names instances: ``prefill-0``, ``decode-0``, ...) on that architecture. ``compositions``
     (parallel to ``steps``) compares exact chunk lists instead of step signatures. ``cost_model`` sizes the
     KV (bytes per token for the transfers, the pool's capacity), as in the run, and prices only steps
     beyond the recorded ones; ``time_origin`` is the records' time of the simulator's 0 (default:
-    the first send). Raises ValueError on a trace that does not fit the
+    the first send); ``tie_window_s`` (0: off; default ``default_tie_window``) how close to a step boundary an
+    admission joins the step its record names. Raises ValueError on a trace that does not fit the
     architecture (an unknown worker name, steps without names, requests without records)."""
     if compositions is not None and len(compositions) != len(steps):
         raise ValueError("replay: compositions must be parallel to steps")
@@ -205,6 +217,8 @@ def replay(
         handoff_latencies=recorded_handoff_latencies(steps, records),
         routes=recorded_routes(records),
         reserve_latencies=recorded_reserve_latencies(steps, records),
+        admission_steps=recorded_admission_steps(records, steps),
+        tie_window_s=default_tie_window(config) if tie_window_s is None else tie_window_s,
     )
     result = sim.run(arrivals_from_records(requests, records, time_origin))
     unknown = sorted(set(durations) - set(result.instances))
@@ -223,7 +237,35 @@ def replay(
         mismatches=tuple(mismatches[:20]),
         num_requests=len(requests),
         rerouted=sim.rerouted,
+        alignment=sim.alignment.to_dict(),
     )
+
+
+def recorded_admission_steps(
+    records: Sequence[RequestRecord], steps: Sequence[StepStats]
+) -> dict[tuple[str, str], tuple[str, int]]:
+    """Per request and admission event (``ADMISSION_EVENTS``) whose record gives the worker's step count then,
+    ``(worker, that count from the worker's first recorded step of the run)``: the position of the first step
+    it could join among that worker's steps. Steps without ``step_index`` count from 0 (a simulated run's)."""
+    first: dict[str, int] = {}
+    for step in steps:
+        first[step.worker] = min(first.get(step.worker, max(step.step_index, 0)), max(step.step_index, 0))
+    out: dict[tuple[str, str], tuple[str, int]] = {}
+    for r in records:
+        for event in ADMISSION_EVENTS:
+            count = r.meta.get(f"{event}_step")
+            worker = str(r.meta.get("prefill_worker" if event.startswith("prefill") else "decode_worker") or "")
+            if count is None or int(count) < 0 or worker not in first:
+                continue
+            out[(r.request_id, event)] = (worker, int(count) - first[worker])
+    return out
+
+
+def default_tie_window(config: SimConfig) -> float:
+    """How far apart ``config``'s measured control-call latencies lie (p1 to p99): a replayed call cannot be
+    placed closer than that to a step boundary. ``TIE_WINDOW_S`` without them."""
+    spread = config.control_latency_percentiles
+    return float(spread[99] - spread[1]) if len(spread) == 101 else TIE_WINDOW_S
 
 
 def recorded_routes(records: Sequence[RequestRecord]) -> dict[str, tuple[str, str]]:

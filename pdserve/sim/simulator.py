@@ -42,7 +42,12 @@ lasts the ``k``-th recorded duration of that instance; ``step_gaps``, the loop's
 ``call_latencies`` and ``handoff_latencies``, per request, its call's recorded latency from the client to
 its worker and its recorded handoff from the prefill to the decode instance; ``reserve_latencies``, its
 reservation's recorded round trip; ``routes``, the workers it was served by (where the routing policy,
-on its own view, would have chosen others, counted in ``rerouted``).
+on its own view, would have chosen others, counted in ``rerouted``). ``admission_steps`` gives, per request
+and admission event (``ADMISSION_EVENTS``: its prompt or its remote KV queued on a worker, its blocks
+reserved on the decode worker), the worker's step count the run recorded for it: an event that the
+replayed timeline puts within ``tie_window_s`` of the step boundary the run put it behind is moved across
+that boundary (held back to the recorded step, or the step waits for it), and one further off is left where
+the timeline puts it (``alignment`` counts both).
 Speed: a decode instance whose step is decode-only with nothing waiting runs the same batch step
 after step until a request finishes or something reaches it. Such a run of steps (``_DecodeRun``) is
 planned ahead, each step priced by the cost model and the clock advanced by the same additions as one
@@ -86,6 +91,8 @@ MODES = ("colocated", "disaggregated", "auto")
 _DECODE_GROUP = DECODE_GROUP_SIZE  # the engine's decode attention groups (the keys a decode step reads)
 _RUN_PLAN_STEPS = 8  # a coalesced run plans this many steps ahead at first, then doubles
 DUMMY_TOKEN = 0  # what a simulated step "samples"; never EOS (requests run to max_tokens)
+# a request's admission events on a worker, named as its record's meta names their step counts (``<event>_step``)
+ADMISSION_EVENTS = ("decode_queued", "decode_reserved", "prefill_queued")
 
 
 @dataclass(frozen=True)
@@ -180,9 +187,54 @@ class _Instance:
         self.tick_waiting_tokens = 0  # a prefill instance: waiting prompt tokens just before the running step
         self.admitted_since_tick = 0  # ... and prompt tokens admitted since it started
         self.run: _DecodeRun | None = None  # a coalesced run of decode-only steps in progress
+        # replay: admission events held back to the step the run recorded for them, and the recorded
+        # (step, request id, event) still to come here, in step order; when the next step waits for one
+        self.deferred: list[_Deferred] = []
+        self.expected: deque[tuple[int, str, str]] = deque()
+        self.hold_since: float | None = None
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        return bool(self.scheduler.waiting or self.scheduler.running or self.deferred)
+
+    def deferred_prompt_tokens(self) -> int:
+        """Prompt tokens of the prefills held back from this (prefill) instance's scheduler."""
+        return sum(d.prompt_tokens for d in self.deferred if d.event == "prefill_queued")
+
+
+@dataclass
+class _Deferred:
+    """Replay: an admission event that reached its instance before the step the run recorded for it."""
+
+    step: int  # the recorded step count: it joins that step
+    since: float  # when the replayed timeline brought it
+    request_id: str
+    event: str
+    action: Callable[[], None]
+    prompt_tokens: int = 0
+    moved: float = 0.0  # since it came, to the start of the last step before the recorded one
+
+
+@dataclass
+class AlignmentTally:
+    """Replay: how the admission events compared with the step counts the run recorded for them."""
+
+    on_time: int = 0  # the replayed timeline put it before the recorded step, as the run did
+    moved: list[float] = field(default_factory=list)  # within the tie window: moved by this much (s) to match
+    off: int = 0  # further off than the window: left where the timeline put it
+
+    @property
+    def num_events(self) -> int:
+        return self.on_time + len(self.moved) + self.off
+
+    def to_dict(self) -> dict[str, float]:
+        moved = sorted(self.moved)
+        return {
+            "events": self.num_events,
+            "on_time": self.on_time,
+            "moved": len(moved),
+            "moved_max_ms": 1e3 * moved[-1] if moved else 0.0,
+            "off": self.off,
+        }
 
 
 @dataclass
@@ -257,6 +309,7 @@ class _Client:
     prompt_hashes: list[bytes] = field(default_factory=list)  # the prompt's block hashes, computed once
     kv_complete: bool = False
     decode_called: bool = False
+    queued_at: float = 0.0  # when it joined a prefill instance's FIFO
 
 
 class Simulator:
@@ -277,6 +330,8 @@ class Simulator:
         handoff_latencies: Mapping[str, float] | None = None,
         routes: Mapping[str, tuple[str, str]] | None = None,
         reserve_latencies: Mapping[str, float] | None = None,
+        admission_steps: Mapping[tuple[str, str], tuple[str, int]] | None = None,
+        tie_window_s: float = 0.0,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"sim: mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -305,6 +360,11 @@ class Simulator:
         self.routes = routes or {}  # replay: request id -> its recorded (decode worker, prefill worker or "")
         self.rerouted = 0  # replay: requests the policy would have routed otherwise than recorded
         self.reserve_latencies = reserve_latencies or {}  # replay: request id -> its reservation's round trip
+        # replay: (request id, admission event) -> (worker, its step count then), as the run recorded them
+        self.admission_steps = admission_steps or {}
+        self.tie_window_s = tie_window_s
+        self.alignment = AlignmentTally()
+        self._admitted: set[tuple[str, str]] = set()  # admission events applied (or given up waiting for)
         self._wake: list[_Instance] = []  # idle instances that work just reached
         self.kv_bytes_moved = 0
         self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
@@ -338,6 +398,10 @@ class Simulator:
             decode_role = "auto-decode" if self.mode == "auto" else "decode"
             role = "prefill" if name in prefills else (decode_role if prefills else "colocated")
             self.instances[name] = _Instance(name, role, sched, len(self.instances))
+        if self.tie_window_s > 0:
+            for (request_id, event), (worker, step) in sorted(self.admission_steps.items(), key=lambda kv: kv[1][1]):
+                if worker in self.instances:
+                    self.instances[worker].expected.append((step, request_id, event))
         self._prefills = [inst for inst in self.instances.values() if inst.cost_role == "prefill"]
         self._ready = dict.fromkeys(self.instances.values())  # idle instances that may have work (ordered set)
         self._stalled: dict[_Instance, None] = {}  # idle instances with work that could not schedule (blocks)
@@ -487,12 +551,18 @@ class Simulator:
         route = client.route
         assert route is not None and client.decode is not None
         if route.prefill_worker is None:
-            self._touch(client.decode)
-            client.decode.scheduler.add(self._new_request(client, client.wreq.max_tokens))
-            self._woken(client.decode)
+            decode = client.decode
+
+            def queue() -> None:
+                self._touch(decode)
+                client.meta["decode_queued_step"] = decode.num_steps_started
+                decode.scheduler.add(self._new_request(client, client.wreq.max_tokens))
+                self._woken(decode)
+
+            self._take_in(decode, client, "decode_queued", queue)
         else:
             client.prefill = self.instances[route.prefill_worker]
-            client.prefill.fifo.append(client)
+            self._enqueue_prefill(client.prefill, client)
 
     def _deliver(self, client: _Client, finished: bool) -> None:
         """A token (or the end of the stream) reaches the client ``token_latency_s`` after now."""
@@ -526,9 +596,11 @@ class Simulator:
 
     # ---- steps ---------------------------------------------------------------------------------
     def _start_step(self, inst: _Instance) -> None:
+        if (inst.deferred or inst.expected) and self._aligning(inst):
+            return
         if inst.cost_role == "prefill":  # the loop's tick before the step: what the admission rule reads
             inst.tick_waiting_tokens = remote_kv.waiting_prompt_tokens(inst.scheduler)
-            inst.admitted_since_tick = 0
+            inst.admitted_since_tick = inst.deferred_prompt_tokens()
         output = inst.scheduler.schedule()
         if not output.chunks:
             self._stalled[inst] = None  # waiting for blocks; retried after the next event
@@ -915,7 +987,8 @@ class Simulator:
         the gap before its next tick), on those of the loop's last tick (just before the step, so the
         prompts the step computed still count) plus the prompts admitted since."""
         if inst.output is None and not inst.busy:
-            return remote_kv.prefill_admission_open(inst.scheduler)
+            waiting_now = remote_kv.waiting_prompt_tokens(inst.scheduler) + inst.deferred_prompt_tokens()
+            return remote_kv.admission_open(waiting_now, inst.scheduler.config.max_num_batched_tokens)
         waiting = inst.tick_waiting_tokens + inst.admitted_since_tick
         return remote_kv.admission_open(waiting, inst.scheduler.config.max_num_batched_tokens)
 
@@ -930,6 +1003,11 @@ class Simulator:
     def _reserve(self, prefill: _Instance, client: _Client) -> None:
         """On the decode instance: ``reserve_remote_blocks``; the answer travels back to the prefill instance."""
         assert client.decode is not None
+        self._take_in(client.decode, client, "decode_reserved", lambda: self._apply_reserve(prefill, client))
+
+    def _apply_reserve(self, prefill: _Instance, client: _Client) -> None:
+        assert client.decode is not None
+        client.meta["decode_reserved_step"] = client.decode.num_steps_started
         reservation = self._new_request(client, client.wreq.max_tokens)
         cached = remote_kv.reserve_remote_blocks(client.decode.scheduler, reservation, self.now)
         if cached is None:
@@ -943,9 +1021,15 @@ class Simulator:
         client.decode_req, client.sent_upto = reservation, cached
         client.meta.update(decode_cached_tokens=cached, kv_bytes=0, reserved_at=self.now)
         client.prefill_req = self._new_request(client, 1)
-        inst.scheduler.add(client.prefill_req)
         inst.admitted_since_tick += client.wreq.num_prompt_tokens
-        self._woken(inst)
+        prefill_req = client.prefill_req
+
+        def queue() -> None:
+            client.meta["prefill_queued_step"] = inst.num_steps_started
+            inst.scheduler.add(prefill_req)
+            self._woken(inst)
+
+        self._take_in(inst, client, "prefill_queued", queue, client.wreq.num_prompt_tokens)
 
     def _after_prefill_chunk(self, inst: _Instance, client: _Client, computed: int) -> None:
         """Queue the chunk's new KV on the prefill instance's link; the last push marks the prompt done."""
@@ -988,12 +1072,119 @@ class Simulator:
         if not (client.kv_complete and client.decode_called) or client.done:
             return
         assert client.decode is not None and client.decode_req is not None
-        self._touch(client.decode)
-        sched = client.decode.scheduler
-        reason = remote_kv.admit_remote(sched, client.decode_req, DUMMY_TOKEN, self.now, self._max_model_len)
-        self._woken(client.decode)
-        if reason is not None:  # the first token already ended it: only the end of the stream is left
-            self._at(self.now + self.config.token_latency_s, self._complete, client)
+        decode, decode_req = client.decode, client.decode_req
+
+        def queue() -> None:
+            if client.done:
+                return
+            self._touch(decode)
+            client.meta["decode_queued_step"] = decode.num_steps_started
+            reason = remote_kv.admit_remote(decode.scheduler, decode_req, DUMMY_TOKEN, self.now, self._max_model_len)
+            self._woken(decode)
+            if reason is not None:  # the first token already ended it: only the end of the stream is left
+                self._at(self.now + self.config.token_latency_s, self._complete, client)
+
+        self._take_in(decode, client, "decode_queued", queue)
+
+    # ---- replay: admission events at the recorded steps ------------------------------------------
+    def _enqueue_prefill(self, inst: _Instance, client: _Client) -> None:
+        """Append ``client`` to the prefill instance's FIFO. Under replay, calls that reached it within the tie
+        window of each other keep the order in which the run's workers took them in (their recorded step
+        counts: the prefill worker's queue, then the decode worker's reservation), not the replayed timeline's."""
+        client.queued_at = self.now
+        fifo = inst.fifo
+        fifo.append(client)
+        rank = self._recorded_order(client)
+        if rank is None or self.tie_window_s <= 0:
+            return
+        i, first_movable = len(fifo) - 1, 1 if inst.reserving else 0  # the head being reserved stays
+        while i > first_movable:
+            before = fifo[i - 1]
+            before_rank = self._recorded_order(before)
+            if before_rank is None or before_rank <= rank or self.now - before.queued_at > self.tie_window_s:
+                break
+            fifo[i - 1], fifo[i] = client, before
+            i -= 1
+
+    def _recorded_order(self, client: _Client) -> tuple[int, int] | None:
+        steps = [self.admission_steps.get((client.wreq.request_id, e)) for e in ("prefill_queued", "decode_reserved")]
+        if any(s is None for s in steps):
+            return None
+        return (steps[0][1], steps[1][1])  # type: ignore[index]
+
+    def _take_in(
+        self, inst: _Instance, client: _Client, event: str, action: Callable[[], None], prompt_tokens: int = 0
+    ) -> None:
+        """Apply ``action``, the request's admission ``event`` on ``inst``: now, unless the run recorded a later
+        step count for it and ``inst`` has a step to run first (then the step count's boundary applies it)."""
+        request_id = client.wreq.request_id
+        recorded = self.admission_steps.get((request_id, event))
+        if recorded is None or recorded[0] != inst.name:
+            action()
+            return
+        step, now_step = recorded[1], inst.num_steps_started
+        busy = inst.busy or inst.scheduler.waiting or inst.scheduler.running
+        if step > now_step and busy and self.tie_window_s > 0:
+            inst.deferred.append(_Deferred(step, self.now, request_id, event, action, prompt_tokens))
+            return
+        if (request_id, event) not in self._admitted:
+            self._admitted.add((request_id, event))
+            if step == now_step and inst.hold_since is not None:  # the step it belongs to waits for it
+                self.alignment.moved.append(self.now - inst.hold_since)
+            elif step == now_step:
+                self.alignment.on_time += 1
+            else:
+                self.alignment.off += 1
+        action()
+
+    def _aligning(self, inst: _Instance) -> bool:
+        """Before ``inst``'s next step: apply the held-back events that belong to it (or that came more than the
+        tie window before it), and wait up to the window for events the run recorded for it that have not come.
+        True while the step waits."""
+        step, window = inst.num_steps_started, self.tie_window_s
+        due = [d for d in inst.deferred if d.step <= step or self.now - d.since > window]
+        if due:
+            inst.deferred = [d for d in inst.deferred if not any(d is x for x in due)]
+            for d in due:
+                self._admitted.add((d.request_id, d.event))
+                if d.step <= step:
+                    self.alignment.moved.append(d.moved)
+                else:
+                    self.alignment.off += 1
+                d.action()
+        expected = inst.expected
+        while expected and (expected[0][1], expected[0][2]) in self._admitted:
+            expected.popleft()
+        due_here = itertools.takewhile(lambda e: e[0] <= step, expected)
+        missing = [e for e in due_here if (e[1], e[2]) not in self._admitted]
+        if missing:
+            if inst.hold_since is None:
+                inst.hold_since = self.now
+                self._at(self.now + window, self._on_hold_over, inst, step)
+            return True
+        inst.hold_since = None
+        if not (inst.scheduler.waiting or inst.scheduler.running) and inst.deferred:
+            for d in inst.deferred:  # nothing else to step on: the recorded step cannot come first
+                self._admitted.add((d.request_id, d.event))
+                self.alignment.off += 1
+                d.action()
+            inst.deferred = []
+        for d in inst.deferred:
+            d.moved = self.now - d.since
+        return False
+
+    def _on_hold_over(self, inst: _Instance, step: int) -> None:
+        """The tie window passed with the step still waiting: it starts without the events that did not come."""
+        if inst.hold_since is None or inst.num_steps_started != step:
+            return
+        for recorded_step, request_id, event in inst.expected:
+            if recorded_step > step:
+                break
+            if (request_id, event) not in self._admitted:
+                self._admitted.add((request_id, event))
+                self.alignment.off += 1
+        inst.hold_since = None
+        self._ready[inst] = None
 
     # ---- results -------------------------------------------------------------------------------
     def _result(self) -> SimResult:
