@@ -249,7 +249,8 @@ def recorded_admission_steps(
     it could join among that worker's steps. Steps without ``step_index`` count from 0 (a simulated run's)."""
     first: dict[str, int] = {}
     for step in steps:
-        first[step.worker] = min(first.get(step.worker, max(step.step_index, 0)), max(step.step_index, 0))
+        index = max(step.step_index, 0)
+        first[step.worker] = min(first.get(step.worker, index), index)
     out: dict[tuple[str, str], tuple[str, int]] = {}
     for r in records:
         for event in ADMISSION_EVENTS:

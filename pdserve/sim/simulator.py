@@ -227,12 +227,11 @@ class AlignmentTally:
         return self.on_time + len(self.moved) + self.off
 
     def to_dict(self) -> dict[str, float]:
-        moved = sorted(self.moved)
         return {
             "events": self.num_events,
             "on_time": self.on_time,
-            "moved": len(moved),
-            "moved_max_ms": 1e3 * moved[-1] if moved else 0.0,
+            "moved": len(self.moved),
+            "moved_max_ms": 1e3 * max(self.moved, default=0.0),
             "off": self.off,
         }
 
@@ -1107,10 +1106,10 @@ class Simulator:
             i -= 1
 
     def _recorded_order(self, client: _Client) -> tuple[int, int] | None:
-        steps = [self.admission_steps.get((client.wreq.request_id, e)) for e in ("prefill_queued", "decode_reserved")]
-        if any(s is None for s in steps):
-            return None
-        return (steps[0][1], steps[1][1])  # type: ignore[index]
+        request_id = client.wreq.request_id
+        queued = self.admission_steps.get((request_id, "prefill_queued"))
+        reserved = self.admission_steps.get((request_id, "decode_reserved"))
+        return None if queued is None or reserved is None else (queued[1], reserved[1])
 
     def _take_in(
         self, inst: _Instance, client: _Client, event: str, action: Callable[[], None], prompt_tokens: int = 0
@@ -1144,7 +1143,7 @@ class Simulator:
         step, window = inst.num_steps_started, self.tie_window_s
         due = [d for d in inst.deferred if d.step <= step or self.now - d.since > window]
         if due:
-            inst.deferred = [d for d in inst.deferred if not any(d is x for x in due)]
+            inst.deferred = [d for d in inst.deferred if not (d.step <= step or self.now - d.since > window)]
             for d in due:
                 self._admitted.add((d.request_id, d.event))
                 if d.step <= step:
