@@ -527,3 +527,56 @@ def test_check_one_against_the_same_shape_table_tells_the_machines_spread_from_a
     }
     [wrong] = check_steps(runs, dataclasses.replace(cpu, roles=bad), block_size=16, clock="cpu")
     assert not wrong.ok and wrong.model_table_error > wrong.table_error + 0.05 and not wrong.ok_against_table
+
+
+def test_check_three_at_the_repeats_levels_takes_the_machines_pace_out_not_a_wrong_model():
+    from pdserve.bench.validate_sim import (
+        FIGURES,
+        Row,
+        Run,
+        figures,
+        run_level_of,
+        simulated_at_levels,
+        simulated_figures,
+    )
+
+    truth = _profile(TRUTH)
+    cost = LinearCostModel(truth, get_model("tiny"))
+    reqs = random_workload(30, prompt_len_mean=200, output_len_mean=20, rate=30.0, seed=4)
+    # the calibration saw the machine at level 1 with no bursts; the measured repeat ran 25 % slower throughout
+    calibrated = dataclasses.replace(truth, slowdown_percentiles=(1.0,) * 101, run_slowdown_percentiles=(1.0,) * 101)
+    config = SimConfig(max_num_batched_tokens=256, slowdown_percentiles=(1.0,) * 101)
+    slow = simulate(reqs, cost, dataclasses.replace(config, slowdown_percentiles=(1.25,) * 101), num_instances=2)
+    run = Run("validation", "random", "colocated", 0, list(slow.records), list(slow.steps), 0.0)
+    measured = figures(run.records)
+
+    level = run_level_of(run, calibrated, config.block_size)
+    assert level == pytest.approx(1.25, rel=0.01)
+    plain = simulated_figures(reqs, LinearCostModel(calibrated, get_model("tiny")), config, "colocated", 1)
+    at_level = simulated_at_levels(reqs, cost, config, "colocated", [level], calibrated, 3)
+    assert at_level is not None
+    rows = [
+        Row("random", "colocated", k, plain[k], measured[k], measured[k], measured[k], at_level[k]) for k in FIGURES
+    ]
+    assert not all(r.ok for r in rows)  # priced at the calibration's pace, the slow repeat misses ...
+    assert all(r.ok_at_level and abs(r.error_at_level) < 0.02 for r in rows)  # ... and at its own pace it agrees
+    # no slowdown draws to rescale: nothing simulated at the levels
+    assert (
+        simulated_at_levels(reqs, cost, dataclasses.replace(config, step_tail=False), "colocated", [1.2], calibrated, 3)
+        is None
+    )
+
+    # a wrong cost model (prefill tokens priced 3x, decode tokens a third): the run's level cannot absorb it
+    wrong_terms = (TRUTH[0], TRUTH[1] * 3, TRUTH[2] / 3, *TRUTH[3:])
+    wrong = dataclasses.replace(
+        _profile(wrong_terms), slowdown_percentiles=(1.0,) * 101, run_slowdown_percentiles=(1.0,) * 101
+    )
+    wrong_cost = LinearCostModel(wrong, get_model("tiny"))
+    wrong_level = run_level_of(run, wrong, config.block_size)
+    assert wrong_level is not None
+    wrong_at_level = simulated_at_levels(reqs, wrong_cost, config, "colocated", [wrong_level], wrong, 3)
+    assert wrong_at_level is not None
+    wrong_rows = [
+        Row("random", "colocated", k, 0.0, measured[k], measured[k], measured[k], wrong_at_level[k]) for k in FIGURES
+    ]
+    assert not all(r.ok_at_level for r in wrong_rows)

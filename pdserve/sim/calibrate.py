@@ -40,6 +40,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import math
 import random
 import statistics
 import time
@@ -408,6 +409,39 @@ class Slowdown(NamedTuple):
     runs: tuple[float, ...]  # per run, over all its steps: the run-to-run level
 
 
+def _window_sums(
+    profile: LinearProfile, architecture: str, steps: Sequence[StepStats], known: Sequence[Any], window_s: float
+) -> dict[tuple[str, int], list[float]]:
+    """Per (worker, window of ``window_s`` in which steps began): [measured duration, ``profile``'s price times
+    the co-run slowdown]. ``known``: nothing, or the steps' shapes, or their shapes and co-run fractions."""
+    shapes = _shapes(steps, cast("Sequence[StepShape]", known[0]) if known else None)
+    fractions = cast("Sequence[float]", known[1]) if len(known) > 1 else [0.0] * len(steps)
+    sums: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for s, shape, f in zip(steps, shapes, fractions, strict=True):
+        fit = profile.fit_for(step_role(s.worker, architecture))
+        window = sums[s.worker, int(s.started // window_s) if math.isfinite(window_s) else 0]
+        window[0] += s.duration_s
+        window[1] += fit.predict(linear_features(shape)) * (1 + profile.co_run_slowdown * f)
+    return sums
+
+
+def run_level(
+    profile: LinearProfile,
+    architecture: str,
+    steps: Sequence[StepStats],
+    shapes: Sequence[StepShape] | None = None,
+    co_run: Sequence[float] | None = None,
+) -> float | None:
+    """A run's level, as ``machine_slowdown`` measures it for each calibration run: the measured duration of
+    all its steps over what ``profile`` predicts for them (each step's role, times the co-run slowdown for its
+    ``co_run`` fraction); None when nothing is predicted. How fast the machine ran during that run."""
+    known: list[Any] = [] if shapes is None else [shapes] if co_run is None else [shapes, co_run]
+    measured, predicted = (
+        sum(v[i] for v in _window_sums(profile, architecture, steps, known, math.inf).values()) for i in (0, 1)
+    )
+    return measured / predicted if predicted > 0 else None
+
+
 def machine_slowdown(
     profile: LinearProfile, runs: Iterable[tuple[str, Sequence[StepStats]] | RunSteps], window_s: float
 ) -> Slowdown:
@@ -427,14 +461,7 @@ def machine_slowdown(
     levels: list[float] = []
     relative: list[float] = []
     for arch, steps, *known in runs:
-        shapes = _shapes(steps, cast("Sequence[StepShape]", known[0]) if known else None)
-        fractions = cast("Sequence[float]", known[1]) if len(known) > 1 else [0.0] * len(steps)
-        sums: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
-        for s, shape, f in zip(steps, shapes, fractions, strict=True):
-            fit = profile.fit_for(step_role(s.worker, arch))
-            window = sums[s.worker, int(s.started // window_s)]
-            window[0] += s.duration_s
-            window[1] += fit.predict(linear_features(shape)) * (1 + profile.co_run_slowdown * f)
+        sums = _window_sums(profile, arch, steps, known, window_s)
         measured, predicted = (sum(v[i] for v in sums.values()) for i in (0, 1))
         if predicted <= 0:
             continue
