@@ -534,10 +534,12 @@ def test_check_three_at_the_repeats_levels_takes_the_machines_pace_out_not_a_wro
         FIGURES,
         Row,
         Run,
+        check_summary,
         figures,
         run_level_of,
         simulated_at_levels,
         simulated_figures,
+        table,
     )
 
     truth = _profile(TRUTH)
@@ -556,10 +558,14 @@ def test_check_three_at_the_repeats_levels_takes_the_machines_pace_out_not_a_wro
     at_level = simulated_at_levels(reqs, cost, config, "colocated", [level], calibrated, 3)
     assert at_level is not None
     rows = [
-        Row("random", "colocated", k, plain[k], measured[k], measured[k], measured[k], at_level[k]) for k in FIGURES
+        Row("random", "colocated", k, plain[k], measured[k], measured[k], measured[k], at_level[k], (level,))
+        for k in FIGURES
     ]
     assert not all(r.ok for r in rows)  # priced at the calibration's pace, the slow repeat misses ...
     assert all(r.ok_at_level and abs(r.error_at_level) < 0.02 for r in rows)  # ... and at its own pace it agrees
+    summary = check_summary([], [], rows)["check 3 (end to end)"]
+    assert not summary["ok"] and summary["passed"] < len(FIGURES) and summary["passed_at_levels"] == len(FIGURES)
+    assert f"random colocated {level:.2f}" in table(rows)  # the repeats' levels are printed under the table
     # no slowdown draws to rescale: nothing simulated at the levels
     assert (
         simulated_at_levels(reqs, cost, dataclasses.replace(config, step_tail=False), "colocated", [1.2], calibrated, 3)
