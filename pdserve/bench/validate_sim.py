@@ -754,7 +754,7 @@ def check_summary(step_rows: Sequence[StepCheckRow], replay_rows: Sequence[Repla
     }
 
 
-def _clock_note(verdict: dict[str, Any]) -> str:
+def _verdict_note(verdict: dict[str, Any]) -> str:
     """Check 1's verdict line: which clock it was judged on, and the other clock's count; check 3's: the
     count at the repeats' own levels."""
     if verdict.get("passed_at_levels") is not None:
@@ -787,7 +787,7 @@ def report(
         f"on {os.cpu_count()} cores; measured in {measured_s:.0f} s, {total_s:.0f} s in all"
     )
     verdicts = "\n".join(
-        f"- {name}: {v['passed']} of {v['of']} pass{_clock_note(v)}: **{'pass' if v['ok'] else 'fail'}**"
+        f"- {name}: {v['passed']} of {v['of']} pass{_verdict_note(v)}: **{'pass' if v['ok'] else 'fail'}**"
         for name, v in summary.items()
     )
     text = (

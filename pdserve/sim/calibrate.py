@@ -410,12 +410,18 @@ class Slowdown(NamedTuple):
 
 
 def _window_sums(
-    profile: LinearProfile, architecture: str, steps: Sequence[StepStats], known: Sequence[Any], window_s: float
+    profile: LinearProfile,
+    architecture: str,
+    steps: Sequence[StepStats],
+    shapes: Sequence[StepShape] | None = None,
+    co_run: Sequence[float] | None = None,
+    *,
+    window_s: float,
 ) -> dict[tuple[str, int], list[float]]:
     """Per (worker, window of ``window_s`` in which steps began): [measured duration, ``profile``'s price times
-    the co-run slowdown]. ``known``: nothing, or the steps' shapes, or their shapes and co-run fractions."""
-    shapes = _shapes(steps, cast("Sequence[StepShape]", known[0]) if known else None)
-    fractions = cast("Sequence[float]", known[1]) if len(known) > 1 else [0.0] * len(steps)
+    the co-run slowdown for the step's ``co_run`` fraction (0 when not given)]; ``shapes`` as in ``_shapes``."""
+    shapes = _shapes(steps, shapes)
+    fractions = co_run if co_run is not None else [0.0] * len(steps)
     sums: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
     for s, shape, f in zip(steps, shapes, fractions, strict=True):
         fit = profile.fit_for(step_role(s.worker, architecture))
@@ -435,10 +441,8 @@ def run_level(
     """A run's level, as ``machine_slowdown`` measures it for each calibration run: the measured duration of
     all its steps over what ``profile`` predicts for them (each step's role, times the co-run slowdown for its
     ``co_run`` fraction); None when nothing is predicted. How fast the machine ran during that run."""
-    known: list[Any] = [] if shapes is None else [shapes] if co_run is None else [shapes, co_run]
-    measured, predicted = (
-        sum(v[i] for v in _window_sums(profile, architecture, steps, known, math.inf).values()) for i in (0, 1)
-    )
+    sums = _window_sums(profile, architecture, steps, shapes, co_run, window_s=math.inf).values()
+    measured, predicted = (sum(v[i] for v in sums) for i in (0, 1))
     return measured / predicted if predicted > 0 else None
 
 
@@ -461,7 +465,7 @@ def machine_slowdown(
     levels: list[float] = []
     relative: list[float] = []
     for arch, steps, *known in runs:
-        sums = _window_sums(profile, arch, steps, known, window_s)
+        sums = _window_sums(profile, arch, steps, *cast("list[Any]", known), window_s=window_s)
         measured, predicted = (sum(v[i] for v in sums.values()) for i in (0, 1))
         if predicted <= 0:
             continue
