@@ -300,3 +300,30 @@ def test_every_step_records_its_threads_cpu_time_not_the_time_it_was_off_the_cor
         assert waited and all(s.duration_s >= 0.05 and 0.0 < s.cpu_s < s.duration_s - 0.04 for s in waited)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_decode_logits_do_not_depend_on_the_requests_order_in_the_step():
+    """Bitwise: a request's decode logits are the same whatever the order of the step's requests, and the same
+    as alone (SDPA's CPU kernel sums in another order over a strided view of the queries than over a copy)."""
+    from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+    engine = tiny(num_kv_blocks=64, enable_prefix_caching=False)
+    runner = engine.runner
+    bs = engine.config.block_size
+    short, long = _random_prompts(1, seed=3, lo=21, hi=21)[0], _random_prompts(1, seed=4, lo=45, hi=45)[0]
+    prompts = {"short": short, "long": long}
+    blocks = {"short": [1, 2], "long": [3, 4, 5, 6]}
+    for rid, prompt in prompts.items():
+        runner.prompt_logits(SchedulerOutput([ScheduledChunk(rid, prompt, 0, blocks[rid], True)], []))
+
+    def decode(order: list[str]) -> dict[str, torch.Tensor]:
+        chunks = [ScheduledChunk(rid, [7], len(prompts[rid]), blocks[rid], True) for rid in order]
+        logits = runner.prompt_logits(SchedulerOutput(chunks, []))
+        return dict(zip(order, logits, strict=True))
+
+    assert len(prompts["long"]) > 2 * bs  # the two contexts differ in length: sorted, "short" comes first
+    run = decode(["short", "long"])  # sorted by context length, the group is the step's rows in order
+    shuffled = decode(["long", "short"])  # and here [1, 0]
+    for rid in prompts:
+        assert torch.equal(run[rid], shuffled[rid]), rid
+        assert torch.equal(run[rid], decode([rid])[rid]), rid
