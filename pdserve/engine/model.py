@@ -275,23 +275,22 @@ class Attention(nn.Module):
         return keys.transpose(0, 1).unsqueeze(0).to(q_dtype), values.transpose(0, 1).unsqueeze(0).to(q_dtype)
 
     def _prefill_attention(self, q, k, v, k_rows, v_rows, span: PrefillSpan) -> torch.Tensor:
-        n = span.hi - span.lo
-        query = q[span.lo : span.hi].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        n, H, KV, D = span.hi - span.lo, self.num_heads, self.num_kv_heads, self.head_dim
         if span.start == 0:  # nothing cached: the chunk's own keys, plain causal mask
+            query = q[span.lo : span.hi].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             keys = k[span.lo : span.hi].transpose(0, 1).unsqueeze(0)
             values = v[span.lo : span.hi].transpose(0, 1).unsqueeze(0)
             out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
-        else:  # every cached key, plus the chunk's own keys under a causal mask
-            context = span.start + n
-            keys, values = self._context(k_rows, v_rows, span.block_ids, context, q.dtype)
-            # query i (absolute position start + i) sees keys 0 .. start + i
-            mask = torch.arange(context, device=q.device) <= torch.arange(span.start, context, device=q.device)[:, None]
-            # with a mask, SDPA on CPU is faster on expanded K/V than with enable_gqa
-            group = self.num_heads // self.num_kv_heads
-            out = F.scaled_dot_product_attention(
-                query, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1), attn_mask=mask
-            )
-        return out.squeeze(0).transpose(0, 1)
+            return out.squeeze(0).transpose(0, 1)
+        # every cached key, plus the chunk's own keys under a causal mask; as in decode attention, the query heads
+        # that share a KV head are its query rows: [1, KV, group * n, D], row g * n + i = its head g, token i
+        context, group = span.start + n, H // KV
+        keys, values = self._context(k_rows, v_rows, span.block_ids, context, q.dtype)
+        query = q[span.lo : span.hi].view(n, KV, group, D).permute(1, 2, 0, 3).reshape(1, KV, group * n, D)
+        # token i (absolute position start + i) sees keys 0 .. start + i
+        mask = torch.arange(context, device=q.device) <= torch.arange(span.start, context, device=q.device)[:, None]
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask.repeat(group, 1))
+        return out.view(KV, group, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
 
 
 class MLP(nn.Module):
