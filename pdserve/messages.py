@@ -38,6 +38,9 @@ class StepStats(NamedTuple):
     # the worker's step count before this step: the count its requests' admission records (``queued_at_step``)
     # refer to; -1 when not recorded
     step_index: int = -1
+    # the worker's latest pace probe before this step: the CPU time of one fixed kernel (``engine.pace_probe``),
+    # which moves with the machine's pace and not with the step; 0.0 when the probe is off
+    pace_s: float = 0.0
 
     @property
     def ended(self) -> float:

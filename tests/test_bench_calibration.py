@@ -428,7 +428,7 @@ def test_check_one_without_cpu_time_is_judged_on_the_wall_clock():
     summary = check_summary(rows, [], [])["check 1 (cost model per step)"]
     assert summary["clock"] == "wall" and summary["other_clock_passed"] is None
     assert summary["passed"] == sum(r.ok for r in rows if r.judged)
-    assert "not recorded" in step_table(rows)
+    assert "the steps carry no CPU time" in step_table(rows)
 
 
 def test_auto_decode_workers_are_fitted_apart_and_fall_back_to_decode():
@@ -586,3 +586,114 @@ def test_check_three_at_the_repeats_levels_takes_the_machines_pace_out_not_a_wro
         Row("random", "colocated", k, 0.0, measured[k], measured[k], measured[k], wrong_at_level[k]) for k in FIGURES
     ]
     assert not all(r.ok_at_level for r in wrong_rows)
+
+
+def _at_pace(runs: list, pace: float, slower_from: int | None = None) -> list:
+    """``runs`` on a machine ``pace`` times slower: every step's CPU time and its probe timing (2 ms at pace 1)
+    ``pace`` times longer; with ``slower_from``, steps of that many decodes or more also cost 1.3x more for
+    their shape, which the probe does not see."""
+    out = []
+    for r in runs:
+        steps = []
+        for s in r.steps:
+            shape_cost = 1.3 if slower_from is not None and s.num_decode_tokens >= slower_from else 1.0
+            steps.append(s._replace(cpu_s=s.cpu_s * pace * shape_cost, pace_s=2e-3 * pace))
+        out.append(r._replace(steps=steps))
+    return out
+
+
+def test_check_one_at_the_probes_pace_takes_a_slower_machine_out_not_a_wrong_model():
+    from pdserve.bench.validate_sim import check_steps, check_steps_at_pace, check_summary, probe_reference, step_table
+
+    calibration = _at_pace(_noisy_runs("calibration", 1, 0.02), 1.0)
+    validation = _at_pace(_noisy_runs("validation", 2, 0.02), 1.2)  # the machine ran 20 % slower meanwhile
+    runs = calibration + validation
+    assert probe_reference(runs) == pytest.approx(2e-3)
+    cpu = calibrate_cpu_time([(r.architecture, r.steps, r.records) for r in calibration], model="tiny")
+    assert cpu is not None
+    [cpu_row] = check_steps(runs, cpu, block_size=16, clock="cpu")
+    assert cpu_row.median_ratio == pytest.approx(1.2, rel=0.02) and not cpu_row.ok  # the machine, not the model
+    [paced] = check_steps_at_pace(runs, block_size=16, model="tiny")
+    assert paced.clock == "paced" and paced.ok and paced.median_ratio == pytest.approx(1.0, abs=0.02)
+    summary = check_summary([paced, cpu_row], [], [])["check 1 (cost model per step)"]
+    assert summary["ok"] and summary["clock"] == "paced" and summary["other_clocks_passed"] == {"cpu": 0}
+    assert "CPU time at the probes' pace" in step_table([paced, cpu_row])
+    # steps of 5 and 12 decodes cost 1.3x more for their shape in validation, at the calibration's pace: the
+    # probe does not see it, and the row fails
+    wrong = calibration + _at_pace(_noisy_runs("validation", 2, 0.02), 1.0, slower_from=5)
+    [miss] = check_steps_at_pace(wrong, block_size=16, model="tiny")
+    assert not miss.ok and miss.median_ratio > 1.1
+    # without probes: no rows at the probes' pace, and the verdict falls back to CPU time
+    unprobed = [r._replace(steps=[s._replace(pace_s=0.0) for s in r.steps]) for r in runs]
+    assert probe_reference(unprobed) is None and check_steps_at_pace(unprobed, 16, "tiny") == []
+
+
+def _sent(requests: list, start: float, late: dict[str, float] | None = None) -> list:
+    """Records of ``requests`` sent on schedule from ``start``, each ``late[request_id]`` seconds behind it."""
+    late = late or {}
+    return [
+        RequestRecord(q.request_id, start + q.arrival_offset_s + late.get(q.request_id, 0.0), (start + 9.0,), 4)
+        for q in requests
+    ]
+
+
+def test_send_lateness_tells_a_machine_that_stood_still():
+    from pdserve.bench.validate_sim import send_lateness
+
+    reqs = random_workload(20, prompt_len_mean=50, output_len_mean=5, rate=3.0, seed=1)
+    assert send_lateness(reqs, _sent(reqs, 100.0)) == pytest.approx(0.0, abs=1e-9)
+    # the machine stood still for 18 s after the 12th send: every later send is that late
+    stood = {q.request_id: 18.0 for q in reqs[12:]}
+    assert send_lateness(reqs, _sent(reqs, 100.0, stood)) == pytest.approx(18.0)
+    # the first send late: the others are measured from it
+    assert send_lateness(reqs, _sent(reqs, 100.0, {reqs[0].request_id: 0.3})) == pytest.approx(0.3)
+    assert send_lateness(reqs, []) == 0.0
+
+
+def test_a_run_on_a_machine_that_stood_still_is_measured_again(monkeypatch):
+    import contextlib
+    import types
+
+    import pdserve.bench.runner as runner
+    from pdserve.bench import validate_sim
+    from pdserve.bench.validate_sim import LATE_SEND_S, REMEASURE_LIMIT, build_parser, measure_all, stood_still_note
+
+    args = build_parser().parse_args(["--repeats", "2", "--long-prompts", "4", "--random-requests", "6"])
+    attempts: list[str] = []
+    stalls = {"random": 2, "interference": 0}  # the first random run stands still twice, then runs
+
+    def fake_measure(address, requests, _stream, warmup, progress):
+        name = "random" if requests[0].request_id.startswith("rand") else "interference"
+        attempts.append(name)
+        stood = stalls[name] > 0
+        if stood:
+            stalls[name] -= 1
+        late = {q.request_id: 5.0 for q in requests[len(requests) // 2 :]} if stood else {}
+        records = _sent(requests, 1000.0, late)
+        return types.SimpleNamespace(records=records, steps=[], duration_s=10.0)
+
+    monkeypatch.setattr(runner, "deployed", lambda *a, **k: contextlib.nullcontext(("127.0.0.1:1", None)))
+    monkeypatch.setattr(runner, "measure", fake_measure)
+    monkeypatch.setattr(runner, "warmup_requests", lambda *a, **k: [])
+    said: list[str] = []
+    runs = measure_all(args, say=said.append)
+    assert len(runs) == len(validate_sim.ARCHITECTURES) * (2 * 2 + 2)  # 2 validation repeats, 1 calibration
+    first = runs[1]
+    assert (first.workload, first.purpose, first.repeat) == ("random", "validation", 0)
+    assert first.discarded == pytest.approx((5.0, 5.0)) and len(attempts) == len(runs) + 2
+    assert sum("stood still" in line for line in said) == 2
+    assert all(not r.discarded for r in runs[2:])
+    assert validate_sim.Run.from_dict(first.to_dict()).discarded == first.discarded  # kept in measured.json
+    note = stood_still_note(args, runs)
+    assert "measured again: 2 (validation random colocated #0, 5.0 s; validation random colocated #0, 5.0 s)" in note
+    assert "kept although" not in note
+
+    # a machine that keeps standing still: measured REMEASURE_LIMIT more times, then kept and flagged
+    stalls["random"] = 100
+    attempts.clear()
+    monkeypatch.setattr(validate_sim, "ARCHITECTURES", ("colocated",))
+    runs = measure_all(args, say=said.append)
+    flagged = [r for r in runs if r.discarded]
+    assert flagged and all(len(r.discarded) == REMEASURE_LIMIT for r in flagged)
+    assert f"more than {LATE_SEND_S:g} s" in stood_still_note(args, runs)
+    assert "kept although the machine stood still" in stood_still_note(args, runs)

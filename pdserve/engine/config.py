@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -272,6 +273,11 @@ class EngineConfig:
     max_chunk_tokens: int | None = _option(None, "per-request cap on a prompt chunk within a step; default: the budget")
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of prompt prefixes seen before")
     torch_threads: int | None = _option(None, "torch threads per engine; default: torch's own")
+    pace_probe_interval_s: float = _option(
+        0.0,
+        "time a fixed kernel on the engine's thread this often (seconds, between steps) and record it with each "
+        "step (pace_s), so that a benchmark can tell the machine's pace from a step's cost; 0 = off",
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -292,6 +298,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
+        if not (self.pace_probe_interval_s >= 0 and math.isfinite(self.pace_probe_interval_s)):
+            raise ValueError(f"pace_probe_interval_s must be >= 0, got {self.pace_probe_interval_s!r}")
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
         if (

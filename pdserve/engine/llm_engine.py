@@ -16,6 +16,7 @@ from pdserve.engine.block_manager import BlockManager, BlockUsage
 from pdserve.engine.config import EngineConfig, ModelConfig, gguf_file
 from pdserve.engine.gguf import GGUFCheckpoint, read_gguf
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_block_bytes, step_threads
+from pdserve.engine.pace_probe import PaceProbe
 from pdserve.engine.quantization import (
     INT4_KINDS,
     INT8_KINDS,
@@ -185,6 +186,7 @@ class LLMEngine:
         self.held: dict[str, Request] = {}  # finished, blocks kept until release() (KV being pushed)
         self._hold: set[str] = set()
         self.step_history: deque[StepStats] = deque(maxlen=100_000)
+        self.pace_probe = PaceProbe(self.config.pace_probe_interval_s)
         self.last_output: SchedulerOutput | None = None
         self.last_logits: dict[str, torch.Tensor] | None = None
 
@@ -314,8 +316,12 @@ class LLMEngine:
                 device_s=self.runner.last_device_s,
                 cpu_s=time.thread_time() - cpu0,
                 step_index=self.scheduler.num_steps - 1,
+                pace_s=self.pace_probe.last_s,
             )
         )
+        # after the step, outside its clocks: a call that arrives meanwhile is taken in before the next step,
+        # as after any step (the loop's gap between two steps holds the probe)
+        self.pace_probe.maybe_probe()
         return outputs
 
     def generate(

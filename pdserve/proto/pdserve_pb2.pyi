@@ -157,7 +157,7 @@ class StatsRequest(_message.Message):
     def __init__(self, include_steps: _Optional[bool] = ..., steps_since: _Optional[float] = ...) -> None: ...
 
 class StepRecord(_message.Message):
-    __slots__ = ("started", "duration_s", "num_prefill_tokens", "num_decode_tokens", "num_seqs", "num_context_tokens", "schedule_s", "num_preempted", "num_decode_context_tokens", "num_kv_read_tokens", "worker", "device_s", "cpu_s", "step_index")
+    __slots__ = ("started", "duration_s", "num_prefill_tokens", "num_decode_tokens", "num_seqs", "num_context_tokens", "schedule_s", "num_preempted", "num_decode_context_tokens", "num_kv_read_tokens", "worker", "device_s", "cpu_s", "step_index", "pace_s")
     STARTED_FIELD_NUMBER: _ClassVar[int]
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class StepRecord(_message.Message):
     DEVICE_S_FIELD_NUMBER: _ClassVar[int]
     CPU_S_FIELD_NUMBER: _ClassVar[int]
     STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PACE_S_FIELD_NUMBER: _ClassVar[int]
     started: float
     duration_s: float
     num_prefill_tokens: int
@@ -186,7 +187,8 @@ class StepRecord(_message.Message):
     device_s: float
     cpu_s: float
     step_index: int
-    def __init__(self, started: _Optional[float] = ..., duration_s: _Optional[float] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_seqs: _Optional[int] = ..., num_context_tokens: _Optional[int] = ..., schedule_s: _Optional[float] = ..., num_preempted: _Optional[int] = ..., num_decode_context_tokens: _Optional[int] = ..., num_kv_read_tokens: _Optional[int] = ..., worker: _Optional[str] = ..., device_s: _Optional[float] = ..., cpu_s: _Optional[float] = ..., step_index: _Optional[int] = ...) -> None: ...
+    pace_s: float
+    def __init__(self, started: _Optional[float] = ..., duration_s: _Optional[float] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_seqs: _Optional[int] = ..., num_context_tokens: _Optional[int] = ..., schedule_s: _Optional[float] = ..., num_preempted: _Optional[int] = ..., num_decode_context_tokens: _Optional[int] = ..., num_kv_read_tokens: _Optional[int] = ..., worker: _Optional[str] = ..., device_s: _Optional[float] = ..., cpu_s: _Optional[float] = ..., step_index: _Optional[int] = ..., pace_s: _Optional[float] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("worker_id", "role", "blocks_total", "blocks_free", "blocks_cached", "blocks_used", "num_running", "num_waiting", "num_remote_pending", "tokens_in_flight", "num_steps", "kv_bytes_moved", "steps", "node", "device", "state", "kv_pushes_refused")
