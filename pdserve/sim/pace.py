@@ -3,7 +3,7 @@
 A worker with the probe on times one fixed kernel every so often between its steps and every step
 carries the latest timing (``StepStats.pace_s``). The kernel never changes, so its time moves with the
 machine alone: the other guests of a shared VM, the host's caches and memory bandwidth. This module
-turns those timings into the pace at each step (the median of the worker's probes around it), prices
+turns those timings into the pace at each step (the median of the worker's probes around it) and prices
 steps at one reference pace (``at_reference_pace``: a step that ran while the probe took 10 % longer is
 counted 10 % cheaper).
 """
@@ -27,7 +27,8 @@ def pace_recorded(steps: Iterable[StepStats]) -> bool:
 
 def probe_samples(steps: Iterable[StepStats]) -> dict[str, list[tuple[float, float]]]:
     """Each worker's probe timings as ``(time, seconds)``, in time order: a step whose ``pace_s`` differs from
-    its worker's previous step's carries a new probe, timed just before it began."""
+    its worker's previous step's carries a new probe, taken after that previous step; its time is the
+    step's start (the probe lies in the gap before it)."""
     by_worker: dict[str, list[StepStats]] = {}
     for s in steps:
         if s.pace_s > 0:
