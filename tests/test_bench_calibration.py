@@ -645,7 +645,7 @@ def test_send_lateness_tells_a_machine_that_stood_still():
     # the machine stood still for 18 s after the 12th send: every later send is that late
     stood = {q.request_id: 18.0 for q in reqs[12:]}
     assert send_lateness(reqs, _sent(reqs, 100.0, stood)) == pytest.approx(18.0)
-    # the first send late: the others are measured from it
+    # only the first send late: the run's start is read off the others, and it is 0.3 s behind
     assert send_lateness(reqs, _sent(reqs, 100.0, {reqs[0].request_id: 0.3})) == pytest.approx(0.3)
     assert send_lateness(reqs, []) == 0.0
 
