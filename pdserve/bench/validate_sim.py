@@ -123,12 +123,17 @@ def send_lateness(requests: Sequence[WorkloadRequest], records: Sequence[Request
     return max(t - offset - start for t, offset in sent)
 
 
+def calibration_seed(args: argparse.Namespace, repeat: int) -> int:
+    """The seed of the calibration workloads measured after validation repeat ``repeat``."""
+    return args.seed + 1000 * (repeat + 1)
+
+
 def run_requests(args: argparse.Namespace, run: Run) -> list[WorkloadRequest]:
     """The requests ``run`` sent: its repeat of the validation workload, or the calibration workload of its
     seed (as ``measure_all`` plans them)."""
     if run.purpose == "validation":
         return workloads(args, args.seed, repeat=run.repeat)[run.workload]
-    return workloads(args, args.seed + 1000 * (run.repeat + 1))[run.workload]
+    return workloads(args, calibration_seed(args, run.repeat))[run.workload]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,7 +223,7 @@ def measure_all(args: argparse.Namespace, say: Any = print) -> list[Run]:
     bench_args = bench_arguments(args)
     engine = engine_config(bench_args)
     validation = [workloads(args, args.seed, repeat=i) for i in range(args.repeats)]
-    calibration = [workloads(args, args.seed + 1000 * (k + 1)) for k in range(max(1, args.repeats - 1))]
+    calibration = [workloads(args, calibration_seed(args, k)) for k in range(max(1, args.repeats - 1))]
     runs: list[Run] = []
     for arch in ARCHITECTURES:
         with deployed(arch, bench_args, engine) as (address, _):
@@ -616,7 +621,7 @@ def check_replay(args: argparse.Namespace, runs: Sequence[Run], profile: Any) ->
     for run in runs:
         if run.purpose != "validation":
             continue
-        requests = workloads(args, args.seed, repeat=run.repeat)[run.workload]
+        requests = run_requests(args, run)
         instances = 2 if run.architecture == "colocated" else 1
         report = replay(
             requests,
