@@ -146,7 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-output", type=int, default=64)
     p.add_argument("--long-prompts", type=int, default=40, help="interference: long prompts (with the streams, >= 50)")
     p.add_argument("--long-len", type=int, default=512)
-    p.add_argument("--long-period", type=float, default=0.35)
+    p.add_argument(
+        "--long-period",
+        type=float,
+        default=0.7,
+        help="interference: seconds between long prompts (the default keeps a prefill worker below saturation)",
+    )
     p.add_argument("--random-requests", type=int, default=50)
     p.add_argument("--rate", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=0)
@@ -418,12 +423,6 @@ def at_probe_pace(runs: Sequence[Run], reference: float) -> list[Run]:
     return [r._replace(steps=at_reference_pace(r.steps, reference)) for r in runs]
 
 
-def step_kind(shape: Any) -> str:
-    if shape.prefill_tokens and shape.decode_tokens:
-        return "mixed"
-    return "prefill-only" if shape.prefill_tokens else "decode-only"
-
-
 class StepCheckRow(NamedTuple):
     """Check 1 for one role x step kind over the validation runs, on one clock."""
 
@@ -490,10 +489,10 @@ def check_steps(runs: Sequence[Run], profile: Any, block_size: int, clock: str =
     for step, shape, co_run, role in shaped_steps(validation, block_size):
         factor = 1 + profile.co_run_slowdown * co_run
         ratio = measured(step) / max(profile.fit_for(role).predict(linear_features(shape)) * factor, 1e-12)
-        ratios.setdefault((role, step_kind(shape)), []).append(ratio)
+        ratios.setdefault((role, shape.kind), []).append(ratio)
         entry = table.get(shape_key(role, shape))
         if entry is not None:
-            tabled.setdefault((role, step_kind(shape)), []).append((ratio, measured(step) / (entry * factor)))
+            tabled.setdefault((role, shape.kind), []).append((ratio, measured(step) / (entry * factor)))
     rows = []
     from pdserve.sim.cost_model import ROLES
 

@@ -90,21 +90,32 @@ def _nonneg_lstsq(x: np.ndarray, y: np.ndarray, free: list[int], scale: np.ndarr
     return np.maximum(coef, 0.0)
 
 
-def _median_fit(x: np.ndarray, y: np.ndarray, free: list[int], offset: np.ndarray, rounds: int = 50) -> np.ndarray:
-    """Non-negative coefficients minimising the sum of absolute errors relative to the *prediction*
-    (``|y - p| / p``: timing noise is proportional to the step time, and so the typical measured step is
-    the prediction: median(measured / predicted) = 1 as far as the terms allow), by iteratively
+def _median_fit(
+    x: np.ndarray, y: np.ndarray, free: list[int], offset: np.ndarray, weight: np.ndarray, rounds: int = 50
+) -> np.ndarray:
+    """Non-negative coefficients minimising the ``weight``-ed sum of absolute errors relative to the
+    *prediction* (``|y - p| / p``: timing noise is proportional to the step time, and so the typical measured
+    step is the prediction: median(measured / predicted) = 1 as far as the terms allow), by iteratively
     reweighted least squares. The fit is a shape's typical step, whatever slow outliers the machine adds."""
-    target = y - offset
-    coef = _nonneg_lstsq(x, target, free, 1.0 / np.maximum(y, 1e-12))
+    target, root = y - offset, np.sqrt(weight)
+    coef = _nonneg_lstsq(x, target, free, root / np.maximum(y, 1e-12))
     for _ in range(rounds):
         pred = np.maximum(x @ coef + offset, 1e-9)
         rel = np.abs(y - pred) / pred
-        new = _nonneg_lstsq(x, target, free, 1.0 / (pred * np.sqrt(np.maximum(rel, 1e-3))))
+        new = _nonneg_lstsq(x, target, free, root / (pred * np.sqrt(np.maximum(rel, 1e-3))))
         if np.allclose(new, coef, rtol=1e-6, atol=1e-12):
             break
         coef = new
     return coef
+
+
+def kind_weights(shapes: Sequence[StepShape]) -> np.ndarray:
+    """One weight per step such that each step kind (``StepShape.kind``) present weighs the same in a fit:
+    a role's fit prices its rare prefill-only steps as closely as its thousands of decodes, which share
+    their coefficients (each kind is judged on its own, ``validate_sim``'s check 1). Mean weight 1."""
+    kinds = [shape.kind for shape in shapes]
+    counts = {kind: kinds.count(kind) for kind in set(kinds)}
+    return np.asarray([len(kinds) / (len(counts) * counts[kind]) for kind in kinds], dtype=float)
 
 
 def _shapes(steps: Sequence[StepStats], shapes: Sequence[StepShape] | None) -> Sequence[StepShape]:
@@ -127,12 +138,14 @@ def fit_role(
 
     ``robust``: a median regression of the relative error, so the fit is the typical step and the slow
     ones (other load on the machine only ever makes a step slower) land in ``ratio_percentiles``, the
-    tail; else plain least squares of the relative error, which the slow steps pull up. Terms whose
-    regressor is zero in every record take ``fallback``'s coefficient (0 without one).
+    tail; else plain least squares of the relative error, which the slow steps pull up. Either way each
+    step kind weighs the same (``kind_weights``). Terms whose regressor is zero in every record take
+    ``fallback``'s coefficient (0 without one).
     """
     if len(steps) < MIN_RECORDS:
         raise ValueError(f"calibration: need at least {MIN_RECORDS} step records, got {len(steps)}")
-    x = np.asarray([linear_features(shape) for shape in _shapes(steps, shapes)], dtype=float)
+    shapes = _shapes(steps, shapes)
+    x = np.asarray([linear_features(shape) for shape in shapes], dtype=float)
     y = np.asarray([s.duration_s for s in steps], dtype=float)
     absent = [j for j in range(x.shape[1]) if not np.any(x[:, j])]
     fixed = np.zeros(x.shape[1])
@@ -140,10 +153,11 @@ def fit_role(
         fixed[absent] = [fallback.coefficients[j] for j in absent]
     free = [j for j in range(x.shape[1]) if j not in absent]
     offset = x @ fixed
+    weight = kind_weights(shapes)
     if robust:
-        coef = _median_fit(x, y, free, offset) + fixed
+        coef = _median_fit(x, y, free, offset, weight) + fixed
     else:
-        coef = _nonneg_lstsq(x, y - offset, free, 1.0 / np.maximum(y, 1e-12)) + fixed
+        coef = _nonneg_lstsq(x, y - offset, free, np.sqrt(weight) / np.maximum(y, 1e-12)) + fixed
     pred = np.maximum(x @ coef, 1e-12)
     resid = y - pred
     ss_tot = float(np.sum((y - y.mean()) ** 2))

@@ -88,6 +88,13 @@ class StepShape(NamedTuple):
         return self.prefill_tokens + self.decode_tokens
 
     @property
+    def kind(self) -> str:
+        """``prefill-only``, ``decode-only`` or ``mixed`` (prompt chunks and decodes in one step)."""
+        if self.prefill_tokens and self.decode_tokens:
+            return "mixed"
+        return "prefill-only" if self.prefill_tokens else "decode-only"
+
+    @property
     def prefill_context_tokens(self) -> int:
         return self.context_tokens - self.decode_context_tokens
 
