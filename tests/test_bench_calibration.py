@@ -711,7 +711,7 @@ def test_each_step_kind_weighs_the_same_in_a_fit():
         chunk = [(0, int(rng.integers(32, 257)), True)] if i % 3 == 0 else []
         shape = StepShape.from_chunks(decodes + chunk)
         steps.append(shape.to_stats("w", 0.0, cost.step_time(shape) * (1 + rng.normal(0, 0.01))))
-    for i in range(30):
+    for _ in range(30):
         shape = StepShape.from_chunks([(0, 256, True)])
         steps.append(shape.to_stats("w", 0.0, 1.1 * cost.step_time(shape) * (1 + rng.normal(0, 0.01))))
     from pdserve.sim.calibrate import kind_weights

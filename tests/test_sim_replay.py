@@ -239,6 +239,25 @@ def test_a_handoff_to_a_busy_decode_worker_is_read_off_the_decode_call_time():
     assert recorded_handoff_latencies(steps, [timed]) == {"r": pytest.approx(0.012)}
 
 
+def test_a_first_token_received_just_before_its_steps_recorded_end_is_that_steps():
+    from pdserve.bench.metrics import RequestRecord
+    from pdserve.messages import StepStats
+    from pdserve.sim.calibrate import recorded_handoff_latencies
+
+    # as in a measured run: the prefill worker's second 256-token chunk is recorded as ending at 13.2759, 0.5 ms
+    # after the client received the token it sampled; the idle decode worker began the step that sampled
+    # token #2 at 13.2781. The handoff is 2.2 ms, not the 288 ms since the first chunk's end
+    steps = [
+        StepStats(12.6115, 0.3764, num_prefill_tokens=256, num_seqs=1, worker="prefill-0"),
+        StepStats(13.0004, 0.2755, num_prefill_tokens=256, num_seqs=1, worker="prefill-0"),
+        StepStats(13.2781, 0.0647, num_decode_tokens=1, num_seqs=1, worker="decode-0"),
+    ]
+    meta = {"decode_worker": "decode-0", "prefill_worker": "prefill-0", "queue_s": 0.0, "prefill_s": 0.66}
+    meta |= {"second_token_time": 13.3429, "decode_call_time": 13.2779}
+    record = RequestRecord("r", 12.6, (13.2754, 13.3439), 512, meta=meta)
+    assert recorded_handoff_latencies(steps, [record]) == {"r": pytest.approx(0.0022, abs=1e-4)}
+
+
 def test_prefill_admission_stays_on_the_last_ticks_count_while_the_loop_works_after_a_step():
     # six 64-token prompts at once, budget 256: the first starts a step alone, three more are admitted during it
     # (64 + 192 = 256). After the step, the loop pushes its KV before its next tick (a 10 ms gap): the admission

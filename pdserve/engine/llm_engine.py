@@ -266,9 +266,11 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------------
     def step(self, keep_logits: bool = False) -> list[RequestOutput]:
         """Run one scheduled batch. Returns outputs of requests that got a token or finished."""
+        # the wall-clock start first: were another thread to take the interpreter between the two reads, the
+        # recorded end (start + duration) falls early, never after the outputs it returns
+        started = time.time()
         t0 = time.perf_counter()
         cpu0 = time.thread_time()
-        started = time.time()
         output = self.scheduler.schedule()
         t1 = time.perf_counter()
         self.last_output = output

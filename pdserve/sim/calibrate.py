@@ -224,8 +224,12 @@ def step_shapes(
     return [StepShape.from_stats(s, c, block_size) for s, c in zip(steps, contexts, strict=True)]
 
 
-def _latest_end_before(ends: list[float], t: float) -> float | None:
-    i = bisect.bisect_right(ends, t)
+def _sampled_at(ends: list[float], t: float) -> float | None:
+    """The end of the step (of the worker whose sorted step ``ends`` are given) that sampled a token its
+    client received at ``t``: the latest end before ``t``, or up to ``HANDOFF_MATCH_S`` after it, as a step's
+    recorded end (its wall-clock start plus its duration) can fall just after the token it sent, by the time
+    another thread held the interpreter between the two clock reads. None before the first step."""
+    i = bisect.bisect_right(ends, t + HANDOFF_MATCH_S)
     return ends[i - 1] if i else None
 
 
@@ -274,11 +278,11 @@ def deployment_latencies(runs: Iterable[tuple[Sequence[StepStats], Sequence[Requ
             prefill_worker = r.meta.get("prefill_worker") or ""
             for k, t in enumerate(r.token_times):
                 worker = prefill_worker if k == 0 and prefill_worker else r.meta["decode_worker"]
-                end = _latest_end_before(ends.get(worker, []), t)
+                end = _sampled_at(ends.get(worker, []), t)
                 if end is not None:
-                    delays.append(t - end)
+                    delays.append(max(0.0, t - end))
             worker = prefill_worker or r.meta["decode_worker"]
-            first = _latest_end_before(ends.get(worker, []), r.token_times[0])
+            first = _sampled_at(ends.get(worker, []), r.token_times[0])
             if first is None:
                 continue
             scheduled = first - r.meta.get("prefill_s", 0.0)
@@ -309,7 +313,7 @@ def steps_by_worker(steps: Iterable[StepStats]) -> dict[str, list[StepStats]]:
 
 
 def step_ends_by_worker(by_worker: dict[str, list[StepStats]]) -> dict[str, list[float]]:
-    """Each worker's step end times, sorted (for ``_latest_end_before``)."""
+    """Each worker's step end times, sorted (for ``_sampled_at``)."""
     return {w: sorted(s.ended for s in v) for w, v in by_worker.items()}
 
 
@@ -327,7 +331,7 @@ def recorded_call_latencies(steps: Sequence[StepStats], records: Sequence[Reques
             continue
         prefill_worker = r.meta.get("prefill_worker") or ""
         worker = prefill_worker or r.meta["decode_worker"]
-        first = _latest_end_before(ends.get(worker, []), r.token_times[0])
+        first = _sampled_at(ends.get(worker, []), r.token_times[0])
         if first is None:
             continue
         taken_in = first - r.meta["prefill_s"] - r.meta["queue_s"]
@@ -351,7 +355,7 @@ def recorded_reserve_latencies(steps: Sequence[StepStats], records: Sequence[Req
         prefill = r.meta.get("prefill_worker") or ""
         if not r.succeeded or not prefill or not {"decode_worker", "queue_s", "prefill_s"} <= r.meta.keys():
             continue
-        first = _latest_end_before(ends.get(prefill, []), r.token_times[0])
+        first = _sampled_at(ends.get(prefill, []), r.token_times[0])
         if first is None:
             continue
         scheduled = first - r.meta["prefill_s"]
@@ -379,7 +383,7 @@ def recorded_handoff_latencies(steps: Sequence[StepStats], records: Sequence[Req
         prefill_worker = r.meta.get("prefill_worker") or ""
         if not r.succeeded or not prefill_worker or "decode_worker" not in r.meta:
             continue
-        first = _latest_end_before(ends.get(prefill_worker, []), r.token_times[0])
+        first = _sampled_at(ends.get(prefill_worker, []), r.token_times[0])
         if first is None:
             continue
         decode_steps = by_worker.get(r.meta["decode_worker"], [])
