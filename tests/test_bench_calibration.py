@@ -588,6 +588,21 @@ def test_check_three_at_the_repeats_levels_takes_the_machines_pace_out_not_a_wro
     assert not all(r.ok_at_level for r in wrong_rows)
 
 
+def test_check_three_rerun_baseline_holds_each_repeat_out_against_the_others():
+    from pdserve.bench.validate_sim import Row, check_summary, rerun_baseline
+
+    # repeats of 100, 110 and 120 ms: held out against the other two (median and spread), 110 passes (its
+    # reference 110), 100 misses (reference 115, -13 %, outside 110-120) and so does 120 (105, +14 %)
+    row = Row("random", "colocated", "TTFT p50", 105.0, 110.0, 100.0, 120.0, values=(100.0, 110.0, 120.0))
+    assert row.held_out() == pytest.approx((1 / 3, 1.0))  # the simulated 105 passes against all three pairs
+    wide = row._replace(simulated=140.0)  # +22 %, +27 % and +33 % of the references, outside each pair's spread
+    assert wide.held_out() == pytest.approx((1 / 3, 0.0))
+    assert rerun_baseline([row, wide]) == pytest.approx((2 / 3, 1.0))
+    assert check_summary([], [], [row, wide])["check 3 (end to end)"]["rerun_baseline"] == pytest.approx((2 / 3, 1.0))
+    assert row._replace(values=(100.0, 110.0)).held_out() is None  # two repeats leave one to compare with
+    assert rerun_baseline([row, row._replace(values=())]) is None
+
+
 def _at_pace(runs: list, pace: float, slower_from: int | None = None) -> list:
     """``runs`` on a machine ``pace`` times slower: every step's CPU time and its probe timing (2 ms at pace 1)
     ``pace`` times longer; with ``slower_from``, steps of that many decodes or more also cost 1.3x more for
@@ -727,3 +742,17 @@ def test_each_step_kind_weighs_the_same_in_a_fit():
     medians = {kind: float(np.median(r)) for kind, r in ratios.items()}
     assert medians["prefill-only"] < 1.07, medians  # by count alone: about 1.10
     assert all(0.93 < m < 1.07 for m in medians.values()), medians
+
+
+def test_a_recheck_simulates_the_workloads_the_measurement_served():
+    from pdserve.bench.validate_sim import build_parser, measured_arguments, workloads
+
+    # runs measured when long prompts came every 0.35 s, re-checked under a default of 0.7 s: the re-check
+    # takes the measurement's settings (its measured.json "args"), and keeps its own output and seeds
+    args = build_parser().parse_args(["--measured", "m.json", "--out", "here", "--sim-runs", "3"])
+    measured = {**vars(build_parser().parse_args([])), "long_period": 0.35, "out": "there", "sim_runs": 9}
+    taken = measured_arguments(args, measured)
+    assert taken.long_period == 0.35 and taken.out == "here" and taken.sim_runs == 3
+    longs = [r.arrival_offset_s for r in workloads(taken, 0)["interference"] if r.label == "long"]
+    assert longs[1] - longs[0] == pytest.approx(0.35)
+    assert measured_arguments(args, {}).long_period == args.long_period  # an older file without its args
