@@ -915,7 +915,7 @@ def check_summary(step_rows: Sequence[StepCheckRow], replay_rows: Sequence[Repla
 
 def _verdict_note(verdict: dict[str, Any]) -> str:
     """Check 1's verdict line: which clock it was judged on, and the other clocks' counts; check 3's: the
-    count at the repeats' own levels."""
+    count at the repeats' own levels and the rerun baseline (``rerun_baseline``)."""
     if verdict.get("passed_at_levels") is not None or verdict.get("rerun_baseline") is not None:
         notes = []
         if verdict.get("passed_at_levels") is not None:
