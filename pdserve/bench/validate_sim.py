@@ -69,7 +69,6 @@ ARCHITECTURES = ("colocated", "disaggregated", "auto")
 FIGURES = ("TTFT p50", "TTFT p99", "ITL p50", "ITL p99")
 TOLERANCE = 0.10  # check 3: p50 figures
 P99_TOLERANCE = 0.20  # check 3: p99 figures
-STEP_KINDS = ("prefill-only", "decode-only", "mixed")
 MIN_STEPS = 30  # check 1: a role x kind with fewer validation steps is not judged
 RATIO_TOLERANCE = 0.05  # check 1: median measured/predicted within 1 +- this
 STEP_ERROR_TOLERANCE = 0.10  # check 1: median absolute relative error
@@ -546,7 +545,7 @@ def check_steps(runs: Sequence[Run], profile: Any, block_size: int, clock: str =
         if entry is not None:
             tabled.setdefault((role, shape.kind), []).append((ratio, measured(step) / (entry * factor)))
     rows = []
-    from pdserve.sim.cost_model import ROLES
+    from pdserve.sim.cost_model import ROLES, STEP_KINDS
 
     for role in ROLES:
         for kind in STEP_KINDS:

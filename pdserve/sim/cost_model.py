@@ -54,11 +54,13 @@ if TYPE_CHECKING:
     from pdserve.engine.scheduler import SchedulerOutput
 
 ROLES = ("colocated", "prefill", "decode", "auto-decode")  # auto-decode: a decode instance under auto
+STEP_KINDS = ("prefill-only", "decode-only", "mixed")  # ``StepShape.kind``
 DECODE_GROUP_SIZE = 16  # engine.model_runner.DECODE_GROUP_SIZE (a test keeps them equal; that module needs torch)
 DEFAULT_BLOCK_SIZE = 16  # engine.EngineConfig().block_size
 
 __all__ = [
     "ROLES",
+    "STEP_KINDS",
     "CostModel",
     "DecodePricer",
     "LinearCostModel",
@@ -89,7 +91,8 @@ class StepShape(NamedTuple):
 
     @property
     def kind(self) -> str:
-        """``prefill-only``, ``decode-only`` or ``mixed`` (prompt chunks and decodes in one step)."""
+        """One of ``STEP_KINDS``: ``prefill-only``, ``decode-only`` or ``mixed`` (prompt chunks and decodes in
+        one step)."""
         if self.prefill_tokens and self.decode_tokens:
             return "mixed"
         return "prefill-only" if self.prefill_tokens else "decode-only"
