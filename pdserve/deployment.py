@@ -24,13 +24,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pdserve.decode_node.worker import DecodeWorker
 from pdserve.deployment_config import DeploymentConfig
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.kv_transfer.grpc_transport import GrpcConfig
 from pdserve.messages import WorkerStats
 from pdserve.placement import DECODE, PREFILL, place_workers
 from pdserve.prefill_node.worker import PrefillWorker
 from pdserve.priority import RAY_WORKER_NICENESS_ENV
 from pdserve.router.process import RouterProcess
 from pdserve.router.router import WorkerHandle
+from pdserve.transport_config import GrpcConfig
 
 log = logging.getLogger(__name__)
 

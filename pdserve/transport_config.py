@@ -1,14 +1,15 @@
 """The KV hand-off's settings, declared once: which transport moves KV from prefill to decode workers, and
 its two deadlines. ``DeploymentConfig`` has these fields (it extends ``TransportConfig``), the workers and
 the router take their defaults from here, and every command's ``--transport``, ``--push-timeout-s`` and
-``--reservation-ttl-s`` come from these fields (``pdserve.options``).
+``--reservation-ttl-s`` come from these fields (``pdserve.options``). ``GrpcConfig``, the gRPC transport's
+knobs, lives here too, so that the process that builds a deployment never loads the transport (or torch).
 
 Standard library only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.options import option
 
@@ -16,6 +17,8 @@ TRANSPORTS = ("nixl", "grpc")
 DEFAULT_PUSH_TIMEOUT_S = 20.0
 DEFAULT_RESERVATION_TTL_S = 60.0
 PUSH_MARGIN_S = 2.0  # a push must be over (done or timed out) this long before the reservation expires
+_MIB = 1 << 20
+GRPC_MESSAGE_HEADROOM = 64 * 1024  # protobuf framing and the other fields of a KV message
 
 
 @dataclass(frozen=True)
@@ -48,3 +51,56 @@ class TransportConfig:
                 f"push_timeout_s must be > 0 and end {PUSH_MARGIN_S} s before reservation_ttl_s "
                 f"({self.reservation_ttl_s}), got {self.push_timeout_s}"
             )
+
+
+@dataclass(frozen=True)
+class GrpcConfig:
+    """Knobs of the gRPC transport.
+
+    Attributes:
+        host: interface the receiver's server binds to and advertises. Empty (the default): this
+            node's address, ``ray.util.get_node_ip_address()`` (``127.0.0.1`` outside Ray), so that
+            senders on other nodes can reach it.
+        port: server port; 0 binds any free port (reported by ``describe()``).
+        message_bytes: senders pack whole blocks into messages of up to this many payload bytes
+            (at least one block per message). 1-4 MiB all work; 2 MiB measured best on the
+            2-core machine (bench/kv_transfer_bench.py --grpc-message-mib).
+        max_message_bytes: gRPC send/receive message limit on both sides (raised from gRPC's
+            4 MiB default); a block must fit in one message.
+        server_threads: receiver thread pool size (concurrent incoming pushes).
+        push_timeout_s: gRPC deadline of one push stream.
+        secret: a deployment's shared secret: senders present it with every push, and a receiver
+            with a secret refuses (UNAUTHENTICATED, counted) any push that does not carry it.
+    """
+
+    host: str = ""
+    port: int = 0
+    message_bytes: int = 2 * _MIB
+    max_message_bytes: int = 64 * _MIB
+    server_threads: int = 4
+    push_timeout_s: float = DEFAULT_PUSH_TIMEOUT_S
+    secret: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.message_bytes < 1 or self.message_bytes > self.max_message_bytes - GRPC_MESSAGE_HEADROOM:
+            raise ValueError("need 1 <= message_bytes <= max_message_bytes - 64 KiB")
+        if self.server_threads < 1:
+            raise ValueError("server_threads must be >= 1")
+        if self.push_timeout_s <= 0:
+            raise ValueError("push_timeout_s must be > 0")
+
+    def bind_host(self) -> str:
+        """The host the receiver binds to and advertises (``host``, or this node's address)."""
+        if self.host:
+            return self.host
+        import ray
+
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+        ]

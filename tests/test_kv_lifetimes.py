@@ -20,11 +20,8 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-import pdserve.decode_node.worker as decode_module
-import pdserve.prefill_node.worker as prefill_module
 from pdserve.decode_node.worker import DecodeWorker
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pdserve.kv_transfer import KVTransport
 from pdserve.kv_transfer.fake import FakeTransport, Fault
 from pdserve.messages import TokenUpdate
 from pdserve.prefill_node.worker import PrefillWorker
@@ -178,18 +175,6 @@ class Pair:
 @pytest.fixture(scope="module")
 def expected() -> list[int]:
     return LLMEngine(ENGINE).generate([PROMPT], GREEDY)[0].token_ids
-
-
-@pytest.fixture(autouse=True)
-def _accept_transport_objects(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Workers are handed a transport object (also where their constructors only take a kind)."""
-    for module in (prefill_module, decode_module):
-        real = module.make_transport
-        monkeypatch.setattr(
-            module,
-            "make_transport",
-            lambda kind, config=None, real=real: kind if isinstance(kind, KVTransport) else real(kind, config),
-        )
 
 
 def run(test: Callable[[Pair], Coroutine[Any, Any, None]], timeout_s: float = 30.0, **pair_kwargs: Any) -> None:

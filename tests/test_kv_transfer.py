@@ -25,11 +25,12 @@ from pdserve.kv_transfer import (
     make_transport,
 )
 from pdserve.kv_transfer.base import HostStaging, block_checksums, pool_bytes_view
-from pdserve.kv_transfer.grpc_transport import GrpcConfig, _parse_payload, _serialize_payload
+from pdserve.kv_transfer.grpc_transport import _parse_payload, _serialize_payload
 from pdserve.kv_transfer.nixl_transport import NixlConfig
 from pdserve.kv_transfer.peer import TransferPeer
 from pdserve.proto import kv_transfer_pb2 as pb
 from pdserve.proto import kv_transfer_pb2_grpc as pb_grpc
+from pdserve.transport_config import GrpcConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KINDS = ["nixl", "grpc"]

@@ -186,9 +186,9 @@ def test_the_hand_off_deadlines_have_one_default_everywhere():
 
     from pdserve.decode_node.worker import DecodeWorker
     from pdserve.deployment_config import DeploymentConfig
-    from pdserve.kv_transfer.grpc_transport import GrpcConfig
     from pdserve.prefill_node.worker import PrefillWorker
     from pdserve.router.policy import RouterConfig
+    from pdserve.transport_config import GrpcConfig
 
     config = DeploymentConfig()
     push = {

@@ -56,6 +56,22 @@ def test_the_client_imports_without_ray_or_torch() -> None:
         "sys.exit(f'imported {heavy}' if heavy else 0)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=60)
+
+
+def test_the_processes_that_hold_worker_handles_load_no_torch() -> None:
+    # Ray loads an actor's class wherever a handle to it is deserialised: the router, and `pdserve serve`
+    # that builds the deployment, load both worker classes, and torch would cost each ~0.25 GB of memory.
+    code = (
+        "import sys\n"
+        "import pdserve.cli.main, pdserve.deployment, pdserve.router.process\n"
+        "from pdserve.decode_node.worker import DecodeWorker\n"
+        "from pdserve.prefill_node.worker import PrefillWorker\n"
+        "from pdserve.transport_config import GrpcConfig\n"
+        "GrpcConfig(secret='s')\n"
+        "sys.exit('imported torch' if 'torch' in sys.modules else 0)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=120)
+    assert result.returncode == 0, result.stderr
     assert result.returncode == 0, result.stderr
 
 

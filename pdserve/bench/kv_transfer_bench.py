@@ -30,9 +30,9 @@ import ray
 import torch
 
 from pdserve.kv_transfer.base import ChunkNotification
-from pdserve.kv_transfer.grpc_transport import GrpcConfig
 from pdserve.kv_transfer.nixl_transport import NixlConfig
 from pdserve.kv_transfer.peer import TransferPeer
+from pdserve.transport_config import GrpcConfig
 
 GB = 1e9
 

@@ -17,6 +17,10 @@ that its pushes for the request are over (its ``abort`` returned) or Ray reporte
 follow the confirmation. A transport that checks every push on arrival (gRPC) needs no confirmation:
 a withdrawn reservation refuses all later writes (the check and the copy hold the transport's
 ``write_lock``), so its blocks are freed at once. Nothing waits forever; no block leaks.
+
+This module loads without torch: every process that holds a handle to the actor loads its class (Ray
+does, to deserialise the handle), the router and the process that built the deployment among them, and
+torch would add a quarter of a gigabyte to each. The engine and the KV transports load in the actor.
 """
 
 from __future__ import annotations
@@ -26,20 +30,22 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ray.exceptions import ActorDiedError
 
-from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine, exit_process_soon, second_token_time, worker_request_stats
-from pdserve.engine.llm_engine import RequestOutput
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.request import Request
-from pdserve.kv_transfer import KVTransport, TransferTarget, make_transport
-from pdserve.kv_transfer.base import block_checksums
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import StepEvents, TokenUpdate, WorkerRequestStats, WorkerStats
 from pdserve.placement import current_node, device_in_this_worker
 from pdserve.priority import restore_normal_priority
 from pdserve.transport_config import DEFAULT_RESERVATION_TTL_S
+
+if TYPE_CHECKING:  # torch's modules load in the actor only: see the module's docstring
+    from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+    from pdserve.kv_transfer import KVTransport, TransferTarget
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +111,9 @@ class DecodeWorker:
     ) -> None:
         """``transport``: a kind for ``make_transport``, or a transport object (tests). ``verify_kv``: check
         the CRC-32 of every pushed block against the one sent with it before a request is admitted."""
+        from pdserve.engine.llm_engine import LLMEngine
+        from pdserve.kv_transfer import KVTransport, make_transport
+
         restore_normal_priority()  # Ray starts workers at niceness 15
         self.worker_id = worker_id
         self.reservation_ttl_s = reservation_ttl_s
@@ -303,6 +312,8 @@ class DecodeWorker:
 
     def _verify(self, engine: LLMEngine, request_id: str, pending: _Pending) -> str | None:
         """None when every pushed block matches its checksum, else what does not."""
+        from pdserve.kv_transfer.base import block_checksums
+
         request = engine.get_request(request_id)
         assert request is not None
         pushed = len(pending.block_list) - request.num_cached_tokens // engine.config.block_size

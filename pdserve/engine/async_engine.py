@@ -15,12 +15,14 @@ import logging
 import os
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.request import Request
 from pdserve.messages import TokenUpdate, WorkerRequestStats, WorkerStats
+
+if TYPE_CHECKING:
+    from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 
 T = TypeVar("T")
 EVENT_HEARTBEAT_S = 0.5  # an idle event stream yields [] this often: its reader tells a hung worker from a quiet one

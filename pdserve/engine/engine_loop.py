@@ -12,9 +12,10 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+if TYPE_CHECKING:
+    from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

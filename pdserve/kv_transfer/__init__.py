@@ -25,8 +25,8 @@ from pdserve.kv_transfer.base import (
 )
 
 if TYPE_CHECKING:
-    from pdserve.kv_transfer.grpc_transport import GrpcConfig
     from pdserve.kv_transfer.nixl_transport import NixlConfig
+    from pdserve.transport_config import GrpcConfig
 
 __all__ = [
     "TRANSPORT_KINDS",
@@ -53,7 +53,8 @@ def make_transport(kind: str, config: NixlConfig | GrpcConfig | None = None) -> 
             raise ValueError(f"the nixl transport takes a NixlConfig, got {type(config).__name__}")
         return NixlTransport(config)
     if kind == "grpc":
-        from pdserve.kv_transfer.grpc_transport import GrpcConfig, GrpcTransport
+        from pdserve.kv_transfer.grpc_transport import GrpcTransport
+        from pdserve.transport_config import GrpcConfig
 
         if config is not None and not isinstance(config, GrpcConfig):
             raise ValueError(f"the grpc transport takes a GrpcConfig, got {type(config).__name__}")

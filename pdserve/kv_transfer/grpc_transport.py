@@ -50,68 +50,12 @@ from pdserve.kv_transfer.base import (
     pool_bytes_view,
 )
 from pdserve.proto import kv_transfer_pb2 as pb
-from pdserve.transport_config import DEFAULT_PUSH_TIMEOUT_S
+from pdserve.transport_config import GRPC_MESSAGE_HEADROOM, GrpcConfig
 
 logger = logging.getLogger(__name__)
 
 # torch.frombuffer over received (immutable) bytes warns once; we only ever read from it.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-
-_MIB = 1 << 20
-_HEADROOM = 64 * 1024  # protobuf framing and the other fields of a message
-
-
-@dataclass(frozen=True)
-class GrpcConfig:
-    """Knobs of the gRPC transport.
-
-    Attributes:
-        host: interface the receiver's server binds to and advertises. Empty (the default): this
-            node's address, ``ray.util.get_node_ip_address()`` (``127.0.0.1`` outside Ray), so that
-            senders on other nodes can reach it.
-        port: server port; 0 binds any free port (reported by ``describe()``).
-        message_bytes: senders pack whole blocks into messages of up to this many payload bytes
-            (at least one block per message). 1-4 MiB all work; 2 MiB measured best on the
-            2-core machine (bench/kv_transfer_bench.py --grpc-message-mib).
-        max_message_bytes: gRPC send/receive message limit on both sides (raised from gRPC's
-            4 MiB default); a block must fit in one message.
-        server_threads: receiver thread pool size (concurrent incoming pushes).
-        push_timeout_s: gRPC deadline of one push stream.
-        secret: a deployment's shared secret: senders present it with every push, and a receiver
-            with a secret refuses (UNAUTHENTICATED, counted) any push that does not carry it.
-    """
-
-    host: str = ""
-    port: int = 0
-    message_bytes: int = 2 * _MIB
-    max_message_bytes: int = 64 * _MIB
-    server_threads: int = 4
-    push_timeout_s: float = DEFAULT_PUSH_TIMEOUT_S
-    secret: str = field(default="", repr=False)
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65536), got {self.port}")
-        if self.message_bytes < 1 or self.message_bytes > self.max_message_bytes - _HEADROOM:
-            raise ValueError("need 1 <= message_bytes <= max_message_bytes - 64 KiB")
-        if self.server_threads < 1:
-            raise ValueError("server_threads must be >= 1")
-        if self.push_timeout_s <= 0:
-            raise ValueError("push_timeout_s must be > 0")
-
-    def bind_host(self) -> str:
-        """The host the receiver binds to and advertises (``host``, or this node's address)."""
-        if self.host:
-            return self.host
-        import ray
-
-        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-
-    def channel_options(self) -> list[tuple[str, int]]:
-        return [
-            ("grpc.max_send_message_length", self.max_message_bytes),
-            ("grpc.max_receive_message_length", self.max_message_bytes),
-        ]
 
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["KVTransfer"]
@@ -393,7 +337,7 @@ class GrpcTransport(KVTransport):
         return self._port
 
     def _register(self, pool: torch.Tensor, layout: PoolLayout) -> None:
-        if layout.block_bytes > self.config.max_message_bytes - _HEADROOM:
+        if layout.block_bytes > self.config.max_message_bytes - GRPC_MESSAGE_HEADROOM:
             raise ValueError(
                 f"blocks of {layout.block_bytes} bytes do not fit in one gRPC message of at most "
                 f"{self.config.max_message_bytes} bytes; raise GrpcConfig.max_message_bytes"

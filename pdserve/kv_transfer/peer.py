@@ -15,8 +15,8 @@ import torch
 
 from pdserve.kv_transfer import make_transport
 from pdserve.kv_transfer.base import ChunkNotification, TransferTarget, pool_bytes_view
-from pdserve.kv_transfer.grpc_transport import GrpcConfig
 from pdserve.kv_transfer.nixl_transport import NixlConfig
+from pdserve.transport_config import GrpcConfig
 
 Push = tuple[Sequence[int], Sequence[int], ChunkNotification]
 

@@ -17,6 +17,9 @@ until its pushes have completed; then they are released into this worker's prefi
 
 Only prompts run here (every request stops after its first token), so this engine never decodes and
 therefore never preempts: a block that a push reads cannot be taken away under it.
+
+Like the decode worker's, this module loads without torch (the router and the deployment's driver load
+the class to hold handles to the actor); the engine and the KV transports load in the actor.
 """
 
 from __future__ import annotations
@@ -26,18 +29,20 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine, exit_process_soon, worker_request_stats
-from pdserve.engine.llm_engine import RequestOutput
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.remote_kv import admission_open, waiting_prompt_tokens
-from pdserve.kv_transfer import ChunkNotification, KVTransport, PushHandle, TransferTarget, make_transport
-from pdserve.kv_transfer.base import block_checksums
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import WorkerStats
 from pdserve.placement import current_node, device_in_this_worker
 from pdserve.priority import restore_normal_priority
 from pdserve.transport_config import DEFAULT_PUSH_TIMEOUT_S, PUSH_MARGIN_S
+
+if TYPE_CHECKING:  # torch's modules load in the actor only: see the module's docstring
+    from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+    from pdserve.kv_transfer import KVTransport, PushHandle, TransferTarget
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +116,9 @@ class PrefillWorker:
     ) -> None:
         """``transport``: a kind for ``make_transport``, or a transport object (tests). ``verify_kv``: send
         the CRC-32 of every pushed block with its notification (the decode worker checks them)."""
+        from pdserve.engine.llm_engine import LLMEngine
+        from pdserve.kv_transfer import KVTransport, make_transport
+
         restore_normal_priority()  # Ray starts workers at niceness 15
         self.worker_id = worker_id
         self.push_timeout_s = push_timeout_s
@@ -273,6 +281,8 @@ class PrefillWorker:
 
     # ---- on the loop thread --------------------------------------------------------------------
     def _on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        from pdserve.kv_transfer.base import ChunkNotification, block_checksums
+
         assert engine.last_output is not None
         if self._fault == "step":
             raise RuntimeError("injected engine fault")
