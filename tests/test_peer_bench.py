@@ -22,8 +22,10 @@ from pdserve.bench.peer_bench import (
     ServerRun,
     kv_plan,
     llama_server_command,
+    memory_lines,
     parse_args,
     pdserve_command,
+    process_label,
     ratios,
     results_table,
     stop_tree,
@@ -104,6 +106,7 @@ def test_tree_memory_sums_a_real_process_tree_and_stop_tree_ends_it():
         memory = tree_memory(child.pid)
         own = psutil.Process(child.pid).memory_info().rss + psutil.Process(grandchild).memory_info().rss
         assert len(memory.processes) == 2
+        assert [label for label, _ in memory.processes] == ["python", "python"]  # `python -c`
         assert memory.rss_bytes >= 64 * 2**20
         assert abs(memory.rss_bytes - own) < 8 * 2**20  # the two processes' RSS, summed
     finally:
@@ -112,6 +115,27 @@ def test_tree_memory_sums_a_real_process_tree_and_stop_tree_ends_it():
     assert child.poll() is not None
     assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
     assert time.monotonic() - start < 30
+
+
+def test_processes_are_labelled_by_what_they_run_and_listed_per_server():
+    python = "/venv/bin/python"
+    serve = [python, "-m", "pdserve.cli.main", "serve", "--model", "smollm2"]
+    assert process_label("python", serve) == "pdserve serve"
+    assert process_label("python3.11", [python, "-m", "pytest", "-q"]) == "pytest"
+    assert process_label("python", [python, "/venv/ray/dashboard/dashboard.py", "--host=127.0.0.1"]) == "dashboard.py"
+    assert process_label("python", [python, "-u", "/venv/ray/_private/log_monitor.py"]) == "log_monitor.py"
+    assert process_label("python", [python, "-c", "pass"]) == "python"
+    assert process_label("ray::DecodeWorker", ["ray::DecodeWorker"]) == "ray::DecodeWorker"
+    assert process_label("gcs_server", ["/venv/ray/core/src/ray/gcs/gcs_server", "--log_dir=/tmp"]) == "gcs_server"
+
+    first = ServerRun("pdserve", 1, rss_bytes=3.0e9, processes=[("ray::DecodeWorker", int(2.0e9))])
+    last = ServerRun("pdserve", 2, rss_bytes=3.3e9, pss_bytes=3.0e9)
+    last.processes = [("ray::DecodeWorker", int(2.4e9)), ("pdserve serve", int(0.14e9))]
+    peer = ServerRun("llama.cpp", 1, rss_bytes=1.73e9, processes=[("llama-server", int(1.73e9))])
+    assert memory_lines([first, peer, last]) == [
+        "pdserve #2 memory: RSS 3.30 GB, PSS 3.00 GB; by process (GB): ray::DecodeWorker 2.40, pdserve serve 0.14",
+        "llama.cpp #1 memory: RSS 1.73 GB; by process (GB): llama-server 1.73",
+    ]
 
 
 def _run(server: str, repeat: int, decode: float, ttft: float, s16: float, s64: float, rss_gb: float) -> ServerRun:

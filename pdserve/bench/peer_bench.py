@@ -314,11 +314,26 @@ def free_port(host: str) -> int:
 @dataclass(frozen=True)
 class TreeMemory:
     """Memory of a process and all its descendants: RSS summed (what the targets use), PSS summed where
-    readable (shared pages split among their processes), and each process's name and RSS."""
+    readable (shared pages split among their processes), and each process's label (``process_label``) and
+    RSS, largest first."""
 
     rss_bytes: int
     pss_bytes: int | None
     processes: list[tuple[str, int]]
+
+
+def process_label(name: str, cmdline: Sequence[str]) -> str:
+    """What a process is, from its name and command line: a Ray actor's title (``ray::DecodeWorker``) or a
+    binary's name as they are; for a Python process, ``pdserve <command>``, the module it runs (``-m``) or
+    its script's file name (Ray's ``dashboard.py``, ``log_monitor.py``, ``monitor.py``)."""
+    if not name.startswith("python") or not cmdline:
+        return name
+    args = list(cmdline[1:])
+    if "-m" in args[:-1]:
+        module, rest = args[args.index("-m") + 1], args[args.index("-m") + 2 :]
+        return f"pdserve {rest[0]}" if module == "pdserve.cli.main" and rest else module
+    scripts = [a for a in args if a.endswith(".py")]
+    return Path(scripts[0]).name if scripts else name
 
 
 def tree_memory(pid: int) -> TreeMemory:
@@ -332,7 +347,7 @@ def tree_memory(pid: int) -> TreeMemory:
     for p in [root, *root.children(recursive=True)]:
         try:
             info = p.memory_info()
-            name = p.name()
+            name = process_label(p.name(), p.cmdline())
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
         rss += info.rss
@@ -797,6 +812,19 @@ def target_lines(runs: Sequence[ServerRun], floor: Floor | None, streams: Sequen
     return lines
 
 
+def memory_lines(runs: Sequence[ServerRun]) -> list[str]:
+    """Each server's memory by process, from its last repetition that recorded it (RSS; PSS in total)."""
+    lines = []
+    for server in dict.fromkeys(r.server for r in runs):
+        run = next((r for r in reversed(runs) if r.server == server and r.processes), None)
+        if run is None:
+            continue
+        pss = "" if run.pss_bytes is None else f", PSS {run.pss_bytes / 1e9:.2f} GB"
+        parts = ", ".join(f"{label} {rss / 1e9:.2f}" for label, rss in run.processes)
+        lines.append(f"{server} #{run.repeat} memory: RSS {run.rss_bytes / 1e9:.2f} GB{pss}; by process (GB): {parts}")
+    return lines
+
+
 def hardware() -> str:
     """The CPU in one line: model name, cores and its widest vector extension."""
     model, flags = "unknown CPU", set[str]()
@@ -980,6 +1008,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     lines = target_lines(runs, floor, args.streams)
     print("\n".join(lines))
+    print()
+    print("\n".join(memory_lines(runs)))
     print(f"\nserver logs: {log_dir}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

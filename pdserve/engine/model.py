@@ -56,12 +56,19 @@ class Workspace:
         return buf[:n].view(rows, like.shape[1])
 
 
+def pool_rows(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The pool ``[blocks, layers, 2, block_size, kv_heads, head_dim]`` as one row per token slot
+    (``[-1, kv_heads * head_dim]``). A token at offset ``o`` of block ``b`` has its layer-0 key in row
+    ``b * layers * 2 * block_size + o``; the key of layer ``l`` is ``2 * l * block_size`` rows further, its
+    value ``block_size`` rows after that."""
+    return kv_cache.view(-1, kv_cache.shape[-2] * kv_cache.shape[-1])
+
+
 @dataclass
 class AttentionMetadata:
     """Where each new token's K/V goes, and which cached keys each query may see."""
 
-    slot_blocks: torch.Tensor  # [T] block id of each new token
-    slot_offsets: torch.Tensor  # [T] offset inside that block
+    slot_rows: torch.Tensor  # [T] each new token's row in the pool's layer-0 keys, as ``pool_rows`` numbers them
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     workspace: Workspace
@@ -236,10 +243,14 @@ class Attention(nn.Module):
             v = self.v_proj(x).view(T, KV, D)
             q, k = rotation.apply(q, k)
 
+        # the new keys and values: one index_copy_ each into the rows of this layer (index_put_ with a block and
+        # an offset index wakes every OpenMP thread, ~0.1 ms a call under a passive wait policy)
+        rows, block_size = pool_rows(kv_cache), kv_cache.shape[3]
+        first = 2 * self.layer_index * block_size
+        rows[first:].index_copy_(0, meta.slot_rows, k.reshape(T, -1).to(kv_cache.dtype))
+        rows[first + block_size :].index_copy_(0, meta.slot_rows, v.reshape(T, -1).to(kv_cache.dtype))
         k_cache = kv_cache[:, self.layer_index, 0]  # [num_blocks, block_size, kv_heads, head_dim]
         v_cache = kv_cache[:, self.layer_index, 1]
-        k_cache[meta.slot_blocks, meta.slot_offsets] = k.to(k_cache.dtype)
-        v_cache[meta.slot_blocks, meta.slot_offsets] = v.to(v_cache.dtype)
 
         # Per-layer views with one row per block ([num_blocks, block_size * kv_heads * head_dim]):
         # index_select over rows gathers a request's blocks with one memcpy per block.
@@ -247,7 +258,7 @@ class Attention(nn.Module):
         v_rows = v_cache.reshape(v_cache.shape[0], -1)
         out = torch.empty_like(q)
         for group in meta.decode_groups:
-            out[group.index] = self._decode_attention(q, k_rows, v_rows, group, meta.workspace)
+            out.index_copy_(0, group.index, self._decode_attention(q, k_rows, v_rows, group, meta.workspace))
         for span in meta.prefills:
             out[span.lo : span.hi] = self._prefill_attention(q, k, v, k_rows, v_rows, span)
         return self.o_proj(out.view(T, -1))
@@ -262,7 +273,7 @@ class Attention(nn.Module):
         # over each KV head's keys, where enable_gqa makes one per query head (on a CPU, SDPA's kernel alone
         # takes about half the time). 4-D inputs keep SDPA on its fused CPU kernel (3-D ones fall back to the
         # slow math path).
-        query = q[group.index].view(n, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+        query = q.index_select(0, group.index).view(n, self.num_kv_heads, self.num_heads // self.num_kv_heads, -1)
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask)
         return out.reshape(n, self.num_heads, self.head_dim)
 

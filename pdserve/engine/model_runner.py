@@ -155,9 +155,10 @@ class ModelRunner:
 
     def _prepare(self, output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
+        block_rows = self.kv_cache.shape[1] * 2 * bs  # rows of one block in pool_rows(kv_cache)
         ids: list[int] = []
         pos: list[int] = []
-        slot_blocks: list[int] = []
+        slot_rows: list[int] = []
         decodes: list[tuple[int, int, list[int]]] = []  # (flat index, context length, blocks)
         prefills: list[tuple[int, int, int, list[int]]] = []  # (lo, hi, start, blocks)
         for chunk in output.chunks:
@@ -165,7 +166,7 @@ class ModelRunner:
             end = chunk.start + n
             ids.extend(chunk.token_ids)
             pos.extend(range(chunk.start, end))
-            slot_blocks.extend(chunk.block_ids[p // bs] for p in range(chunk.start, end))
+            slot_rows.extend(chunk.block_ids[p // bs] * block_rows + p % bs for p in range(chunk.start, end))
             blocks = chunk.block_ids[: -(-end // bs)]
             if n == 1 and chunk.start > 0:
                 decodes.append((lo, end, blocks))
@@ -175,14 +176,14 @@ class ModelRunner:
         groups = [decodes[g : g + DECODE_GROUP_SIZE] for g in range(0, len(decodes), DECODE_GROUP_SIZE)]
         widths = [max(len(blocks) for _, _, blocks in part) for part in groups]
 
-        lists = [ids, pos, slot_blocks, [p % bs for p in pos]]
+        lists = [ids, pos, slot_rows]
         lists += [blocks for *_, blocks in prefills]
         for part, width in zip(groups, widths, strict=True):
             lists.append([i for i, _, _ in part])
             lists.append([b for _, _, blocks in part for b in blocks + [0] * (width - len(blocks))])
             lists.append([length for _, length, _ in part])
         tensors = iter(self.inputs.upload(lists))
-        input_ids, positions, slot_block_t, slot_offsets = (next(tensors) for _ in range(4))
+        input_ids, positions, slot_row_t = (next(tensors) for _ in range(3))
         spans = [PrefillSpan(lo, hi, start, next(tensors)) for lo, hi, start, _ in prefills]
         decode_groups = []
         for part, width in zip(groups, widths, strict=True):
@@ -190,7 +191,7 @@ class ModelRunner:
             key_pos = torch.arange(width * self.block_size, device=self.device)
             mask = (key_pos.unsqueeze(0) < lens.unsqueeze(1)).view(len(part), 1, 1, -1)
             decode_groups.append(DecodeGroup(index, flat, mask))
-        meta = AttentionMetadata(slot_block_t, slot_offsets, decode_groups, spans, self.workspace)
+        meta = AttentionMetadata(slot_row_t, decode_groups, spans, self.workspace)
         return input_ids, positions, meta
 
 
