@@ -486,7 +486,7 @@ PROFILE_GROUPS = {  # shares of all op time: (inclusive ops, self-time ops); SDP
     "scaled_dot_product_attention (inclusive)": (("aten::scaled_dot_product_attention",), ()),
     "linear layers (aten::mm/addmm)": ((), ("aten::mm", "aten::addmm")),
     "KV gather (aten::index/index_select)": ((), ("aten::index", "aten::index_select")),
-    "KV write / scatter (aten::_index_put_impl_)": ((), ("aten::_index_put_impl_",)),
+    "KV write / scatter (aten::index_copy_/_index_put_impl_)": ((), ("aten::index_copy_", "aten::_index_put_impl_")),
 }
 
 

@@ -20,7 +20,7 @@ a withdrawn reservation refuses all later writes (the check and the copy hold th
 
 This module loads without torch: every process that holds a handle to the actor loads its class (Ray
 does, to deserialise the handle), the router and the process that built the deployment among them, and
-torch would add a quarter of a gigabyte to each. The engine and the KV transports load in the actor.
+torch would add about 0.2 GB to each. The engine and the KV transports load in the actor.
 """
 
 from __future__ import annotations
