@@ -247,8 +247,8 @@ class Attention(nn.Module):
         # an offset index wakes every OpenMP thread, ~0.1 ms a call under a passive wait policy)
         rows, block_size = pool_rows(kv_cache), kv_cache.shape[3]
         first = 2 * self.layer_index * block_size
-        rows[first:].index_copy_(0, meta.slot_rows, k.reshape(T, -1).to(kv_cache.dtype))
-        rows[first + block_size :].index_copy_(0, meta.slot_rows, v.reshape(T, -1).to(kv_cache.dtype))
+        rows[first:].index_copy_(0, meta.slot_rows, k.to(kv_cache.dtype).reshape(T, -1))
+        rows[first + block_size :].index_copy_(0, meta.slot_rows, v.to(kv_cache.dtype).reshape(T, -1))
         k_cache = kv_cache[:, self.layer_index, 0]  # [num_blocks, block_size, kv_heads, head_dim]
         v_cache = kv_cache[:, self.layer_index, 1]
 
