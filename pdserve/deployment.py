@@ -27,7 +27,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.messages import WorkerStats
 from pdserve.placement import DECODE, PREFILL, place_workers
 from pdserve.prefill_node.worker import PrefillWorker
-from pdserve.priority import RAY_WORKER_NICENESS_ENV
+from pdserve.priority import OMP_SPIN_COUNT_ENV, RAY_WORKER_NICENESS_ENV
 from pdserve.router.process import RouterProcess
 from pdserve.router.router import WorkerHandle
 from pdserve.transport_config import GrpcConfig
@@ -88,6 +88,7 @@ class Deployment:
             kwargs = {"include_dashboard": False, "log_to_driver": True, **cfg.ray_init_kwargs}
             if cfg.address is None:  # a local cluster of our own: its workers start at normal priority
                 os.environ.setdefault(RAY_WORKER_NICENESS_ENV, "0")
+                os.environ[OMP_SPIN_COUNT_ENV] = str(cfg.omp_spin_count)  # and their OpenMP threads spin so long
             ray.init(address=cfg.address, **kwargs)
             self._started_ray = True
         self._stage(started, f"Ray {'started' if self._started_ray else 'joined'} ({cfg.address or 'local'})")
@@ -108,7 +109,11 @@ class Deployment:
             placement = place_workers(  # fails fast
                 cfg.prefill_worker_count, cfg.num_decode_workers, use_gpu, gpus_per_worker=cfg.gpus_per_worker
             )
-            common = {"max_concurrency": 10_000, "max_restarts": cfg.worker_max_restarts}
+            common: dict[str, Any] = {"max_concurrency": 10_000, "max_restarts": cfg.worker_max_restarts}
+            if not (self._started_ray and cfg.address is None):
+                # libgomp reads it when the process starts: a cluster we did not start gets it per worker (merged
+                # with the job's runtime_env; Ray then keeps one more idle worker process, ~80 MB, for the others)
+                common["runtime_env"] = {"env_vars": {OMP_SPIN_COUNT_ENV: str(cfg.omp_spin_count)}}
             decode_cls, prefill_cls = ray.remote(DecodeWorker), ray.remote(PrefillWorker)
             decode_options = {**placement.actor_options(DECODE), **common}
             prefill_options = {**placement.actor_options(PREFILL), **common}

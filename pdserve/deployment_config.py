@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 DEFAULT_PORT = 50051  # the command line's gRPC port (`pdserve serve --port`, `pdserve generate --target`)
 AUTH_TOKEN_ENV = "PDSERVE_AUTH_TOKEN"
 MIN_GPU_FRACTION = 0.0001  # Ray's resource precision
+# ~0.2 ms: longer than the gaps between the kernels of a step, far shorter than the gaps between steps
+DEFAULT_OMP_SPIN_COUNT = 20_000
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,11 @@ class DeploymentConfig(TransportConfig):
     address: str | None = option(None, "Ray cluster to join ('auto' or host:port; default: start one here)")
     router: RouterConfig | None = None  # None = defaults with `mode` as default_mode
     worker_max_restarts: int = option(3, "Ray restarts a worker whose process died this many times")
+    omp_spin_count: int = option(
+        DEFAULT_OMP_SPIN_COUNT,
+        "GOMP_SPINCOUNT of the engine workers: how long their OpenMP threads wait for the next parallel kernel "
+        "before they sleep (about 100,000 a millisecond; 0: sleep at once, a wake-up per kernel)",
+    )
     # Named, detached workers outlive the process that started them: a router process that restarts
     # (`pdserve serve --address auto` again) finds the running workers instead of starting a second set.
     detached_workers: bool = False
@@ -89,6 +96,8 @@ class DeploymentConfig(TransportConfig):
         check_gpus_per_worker(self.gpus_per_worker)
         if self.num_routers < 1:
             raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
+        if self.omp_spin_count < 0:
+            raise ValueError(f"omp_spin_count must be >= 0, got {self.omp_spin_count}")
         tls = self.tls_cert_file is not None and self.tls_key_file is not None
         http_servers = (("http", self.http_port, self.host), ("explorer", self.explorer_port, self.explorer_host))
         for name, port, host in http_servers:

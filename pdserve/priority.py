@@ -6,7 +6,9 @@ engines gets the CPU so rarely that tokens wait in it for seconds. Our workers a
 niceness 0 again when they start (``restore_normal_priority``); that needs the right to raise a priority
 (root, ``CAP_SYS_NICE`` or a ``nice`` resource limit of 20), and without it the worker keeps Ray's niceness.
 A cluster started with ``RAY_worker_niceness=0`` in the environment (``pdserve serve`` sets it for the local
-cluster it starts) starts its workers at niceness 0 with no privilege at all.
+cluster it starts) starts its workers at niceness 0 with no privilege at all. The engine workers' OpenMP
+threads get ``GOMP_SPINCOUNT`` the same way (``DeploymentConfig.omp_spin_count``): how long they wait for
+the next parallel kernel before they sleep.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 log = logging.getLogger(__name__)
 
 RAY_WORKER_NICENESS_ENV = "RAY_worker_niceness"
+OMP_SPIN_COUNT_ENV = "GOMP_SPINCOUNT"  # how long libgomp's threads wait for work before they sleep
 
 
 def restore_normal_priority() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -10,6 +11,7 @@ import sys
 import time
 from importlib.metadata import version
 
+import psutil
 import pytest
 
 from pdserve.cli.output import format_metadata
@@ -148,6 +150,8 @@ def test_serve_then_generate_then_ctrl_c_stops_cleanly():
             "256",
             "--auto-min-remote-tokens",
             "8",
+            "--omp-spin-count",
+            "4321",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -186,6 +190,15 @@ def test_serve_then_generate_then_ctrl_c_stops_cleanly():
             meta = _fields(result.stderr)
             assert meta["mode"] == mode and meta["output tokens"] == "5 tokens", result.stderr
             assert meta["finish reason"] == "length" and meta["time to first token"].endswith(" ms")
+        # the local cluster's engine workers start with the spin count asked for
+        spin_counts = {}
+        for process in psutil.Process(server.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                title = " ".join(process.cmdline())
+                for role in ("DecodeWorker", "PrefillWorker"):
+                    if title.startswith(f"ray::{role}"):
+                        spin_counts[role] = process.environ().get("GOMP_SPINCOUNT")
+        assert spin_counts == {"DecodeWorker": "4321", "PrefillWorker": "4321"}
         server.send_signal(signal.SIGINT)
         output, _ = server.communicate(timeout=60)
         assert server.returncode == 0 and "stopping" in output

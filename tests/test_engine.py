@@ -273,8 +273,29 @@ def test_small_cpu_steps_run_on_one_thread_and_restore_the_count():
         with pytest.raises(RuntimeError), step_threads(1, cpu):
             raise RuntimeError("a failed step")
         assert torch.get_num_threads() == 2
+        with step_threads(1, cpu, threads_spin=True):  # threads that spin between kernels: all of them
+            assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    ("environ", "spin"),
+    [
+        ({}, True),  # OpenMP's default policy spins a few milliseconds
+        ({"OMP_WAIT_POLICY": "passive"}, False),
+        ({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}, True),
+        ({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10k"}, True),
+        ({"GOMP_SPINCOUNT": "0"}, False),
+        ({"GOMP_SPINCOUNT": "infinite"}, True),
+        ({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "lots"}, False),  # libgomp ignores it: the policy
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, True),
+    ],
+)
+def test_whether_openmp_threads_spin_follows_libgomps_settings(environ, spin):
+    from pdserve.engine.model_runner import openmp_threads_spin
+
+    assert openmp_threads_spin(environ) is spin
 
 
 def test_every_step_records_its_threads_cpu_time_not_the_time_it_was_off_the_core(monkeypatch):

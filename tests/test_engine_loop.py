@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pytest
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.engine_loop import EngineLoop, build_in_passing_thread
 
 
 @pytest.fixture
@@ -80,3 +82,46 @@ def test_a_call_that_races_the_loop_dying_still_gets_its_answer(engine):
     future = loop.call(lambda e: "ran")
     with pytest.raises(RuntimeError, match=r"engine loop stopped.*injected loop crash"):
         future.result(5)
+
+
+def test_build_in_passing_thread_returns_or_raises_what_the_build_did():
+    caller = threading.get_ident()
+    builders: list[int] = []
+
+    def build() -> str:
+        builders.append(threading.get_ident())
+        return "built"
+
+    assert build_in_passing_thread(build) == "built"
+    assert builders and builders[0] != caller
+
+    def fail() -> None:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        build_in_passing_thread(fail)
+
+
+# Runs torch's parallel kernels on two threads in a fresh process, on the calling thread or on a passing one, and
+# prints how many of the threads it started are still alive (libgomp keeps a team per thread that ran a region).
+_TEAM_SCRIPT = """
+import os, sys, time, torch
+from pdserve.engine.engine_loop import build_in_passing_thread
+torch.set_num_threads(2)
+tasks = lambda: set(os.listdir("/proc/self/task"))
+before = tasks()
+work = lambda: torch.ones(4_000_000).mul_(2).sum().item()
+build_in_passing_thread(work) if sys.argv[1] == "passing" else work()
+deadline = time.monotonic() + 10
+while tasks() - before and sys.argv[1] == "passing" and time.monotonic() < deadline:
+    time.sleep(0.05)  # the team's threads leave after their thread
+print(len(tasks() - before))
+"""
+
+
+@pytest.mark.parametrize(("where", "threads_left"), [("here", 1), ("passing", 0)])
+def test_a_build_in_a_passing_thread_leaves_no_openmp_team_behind(where, threads_left):
+    result = subprocess.run(
+        [sys.executable, "-c", _TEAM_SCRIPT, where], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert int(result.stdout.strip()) == threads_left

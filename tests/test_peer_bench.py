@@ -54,6 +54,8 @@ def test_arguments_defaults_and_passthrough():
         (["--pdserve-args", "--block-size 32"], "give the block size as --block-size"),
         (["--pdserve-args", "'unclosed"], "--pdserve-args"),
         (["--tokens", "1"], "--tokens must be >= 2"),
+        (["--omp-spin-count", "-1"], "--omp-spin-count must be >= 0"),
+        (["--pdserve-args", "--omp-spin-count 0"], "--omp-spin-count is set by the benchmark"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_argument(argv, message, capsys):
@@ -83,7 +85,7 @@ def test_commands_set_threads_slots_and_kv_capacity():
     pd = pdserve_command("127.0.0.1", 50051, 8082, 2, plan, ["--quantization", "native"])
     joined = " ".join(pd)
     for part in ("serve", "--model smollm2", "--torch-threads 2", "--num-kv-blocks 4096", "--block-size 16",
-                 "--mode colocated", "--http-port 8082"):  # fmt: skip
+                 "--mode colocated", "--http-port 8082", "--omp-spin-count 20000"):  # fmt: skip
         assert part in joined
     assert pd[-2:] == ["--quantization", "native"]
 

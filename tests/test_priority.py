@@ -65,7 +65,7 @@ def test_the_router_and_the_workers_of_a_deployment_run_at_normal_priority_in_a_
 ):
     """In a Ray cluster started at Ray's default worker niceness (15), every thread of the router process
     and of the engine workers runs at niceness 0: a niced router next to two busy engines on 2 cores held
-    each token for up to seconds."""
+    each token for up to seconds. The engine workers start with the deployment's OpenMP spin count."""
     import ray
 
     from pdserve.deployment import Deployment, DeploymentConfig
@@ -77,8 +77,23 @@ def test_the_router_and_the_workers_of_a_deployment_run_at_normal_priority_in_a_
 
     expected = 0 if _may_raise_priority() else ray.get(ray_worker_niceness.remote(), timeout=60)
     engine = EngineConfig(model="tiny", device="cpu", num_kv_blocks=64, torch_threads=1, max_model_len=256)
-    config = DeploymentConfig(engine=engine, num_prefill_workers=1, num_decode_workers=1)
+    config = DeploymentConfig(engine=engine, num_prefill_workers=1, num_decode_workers=1, omp_spin_count=12_345)
     with Deployment(config) as d:
         pids = {"router": d.router_usage()[0]["pid"], **{w["worker_id"]: w["pid"] for w in d.worker_info}}
         niceness = {name: _thread_niceness(pid) for name, pid in pids.items()}
+        spin_counts = {w["worker_id"]: psutil.Process(w["pid"]).environ().get("GOMP_SPINCOUNT") for w in d.worker_info}
     assert niceness == {name: {expected} for name in pids}, niceness
+    assert spin_counts == {"prefill-0": "12345", "decode-0": "12345"}
+
+
+def test_the_spin_count_is_an_option_of_serve_and_never_negative():
+    from pdserve.cli.main import build_parser
+    from pdserve.deployment_config import DEFAULT_OMP_SPIN_COUNT, DeploymentConfig
+    from pdserve.options import config_from_args
+
+    serve = build_parser().parse_args(["serve"])
+    assert config_from_args(DeploymentConfig, serve).omp_spin_count == DEFAULT_OMP_SPIN_COUNT
+    serve = build_parser().parse_args(["serve", "--omp-spin-count", "0"])
+    assert config_from_args(DeploymentConfig, serve).omp_spin_count == 0
+    with pytest.raises(ValueError, match="omp_spin_count must be >= 0, got -1"):
+        DeploymentConfig(omp_spin_count=-1)

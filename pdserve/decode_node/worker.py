@@ -36,6 +36,7 @@ from ray.exceptions import ActorDiedError
 
 from pdserve.engine.async_engine import AsyncEngine, exit_process_soon, second_token_time, worker_request_stats
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_loop import build_in_passing_thread
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import StepEvents, TokenUpdate, WorkerRequestStats, WorkerStats
@@ -118,7 +119,9 @@ class DecodeWorker:
         self.worker_id = worker_id
         self.reservation_ttl_s = reservation_ttl_s
         self.verify_kv = verify_kv
-        engine = LLMEngine(replace(engine_config, device=device_in_this_worker(engine_config.device)))
+        device = device_in_this_worker(engine_config.device)
+        # the loop thread is then the only one with OpenMP threads (see build_in_passing_thread)
+        engine = build_in_passing_thread(lambda: LLMEngine(replace(engine_config, device=device)))
         self.transport = (
             transport if isinstance(transport, KVTransport) else make_transport(transport, transport_config)
         )

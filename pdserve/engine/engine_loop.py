@@ -3,6 +3,9 @@
 The engine is not thread-safe and a step can take seconds (a long prefill chunk), so nothing else
 touches it: callers submit a function, the loop runs it between steps and resolves a future. This
 is the same shape as vLLM's engine core: inputs are applied between steps, never during one.
+
+On a CPU the loop thread should be the only thread of its process that runs torch's parallel kernels: build
+the engine with ``build_in_passing_thread`` (see there).
 """
 
 from __future__ import annotations
@@ -19,6 +22,33 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+
+def build_in_passing_thread(build: Callable[[], T]) -> T:
+    """``build()`` on a thread that ends when it returns; its result, or its exception raised here.
+
+    An engine's construction (loading and packing weights, zeroing the KV pool) runs torch's parallel
+    kernels, and every thread that does so keeps a team of OpenMP threads for as long as it lives. libgomp
+    counts those threads, and once there are more of them than cores it stops letting threads spin while
+    they wait for the next parallel region (``GOMP_SPINCOUNT`` then no longer applies), so every region of
+    a decode step pays a wake-up. Built by the actor's own thread and stepped by the loop thread, the engine
+    would leave two teams behind; built here, the team goes with the thread and the loop thread's is the
+    process's only one."""
+    box: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            box.append(build())
+        except BaseException as e:  # re-raised on the caller's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=run, name="engine-build", daemon=True)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return box[0]
 
 
 class EngineLoop:

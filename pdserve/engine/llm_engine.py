@@ -15,7 +15,13 @@ from pdserve.engine import remote_kv
 from pdserve.engine.block_manager import BlockManager, BlockUsage
 from pdserve.engine.config import EngineConfig, ModelConfig, gguf_file
 from pdserve.engine.gguf import GGUFCheckpoint, read_gguf
-from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache, kv_block_bytes, step_threads
+from pdserve.engine.model_runner import (
+    ModelRunner,
+    allocate_kv_cache,
+    kv_block_bytes,
+    openmp_threads_spin,
+    step_threads,
+)
 from pdserve.engine.pace_probe import PaceProbe
 from pdserve.engine.quantization import (
     INT4_KINDS,
@@ -123,6 +129,7 @@ class LLMEngine:
         self.config = config.with_model_defaults(self.model_config)
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
+        self.threads_spin = openmp_threads_spin()  # small CPU steps then run on every thread
         self.device = resolve_device(self.config.device)
         self.quantization, quantized = resolve_quantization(
             self.config.quantization, self.config.model, self.device, self.config.dtype
@@ -280,7 +287,7 @@ class LLMEngine:
         params = {rid: r.params for rid, r in requests.items()}
         seeds = {rid: self._seeds[rid] for rid in requests}
         output_index = {rid: r.num_output_tokens for rid, r in requests.items()}
-        with step_threads(output.num_prefill_tokens + output.num_decode_tokens, self.device):
+        with step_threads(output.num_prefill_tokens + output.num_decode_tokens, self.device, self.threads_spin):
             result = self.runner.run(output, params, seeds, output_index, keep_logits)
         self.last_logits = result.logits
         self.scheduler.update_after_step(output)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pdserve.engine.async_engine import AsyncEngine, exit_process_soon, worker_request_stats
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_loop import build_in_passing_thread
 from pdserve.engine.remote_kv import admission_open, waiting_prompt_tokens
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import WorkerStats
@@ -124,7 +125,9 @@ class PrefillWorker:
         self.push_timeout_s = push_timeout_s
         self.verify_kv = verify_kv
         self.handle: Any = None  # this worker's actor handle, passed with each reservation; None: Ray's
-        engine = LLMEngine(replace(engine_config, device=device_in_this_worker(engine_config.device)))
+        device = device_in_this_worker(engine_config.device)
+        # the loop thread is then the only one with OpenMP threads (see build_in_passing_thread)
+        engine = build_in_passing_thread(lambda: LLMEngine(replace(engine_config, device=device)))
         self.block_size = engine.config.block_size
         self._admission = asyncio.Lock()  # FIFO: prefills are admitted in the order they were accepted
         self._accepted: dict[str, _Job] = {}  # event loop: accepted, not yet admitted into the engine
