@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.deployment_config import DEFAULT_OMP_SPIN_COUNT
+from pdserve.priority import OMP_SPIN_COUNT_ENV
 
 SERVERS = ("pdserve", "llama.cpp")
 MODEL_PRESET = "smollm2"
@@ -990,7 +991,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = dict(os.environ)
     if args.omp_wait_policy != "inherit":
         env["OMP_WAIT_POLICY"] = args.omp_wait_policy
-    env["GOMP_SPINCOUNT"] = str(args.omp_spin_count)  # llama-server's; pdserve's workers get it as an option
+    env[OMP_SPIN_COUNT_ENV] = str(args.omp_spin_count)  # llama-server's; pdserve's workers get it as an option
     runs: list[ServerRun] = []
     for rep in range(args.repeat):
         for name in args.servers if rep % 2 == 0 else args.servers[::-1]:

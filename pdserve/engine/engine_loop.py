@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
@@ -34,21 +34,8 @@ def build_in_passing_thread(build: Callable[[], T]) -> T:
     a decode step pays a wake-up. Built by the actor's own thread and stepped by the loop thread, the engine
     would leave two teams behind; built here, the team goes with the thread and the loop thread's is the
     process's only one."""
-    box: list[T] = []
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            box.append(build())
-        except BaseException as e:  # re-raised on the caller's thread
-            errors.append(e)
-
-    thread = threading.Thread(target=run, name="engine-build", daemon=True)
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
-    return box[0]
+    with ThreadPoolExecutor(1, thread_name_prefix="engine-build") as pool:  # its exit joins the thread
+        return pool.submit(build).result()
 
 
 class EngineLoop:
