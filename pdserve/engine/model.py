@@ -26,7 +26,7 @@ class PrefillSpan:
     lo: int  # index of the first token in the flat batch
     hi: int
     start: int  # tokens of this request already in the cache
-    block_ids: torch.Tensor  # the request's blocks, covering start + (hi - lo) slots
+    block_ids: torch.Tensor  # the request's blocks, covering start + (hi - lo) slots, padded (attention_width)
 
 
 @dataclass
@@ -39,6 +39,7 @@ class DecodeGroup:
 
     index: torch.Tensor  # [n] flat index of each query
     flat_block_ids: torch.Tensor  # [n * width] each request's blocks, padded with block 0 to the group's width
+    # (the longest request's blocks rounded up as ``attention_width.attended_blocks`` says)
     mask: torch.Tensor  # [n, 1, 1, width * block_size], True = a real cached key
 
 
@@ -260,7 +261,7 @@ class Attention(nn.Module):
         for group in meta.decode_groups:
             out.index_copy_(0, group.index, self._decode_attention(q, k_rows, v_rows, group, meta.workspace))
         for span in meta.prefills:
-            out[span.lo : span.hi] = self._prefill_attention(q, k, v, k_rows, v_rows, span)
+            out[span.lo : span.hi] = self._prefill_attention(q, k_rows, v_rows, span)
         return self.o_proj(out.view(T, -1))
 
     def _decode_attention(self, q, k_rows, v_rows, group: DecodeGroup, workspace: Workspace) -> torch.Tensor:
@@ -277,29 +278,25 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask)
         return out.reshape(n, self.num_heads, self.head_dim)
 
-    def _context(
-        self, k_rows, v_rows, block_ids: torch.Tensor, n: int, q_dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``n`` cached keys and values of a request: [1, kv_heads, n, head_dim] each."""
-        keys = torch.index_select(k_rows, 0, block_ids).view(-1, self.num_kv_heads, self.head_dim)[:n]
-        values = torch.index_select(v_rows, 0, block_ids).view(-1, self.num_kv_heads, self.head_dim)[:n]
-        return keys.transpose(0, 1).unsqueeze(0).to(q_dtype), values.transpose(0, 1).unsqueeze(0).to(q_dtype)
+    def _prefill_attention(self, q, k_rows, v_rows, span: PrefillSpan) -> torch.Tensor:
+        """A chunk's queries over every cached key of its request, its own included (written just before).
 
-    def _prefill_attention(self, q, k, v, k_rows, v_rows, span: PrefillSpan) -> torch.Tensor:
+        Every chunk takes this one path, over the keys as the cache holds them (rounded to its dtype) and over
+        the span ``attention_width.attended_keys`` gives (the masked padding included): a token's attention then
+        comes out the same whatever chunk it falls in, so a prompt's results do not depend on how it was chunked.
+        """
         n, H, KV, D = span.hi - span.lo, self.num_heads, self.num_kv_heads, self.head_dim
-        if span.start == 0:  # nothing cached: the chunk's own keys, plain causal mask
-            query = q[span.lo : span.hi].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            keys = k[span.lo : span.hi].transpose(0, 1).unsqueeze(0)
-            values = v[span.lo : span.hi].transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
-            return out.squeeze(0).transpose(0, 1)
-        # every cached key, plus the chunk's own keys under a causal mask; as in decode attention, the query heads
-        # that share a KV head are its query rows: [1, KV, group * n, D], row g * n + i = its head g, token i
-        context, group = span.start + n, H // KV
-        keys, values = self._context(k_rows, v_rows, span.block_ids, context, q.dtype)
+        group = H // KV
+        keys = torch.index_select(k_rows, 0, span.block_ids).view(-1, KV, D)  # [span, KV, D]
+        values = torch.index_select(v_rows, 0, span.block_ids).view(-1, KV, D)
+        keys = keys.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KV, S, D]
+        values = values.transpose(0, 1).unsqueeze(0).to(q.dtype)
+        # as in decode attention, the query heads that share a KV head are its query rows: [1, KV, group * n, D],
+        # row g * n + i = its head g, token i
         query = q[span.lo : span.hi].view(n, KV, group, D).permute(1, 2, 0, 3).reshape(1, KV, group * n, D)
-        # token i (absolute position start + i) sees keys 0 .. start + i
-        mask = torch.arange(context, device=q.device) <= torch.arange(span.start, context, device=q.device)[:, None]
+        # token i (absolute position start + i) sees keys 0 .. start + i; the padding stays hidden
+        positions = torch.arange(span.start, span.start + n, device=q.device)
+        mask = torch.arange(keys.shape[2], device=q.device) <= positions[:, None]
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask.repeat(group, 1))
         return out.view(KV, group, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from pdserve.engine.attention_width import attended_blocks
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model import FEW_ROWS, AttentionMetadata, DecodeGroup, LlamaForCausalLM, PrefillSpan, Workspace
 from pdserve.engine.sampler import TokenLogprobs, sample, token_logprobs
@@ -188,11 +189,12 @@ class ModelRunner:
             blocks = chunk.block_ids[: -(-end // bs)]
             if n == 1 and chunk.start > 0:
                 decodes.append((lo, end, blocks))
-            else:
-                prefills.append((lo, lo + n, chunk.start, blocks))
+            else:  # attended over whole spans (attention_width): the padding, block 0, stays masked
+                padding = attended_blocks(len(blocks), bs) - len(blocks)
+                prefills.append((lo, lo + n, chunk.start, blocks + [0] * padding))
         decodes.sort(key=lambda d: d[1])
         groups = [decodes[g : g + DECODE_GROUP_SIZE] for g in range(0, len(decodes), DECODE_GROUP_SIZE)]
-        widths = [max(len(blocks) for _, _, blocks in part) for part in groups]
+        widths = [attended_blocks(max(len(blocks) for _, _, blocks in part), bs) for part in groups]
 
         lists = [ids, pos, slot_rows]
         lists += [blocks for *_, blocks in prefills]

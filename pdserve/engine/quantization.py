@@ -18,13 +18,14 @@
   ones convert the weight to float32 a cache-sized tile at a time; inputs and outputs are rounded to
   float16 on both of those paths, for the same invariance. The output projection keeps float32 logits
   (float16 ones would tie a confident model's top tokens);
-- ``auto``: ``float16`` for a GGUF file with Q4/Q8 weights on a CPU where torch has FBGEMM: measured on AMD
-  EPYC CPUs with AVX2 and with AVX-512, it decodes batches as fast as any other path or faster, and a
-  request's tokens stay those it gets alone (docs/benchmarks.md has the figures; ``native`` decodes one
-  stream faster on AVX512-BF16, see ``auto_weight_format`` for why it is not the default). On CUDA, ``native``;
-  on another CPU, ``native`` where torch runs it at AVX-512 and ``none`` where it does not (there torch's
-  int4/int8 kernels are slower than a float32 GEMM over the dequantised weights). A checkpoint that is not
-  such a GGUF file is served as it is (``none``).
+- ``auto``: for a GGUF file with Q4/Q8 weights, ``native`` on CUDA and on a CPU torch runs at AVX-512 where
+  attention keeps a row's bits independent of its company (probed at start-up, ``auto_weight_format``):
+  measured on AMD EPYC and Intel Xeon CPUs with AVX-512, it decodes one stream about 1.5x faster than
+  ``float16`` in 300 MB less memory, but prefills and decodes large batches slower (torch's int4 kernel
+  costs about twice FBGEMM's per row beyond a few rows; docs/benchmarks.md has the figures: ``float16``
+  remains the choice for throughput). Else ``float16`` on a CPU where torch has FBGEMM, ``none`` elsewhere
+  (there torch's int4/int8 kernels are slower than a float32 GEMM over the dequantised weights). A
+  checkpoint that is not such a GGUF file is served as it is (``none``).
 
 The compute dtype of the ``native`` path (``--dtype auto``) is bfloat16 on CUDA, float32 on a CPU. The CUDA
 kernels (``_convert_weight_to_int4pack``,
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.attention_width import attention_is_width_invariant
 from pdserve.engine.config import QUANTIZATION_MODES
 from pdserve.engine.gguf import QUANT_GROUP, QuantizedBlocks
 
@@ -130,16 +132,20 @@ def fbgemm_float16_available() -> bool:
 
 def auto_weight_format(device: torch.device, dtype: str = "auto") -> str:
     """What ``--quantization auto`` serves a GGUF file with Q4_0/Q4_1/Q8_0 weights in, on ``device`` with
-    ``--dtype dtype``: ``native`` on CUDA; ``float16`` on a CPU where torch has FBGEMM (x86), on whose
-    float16-weight GEMM the engine decodes batches as fast as on any other path and a request's tokens do not
-    depend on its batch (it computes in float32, so only under ``--dtype auto`` or ``float32``); else
-    ``native`` where torch runs the CPU at AVX-512 and ``none`` where it does not.
+    ``--dtype dtype``: ``native`` on CUDA; on a CPU torch runs at AVX-512, ``native`` too, where attention
+    gives a row the same bits whatever its company (``attention_is_width_invariant``, probed at start-up);
+    else ``float16`` where torch has FBGEMM (x86; it computes in float32, so only under ``--dtype auto`` or
+    ``float32``), ``native`` at AVX-512 and ``none`` elsewhere.
 
-    ``native`` decodes one stream faster on a CPU with AVX512-BF16 (docs/benchmarks.md), but the bfloat16
-    rounding of its GEMMs' inputs and outputs turns the last-bit differences of attention between chunkings
-    and batches into different tokens now and then, so it is not the default there.
+    ``native`` rounds its GEMMs' inputs to bfloat16, which turns any last-bit difference upstream into a
+    different input now and then, and a different token after it: it is the default only where the engine
+    keeps every row's bits independent of its batch and chunking (the int4 kernel computes each row alone;
+    attention needs the probe). On the AVX-512 CPUs measured it decodes one stream about 1.5x faster than
+    ``float16`` in 300 MB less memory; long prompts and large batches run slower (docs/benchmarks.md).
     """
     if device.type == "cuda":
+        return "native"
+    if device.type == "cpu" and fast_weight_only_kernels(device) and attention_is_width_invariant("cpu"):
         return "native"
     if device.type == "cpu" and dtype in ("auto", "float32") and fbgemm_float16_available():
         return "float16"
