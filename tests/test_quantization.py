@@ -2,9 +2,9 @@
 GEMMs) and ``--quantization float16`` (every weight in float16, computed in float32).
 
 Exact where the kernel is exact (Q4_0/Q4_1 in float32 against the dequantised weights), and for SmolLM2
-(native in bfloat16, the compute dtype where that path is the default on a CPU; float16 weights)
-close enough to the float32 reference: teacher-forced top-1 agreement of at least
-98 %, and the demo's questions answered correctly.
+(native: float32 activations, bfloat16 inputs to the int4 GEMMs; float16 weights) close enough to the
+float32 reference: teacher-forced top-1 agreement of at least 98 %, and the demo's questions answered
+correctly. Both paths give a request the same bits whatever its batch and however its prompt is chunked.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ PROBE_MAX_KEYS = 2048
 def attention_is_width_invariant(device_type: str = "cpu") -> bool:
     """Whether ``scaled_dot_product_attention`` on this device gives a query row the same bits at every span
     ``attended_keys`` allows up to ``PROBE_MAX_KEYS`` keys, alone and beside other rows, in the engine's
-    layout (the query heads of one KV head as its rows, a boolean mask). About 0.2 s on a 2-core CPU."""
+    layout (the query heads of one KV head as its rows, a boolean mask). About 0.03 s on a 2-core CPU."""
     generator = torch.Generator().manual_seed(0)
     kv_heads, group, dim = 3, 3, 64
     keys = torch.randn(1, kv_heads, PROBE_MAX_KEYS, dim, generator=generator).to(device_type)
