@@ -27,6 +27,9 @@ class PrefillSpan:
     hi: int
     start: int  # tokens of this request already in the cache
     block_ids: torch.Tensor  # the request's blocks, covering start + (hi - lo) slots, padded (attention_width)
+    # [group * (hi - lo), blocks * block_size], True = a key the query row sees; row g * n + i = query head g of
+    # a KV head's group, token i (absolute position start + i), which sees keys 0 .. start + i
+    mask: torch.Tensor
 
 
 @dataclass
@@ -294,10 +297,7 @@ class Attention(nn.Module):
         # as in decode attention, the query heads that share a KV head are its query rows: [1, KV, group * n, D],
         # row g * n + i = its head g, token i
         query = q[span.lo : span.hi].view(n, KV, group, D).permute(1, 2, 0, 3).reshape(1, KV, group * n, D)
-        # token i (absolute position start + i) sees keys 0 .. start + i; the padding stays hidden
-        positions = torch.arange(span.start, span.start + n, device=q.device)
-        mask = torch.arange(keys.shape[2], device=q.device) <= positions[:, None]
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask.repeat(group, 1))
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=span.mask)
         return out.view(KV, group, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
 
 

@@ -15,6 +15,7 @@ from pdserve.engine.model import FEW_ROWS, AttentionMetadata, DecodeGroup, Llama
 from pdserve.engine.sampler import TokenLogprobs, sample, token_logprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.priority import OMP_SPIN_COUNT_ENV
 
 DECODE_GROUP_SIZE = 16  # decodes attended per SDPA call (sorted by length, padded within the group)
 
@@ -42,7 +43,7 @@ def openmp_threads_spin(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether this process's OpenMP threads (libgomp) wait for the next parallel region spinning, at least
     briefly, rather than going to sleep at once: ``GOMP_SPINCOUNT`` above 0 where it is set, else any
     ``OMP_WAIT_POLICY`` but ``PASSIVE`` (OpenMP's default spins for a few milliseconds)."""
-    count = environ.get("GOMP_SPINCOUNT", "").strip().lower()
+    count = environ.get(OMP_SPIN_COUNT_ENV, "").strip().lower()
     if count in ("infinite", "infinity"):
         return True
     if count:
@@ -204,7 +205,12 @@ class ModelRunner:
             lists.append([length for _, length, _ in part])
         tensors = iter(self.inputs.upload(lists))
         input_ids, positions, slot_row_t = (next(tensors) for _ in range(3))
-        spans = [PrefillSpan(lo, hi, start, next(tensors)) for lo, hi, start, _ in prefills]
+        spans = []
+        group = self.model.config.num_attention_heads // self.model.config.num_key_value_heads
+        for lo, hi, start, blocks in prefills:  # one mask per chunk, for every layer: the padding stays hidden
+            key_pos = torch.arange(len(blocks) * self.block_size, device=self.device)
+            visible = key_pos <= torch.arange(start, start + hi - lo, device=self.device)[:, None]
+            spans.append(PrefillSpan(lo, hi, start, next(tensors), visible.repeat(group, 1)))
         decode_groups = []
         for part, width in zip(groups, widths, strict=True):
             index, flat, lens = next(tensors), next(tensors), next(tensors)
