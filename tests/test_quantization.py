@@ -14,11 +14,18 @@ import platform
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf_writer import write_gguf
 from prompt_logits import engine_prompt_logits
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pdserve.engine.attention_width import attended_blocks, attended_keys, attention_is_width_invariant
+from pdserve.engine.attention_width import (
+    SHORT_KEYS,
+    attend,
+    attended_blocks,
+    attended_keys,
+    attention_is_width_invariant,
+)
 from pdserve.engine.config import checkpoint_preset_file
 from pdserve.engine.gguf import QuantizedBlocks, read_gguf
 from pdserve.engine.llm_engine import quantized_checkpoint, resolve_quantization
@@ -333,9 +340,58 @@ def test_a_decode_gets_the_same_bits_beside_a_longer_request(quantized_engine):
     quantized_engine.block_manager.check_integrity()
 
 
+def test_a_token_decoded_and_recomputed_in_a_prompt_gets_the_same_bits(quantized_engine):
+    """What a preempted request's recomputation relies on: 12 tokens decoded after a 184-token prompt (their
+    keys crossing from whole blocks to a 512-key span), then the prompt and those tokens prefilled in chunks of
+    64: every decoded token's logits come out of the prefill bit for bit."""
+    if not attention_is_width_invariant("cpu"):
+        assert auto_weight_format(CPU) != "native"
+        return
+    tokenizer = quantized_engine.tokenizer
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Explain how attention works, step by step. " * 17}]
+    )
+    prompt = tokenizer.encode(text)
+    assert len(prompt) <= SHORT_KEYS < len(prompt) + 12
+    request_id = quantized_engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    decoded, logits = [], []
+    while quantized_engine.has_unfinished_requests():
+        for output in quantized_engine.step(keep_logits=True):
+            if output.request_id == request_id and output.new_token_ids:
+                decoded += output.new_token_ids
+                logits.append(quantized_engine.last_logits[request_id])
+    assert len(decoded) == 12
+    recomputed = engine_prompt_logits(quantized_engine, prompt + decoded[:-1])[len(prompt) - 1 :]
+    assert torch.equal(recomputed, torch.stack(logits))
+    quantized_engine.block_manager.check_integrity()
+
+
 def test_attended_keys_are_whole_blocks_then_whole_kernel_blocks():
-    assert [attended_keys(n) for n in (16, 48, 256, 272, 512, 513, 1100)] == [16, 48, 256, 512, 512, 1024, 1536]
-    assert attended_blocks(3, 16) == 3 and attended_blocks(17, 16) == 32 and attended_blocks(33, 16) == 64
+    assert [attended_keys(n) for n in (16, 48, 192, 208, 512, 513, 1100)] == [16, 48, 192, 512, 512, 1024, 1536]
+    assert attended_blocks(3, 16) == 3 and attended_blocks(12, 16) == 12 and attended_blocks(13, 16) == 32
+    assert attended_blocks(33, 16) == 64
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
+def test_attend_gives_a_few_query_rows_the_bits_they_get_among_many(rows):
+    """``attend`` pads a call of fewer than ``MIN_QUERY_ROWS`` query rows per head; its results are
+    scaled_dot_product_attention's (to float32 rounding) and, where the probe passes, the bits those rows get
+    in a call of 40 rows."""
+    generator = torch.Generator().manual_seed(rows)
+    keys, values = torch.randn(2, 1, 3, 512, 64, generator=generator)
+    query = torch.randn(1, 3, 40, 64, generator=generator)
+    mask = torch.arange(512) <= torch.randint(0, 512, (40, 1), generator=generator)
+    many = attend(query, keys, values, mask)
+    few = attend(query[:, :, :rows], keys, values, mask[:rows])
+    assert few.shape == (1, 3, rows, 64)
+    torch.testing.assert_close(
+        few, F.scaled_dot_product_attention(query[:, :, :rows], keys, values, attn_mask=mask[:rows])
+    )
+    decode_mask = mask[:1].view(1, 1, 1, 512)  # a decode batch's mask, broadcast over the rows
+    broadcast = attend(query[:, :, :rows], keys, values, decode_mask)
+    assert torch.equal(broadcast, attend(query[:, :, :rows], keys, values, decode_mask.expand(1, 1, rows, 512)))
+    if attention_is_width_invariant("cpu"):
+        assert torch.equal(few, many[:, :, :rows])
 
 
 def _cpu_like(monkeypatch, fbgemm: bool, avx512: bool, invariant_attention: bool = True) -> None:

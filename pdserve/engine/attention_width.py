@@ -1,16 +1,21 @@
-"""How many keys an attention call spans, so that a token's result does not depend on its company.
+"""How many keys an attention call spans, and how many query rows it holds, so that a token's result does not
+depend on its company.
 
 A query row's attention over the same visible keys can still come out a few bits apart when the call holds
-more or fewer keys: the CPU kernel (``scaled_dot_product_attention``'s flash kernel) walks the keys in
-blocks of 512 and its matrix products split a block's keys by its length, so keys hidden by the mask
-change where the sums are cut. A prompt chunked differently, or a decode grouped with a longer request,
-would then get other bits, and where the next matrix product rounds its inputs to bfloat16 (the ``native``
-weights on a CPU) other tokens now and then.
+more or fewer keys, or more or fewer query rows: the CPU kernel (``scaled_dot_product_attention``'s flash
+kernel) walks the keys in blocks of 512, and its matrix products choose how to cut a block's sums by the
+block's length and by the number of query rows. A prompt chunked differently, or a decode grouped with a
+longer request, would then get other bits, and where the next matrix product rounds its inputs to bfloat16
+(the ``native`` weights on a CPU) other tokens now and then. Measured on two 2-core VMs: on an Intel Xeon,
+spans of 272-399 keys cut the sums differently from shorter spans and from whole blocks of 512; on an AMD
+EPYC, spans of 208-368 keys do, and so do calls of 1-3 query rows against calls of more.
 
-The engine therefore attends over ``attended_keys(n)`` keys: ``n`` rounded up to whole blocks while it is
+The engine therefore attends over ``attended_keys(n)`` keys: ``n`` rounded up to whole KV blocks while it is
 at most ``SHORT_KEYS``, to a multiple of ``KEY_BLOCK`` beyond (the masked tail costs at most one block of
-512). ``attention_is_width_invariant`` checks at start-up, on random data, that this CPU's kernel gives every
-row the same bits at every such width; ``--quantization auto`` keeps the ``native`` path only where it does.
+512); and ``attend`` gives every call at least ``MIN_QUERY_ROWS`` query rows per head (repeating the last).
+``attention_is_width_invariant`` checks at start-up, on random data, that this device's kernel then gives every
+row the same bits at every such span, alone or beside other rows, in a prefill chunk's layout or in a decode
+batch's; ``--quantization auto`` keeps the ``native`` path only where it does.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-SHORT_KEYS = 256  # up to this many keys, one cut-free span: any whole number of blocks
+SHORT_KEYS = 192  # up to this many keys, one cut-free span: any whole number of blocks
 KEY_BLOCK = 512  # the flash kernel's block of keys; longer spans are a whole number of them
+MIN_QUERY_ROWS = 4  # fewer query rows per head take another path through the kernel's products (AMD EPYC)
 
 
 def attended_keys(keys: int) -> int:
@@ -34,35 +40,55 @@ def attended_blocks(blocks: int, block_size: int) -> int:
     return -(-attended_keys(blocks * block_size) // block_size)
 
 
-PROBE_POSITIONS = (0, 15, 100, 255, 256, 271, 450, 511, 512, 600, 1000, 1023, 1500)
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``scaled_dot_product_attention(query, keys, values, attn_mask=mask)`` over at least ``MIN_QUERY_ROWS``
+    query rows per head on a CPU: fewer are padded with copies of the last row (and of its mask row, unless
+    the mask broadcasts over rows), whose results are dropped."""
+    rows = query.shape[-2]
+    if rows >= MIN_QUERY_ROWS or query.device.type != "cpu":
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
+    pad = MIN_QUERY_ROWS - rows
+    query = torch.cat((query, query[..., -1:, :].expand(*query.shape[:-2], pad, query.shape[-1])), dim=-2)
+    if mask.shape[-2] != 1:
+        mask = torch.cat((mask, mask[..., -1:, :].expand(*mask.shape[:-2], pad, mask.shape[-1])), dim=-2)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)[..., :rows, :]
+
+
+PROBE_POSITIONS = (0, 15, 100, 191, 192, 255, 271, 300, 450, 511, 512, 600, 700, 1000, 1023, 1500)
 PROBE_MAX_KEYS = 2048
 
 
 @functools.cache
 def attention_is_width_invariant(device_type: str = "cpu") -> bool:
-    """Whether ``scaled_dot_product_attention`` on this device gives a query row the same bits at every span
-    ``attended_keys`` allows up to ``PROBE_MAX_KEYS`` keys, alone and beside other rows, in the engine's
-    layout (the query heads of one KV head as its rows, a boolean mask). About 0.03 s on a 2-core CPU."""
+    """Whether ``attend`` on this device gives a query row the same bits at every span ``attended_keys`` allows
+    up to ``PROBE_MAX_KEYS`` keys: alone, beside other rows and as one request of a decode batch, in the
+    engine's layouts (keys gathered as ``[span, kv_heads, head_dim]`` rows; a prefill chunk's query heads of one
+    KV head as its rows, a decode batch's as one request's). About 0.05 s on a 2-core CPU."""
     generator = torch.Generator().manual_seed(0)
     kv_heads, group, dim = 3, 3, 64
-    keys = torch.randn(1, kv_heads, PROBE_MAX_KEYS, dim, generator=generator).to(device_type)
-    values = torch.randn(1, kv_heads, PROBE_MAX_KEYS, dim, generator=generator).to(device_type)
+    keys = torch.randn(PROBE_MAX_KEYS, kv_heads, dim, generator=generator).to(device_type)
+    values = torch.randn(PROBE_MAX_KEYS, kv_heads, dim, generator=generator).to(device_type)
     queries = torch.randn(PROBE_MAX_KEYS, kv_heads, group, dim, generator=generator).to(device_type)
-    spans = sorted({attended_keys(n) for n in range(16, PROBE_MAX_KEYS + 1, 16)})
     first: dict[int, torch.Tensor] = {}
-    for span in spans:
+
+    def agrees(position: int, row: torch.Tensor) -> bool:
+        seen = first.setdefault(position, row)
+        return seen is row or torch.equal(seen, row)
+
+    for span in sorted({attended_keys(n) for n in range(16, PROBE_MAX_KEYS + 1, 16)}):
         probed = [p for p in PROBE_POSITIONS if p < span]
-        for neighbours in (0, 40):  # alone, and beside rows near the end of the span
-            positions = probed + list(range(span - neighbours, span))
+        k, v = keys[:span].transpose(0, 1).unsqueeze(0), values[:span].transpose(0, 1).unsqueeze(0)
+        key_positions = torch.arange(span, device=device_type)
+        for positions in ([probed[-1]], probed, probed + list(range(span - 40, span))):  # a prefill chunk
             rows = len(positions)
             query = queries[positions].permute(1, 2, 0, 3).reshape(1, kv_heads, group * rows, dim)
-            mask = torch.arange(span, device=device_type) <= torch.tensor(positions, device=device_type)[:, None]
-            out = F.scaled_dot_product_attention(
-                query, keys[:, :, :span], values[:, :, :span], attn_mask=mask.repeat(group, 1)
-            ).view(kv_heads, group, rows, dim)
-            for i, position in enumerate(probed):
-                row = out[:, :, i]
-                seen = first.setdefault(position, row)
-                if seen is not row and not torch.equal(seen, row):
-                    return False
+            mask = key_positions <= torch.tensor(positions, device=device_type)[:, None]
+            out = attend(query, k, v, mask.repeat(group, 1)).view(kv_heads, group, rows, dim)
+            if not all(agrees(p, out[:, :, i]) for i, p in enumerate(positions[: len(probed)])):
+                return False
+        n = len(probed)  # a decode batch: each probed position one request, its keys padded to the span
+        mask = (key_positions <= torch.tensor(probed, device=device_type)[:, None]).view(n, 1, 1, span)
+        out = attend(queries[probed], k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), mask)
+        if not all(agrees(p, out[i]) for i, p in enumerate(probed)):
+            return False
     return True

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.attention_width import attend
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.quantization import Int4Linear, Int8Linear
 
@@ -278,15 +279,15 @@ class Attention(nn.Module):
         # takes about half the time). 4-D inputs keep SDPA on its fused CPU kernel (3-D ones fall back to the
         # slow math path).
         query = q.index_select(0, group.index).view(n, self.num_kv_heads, self.num_heads // self.num_kv_heads, -1)
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask)
-        return out.reshape(n, self.num_heads, self.head_dim)
+        return attend(query, keys, values, group.mask).reshape(n, self.num_heads, self.head_dim)
 
     def _prefill_attention(self, q, k_rows, v_rows, span: PrefillSpan) -> torch.Tensor:
         """A chunk's queries over every cached key of its request, its own included (written just before).
 
         Every chunk takes this one path, over the keys as the cache holds them (rounded to its dtype) and over
-        the span ``attention_width.attended_keys`` gives (the masked padding included): a token's attention then
-        comes out the same whatever chunk it falls in, so a prompt's results do not depend on how it was chunked.
+        the span ``attention_width.attended_keys`` gives (the masked padding included), through ``attend`` (as
+        decodes): a token's attention then comes out the same whatever chunk it falls in, so a prompt's results
+        do not depend on how it was chunked, nor on whether its tokens were prefilled or decoded.
         """
         n, H, KV, D = span.hi - span.lo, self.num_heads, self.num_kv_heads, self.head_dim
         group = H // KV
@@ -297,7 +298,7 @@ class Attention(nn.Module):
         # as in decode attention, the query heads that share a KV head are its query rows: [1, KV, group * n, D],
         # row g * n + i = its head g, token i
         query = q[span.lo : span.hi].view(n, KV, group, D).permute(1, 2, 0, 3).reshape(1, KV, group * n, D)
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=span.mask)
+        out = attend(query, keys, values, span.mask)
         return out.view(KV, group, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
 
 
