@@ -324,8 +324,10 @@ def test_every_step_records_its_threads_cpu_time_not_the_time_it_was_off_the_cor
 
 
 def test_decode_logits_do_not_depend_on_the_requests_order_in_the_step():
-    """Bitwise: a request's decode logits are the same whatever the order of the step's requests, and the same
-    as alone (SDPA's CPU kernel sums in another order over a strided view of the queries than over a copy)."""
+    """Bitwise: a request's decode logits are the same whatever the order of the step's requests (SDPA's CPU
+    kernel sums in another order over a strided view of the queries than over a copy); alone, the same to float32
+    rounding (this float32 model's GEMMs give a row other bits in a batch of fewer than four rows on some CPUs,
+    AMD EPYC's MKL among them; the reduced paths' bitwise batch invariance is tested in test_quantization)."""
     from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 
     engine = tiny(num_kv_blocks=64, enable_prefix_caching=False)
@@ -347,4 +349,4 @@ def test_decode_logits_do_not_depend_on_the_requests_order_in_the_step():
     shuffled = decode(["long", "short"])  # and here [1, 0]
     for rid in prompts:
         assert torch.equal(run[rid], shuffled[rid]), rid
-        assert torch.equal(run[rid], decode([rid])[rid]), rid
+        torch.testing.assert_close(run[rid], decode([rid])[rid], rtol=1e-5, atol=1e-5)
