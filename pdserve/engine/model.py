@@ -69,6 +69,30 @@ def pool_rows(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.view(-1, kv_cache.shape[-2] * kv_cache.shape[-1])
 
 
+class LayerCache(NamedTuple):
+    """One layer's views of the pool, made once per pool (``layer_caches``): a step's operators then start
+    from them instead of slicing the pool again in every layer."""
+
+    new_keys: torch.Tensor  # ``pool_rows`` from this layer's first key on: a token's key goes to its slot row
+    new_values: torch.Tensor  # the same from its first value on
+    key_blocks: torch.Tensor  # [num_blocks, block_size * kv_heads * head_dim]: one row per block, for gathers
+    value_blocks: torch.Tensor
+
+
+def layer_caches(kv_cache: torch.Tensor) -> list[LayerCache]:
+    """Every layer's ``LayerCache`` over the pool ``[blocks, layers, 2, block_size, kv_heads, head_dim]``."""
+    rows, layers, block_size = pool_rows(kv_cache), kv_cache.shape[1], kv_cache.shape[3]
+    return [
+        LayerCache(
+            rows[2 * layer * block_size :],
+            rows[(2 * layer + 1) * block_size :],
+            kv_cache[:, layer, 0].reshape(kv_cache.shape[0], -1),
+            kv_cache[:, layer, 1].reshape(kv_cache.shape[0], -1),
+        )
+        for layer in range(layers)
+    ]
+
+
 @dataclass
 class AttentionMetadata:
     """Where each new token's K/V goes, and which cached keys each query may see."""
@@ -77,6 +101,7 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     workspace: Workspace
+    caches: list[LayerCache]  # the pool's views, one per layer (``layer_caches``)
 
 
 FEW_ROWS = 4  # up to this many rows, a float32 product on the CPU runs as a two-batch matrix product
@@ -191,22 +216,27 @@ class RotaryEmbedding(nn.Module):
         self.cos, self.sin = freqs.cos().float().to(device), freqs.sin().float().to(device)
 
     def angles(self, positions: torch.Tensor) -> Rotation:
-        """The cos/sin rows of ``positions``, gathered once per step for every layer."""
-        return Rotation(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))  # [T, 1, D/2] each
+        """The rotation of ``positions``, gathered once per step for every layer."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        return Rotation(torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1))
 
 
 class Rotation(NamedTuple):
-    """The rotation of a step's tokens (``RotaryEmbedding.angles``), applied to q and k in every layer."""
+    """The rotation of a step's tokens (``RotaryEmbedding.angles``), applied to q and k in every layer:
+    ``[x1, x2]`` becomes ``[x1 cos - x2 sin, x2 cos + x1 sin]``, computed as ``x * cos + [x2, x1] * signed_sin``
+    (the same products and sums, so the same bits, in four operators instead of eight)."""
 
-    cos: torch.Tensor
-    sin: torch.Tensor
+    cos: torch.Tensor  # [T, 1, D]: cos twice
+    signed_sin: torch.Tensor  # [T, 1, D]: -sin, then sin
 
     def apply(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = []
         for x in xs:
-            x1, x2 = x.float().chunk(2, dim=-1)
-            rotated = torch.cat((x1 * self.cos - x2 * self.sin, x2 * self.cos + x1 * self.sin), dim=-1)
-            out.append(rotated.to(x.dtype))
+            if x.dtype == torch.float32:
+                out.append(x * self.cos + x.roll(x.shape[-1] // 2, dims=-1) * self.signed_sin)
+            else:
+                x32 = x.float()
+                out.append((x32 * self.cos + x32.roll(x.shape[-1] // 2, dims=-1) * self.signed_sin).to(x.dtype))
         return tuple(out)
 
 
@@ -231,9 +261,7 @@ class Attention(nn.Module):
             self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = fused, None, None, None
         return fused is not None
 
-    def forward(
-        self, x: torch.Tensor, rotation: Rotation, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotation: Rotation, meta: AttentionMetadata) -> torch.Tensor:
         T, H, KV, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x)
@@ -250,17 +278,12 @@ class Attention(nn.Module):
 
         # the new keys and values: one index_copy_ each into the rows of this layer (index_put_ with a block and
         # an offset index wakes every OpenMP thread, ~0.1 ms a call under a passive wait policy)
-        rows, block_size = pool_rows(kv_cache), kv_cache.shape[3]
-        first = 2 * self.layer_index * block_size
-        rows[first:].index_copy_(0, meta.slot_rows, k.to(kv_cache.dtype).reshape(T, -1))
-        rows[first + block_size :].index_copy_(0, meta.slot_rows, v.to(kv_cache.dtype).reshape(T, -1))
-        k_cache = kv_cache[:, self.layer_index, 0]  # [num_blocks, block_size, kv_heads, head_dim]
-        v_cache = kv_cache[:, self.layer_index, 1]
+        cache = meta.caches[self.layer_index]
+        cache.new_keys.index_copy_(0, meta.slot_rows, k.to(cache.new_keys.dtype).reshape(T, -1))
+        cache.new_values.index_copy_(0, meta.slot_rows, v.to(cache.new_values.dtype).reshape(T, -1))
 
-        # Per-layer views with one row per block ([num_blocks, block_size * kv_heads * head_dim]):
-        # index_select over rows gathers a request's blocks with one memcpy per block.
-        k_rows = k_cache.reshape(k_cache.shape[0], -1)
-        v_rows = v_cache.reshape(v_cache.shape[0], -1)
+        # one row per block: index_select over rows gathers a request's blocks with one memcpy per block
+        k_rows, v_rows = cache.key_blocks, cache.value_blocks
         out = torch.empty_like(q)
         for group in meta.decode_groups:
             out.index_copy_(0, group.index, self._decode_attention(q, k_rows, v_rows, group, meta.workspace))
@@ -334,8 +357,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, rotation: Rotation, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotation, kv_cache, meta)
+    def forward(self, x, rotation: Rotation, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotation, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -347,11 +370,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
-    def forward(self, input_ids, positions, kv_cache, meta) -> torch.Tensor:
+    def forward(self, input_ids, positions, meta) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rotation = self.rotary_emb.angles(positions)
         for layer in self.layers:
-            x = layer(x, rotation, kv_cache, meta)
+            x = layer(x, rotation, meta)
         return self.norm(x)
 
 
@@ -382,8 +405,8 @@ class LlamaForCausalLM(nn.Module):
             for param in self.parameters():
                 param.data = param.data.clone()
 
-    def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_cache, meta)
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

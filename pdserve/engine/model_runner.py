@@ -11,7 +11,15 @@ import torch
 
 from pdserve.engine.attention_width import attended_blocks
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.model import FEW_ROWS, AttentionMetadata, DecodeGroup, LlamaForCausalLM, PrefillSpan, Workspace
+from pdserve.engine.model import (
+    FEW_ROWS,
+    AttentionMetadata,
+    DecodeGroup,
+    LlamaForCausalLM,
+    PrefillSpan,
+    Workspace,
+    layer_caches,
+)
 from pdserve.engine.sampler import TokenLogprobs, sample, token_logprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SchedulerOutput
@@ -129,6 +137,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.workspace = Workspace()
+        self.layer_caches = layer_caches(kv_cache)
         self.inputs = InputBuffer(device)
         self.timer = DeviceTimer(device)
         self.last_device_s = 0.0  # the device time of the last ``run``
@@ -148,7 +157,7 @@ class ModelRunner:
         """
         input_ids, positions, meta = self._prepare(output)
         self.timer.start()
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        hidden = self.model(input_ids, positions, meta)
         sampling = [c for c in output.chunks if c.samples]
         if not sampling:
             # nothing sampled means nothing waited for the kernels: the KV they write may be pushed next
@@ -171,7 +180,7 @@ class ModelRunner:
     def prompt_logits(self, output: SchedulerOutput) -> torch.Tensor:
         """Logits of every scheduled token (tests compare them against a reference model)."""
         input_ids, positions, meta = self._prepare(output)
-        return self.model.logits(self.model(input_ids, positions, self.kv_cache, meta))
+        return self.model.logits(self.model(input_ids, positions, meta))
 
     def _prepare(self, output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
@@ -217,7 +226,7 @@ class ModelRunner:
             key_pos = torch.arange(width * self.block_size, device=self.device)
             mask = (key_pos.unsqueeze(0) < lens.unsqueeze(1)).view(len(part), 1, 1, -1)
             decode_groups.append(DecodeGroup(index, flat, mask))
-        meta = AttentionMetadata(slot_row_t, decode_groups, spans, self.workspace)
+        meta = AttentionMetadata(slot_row_t, decode_groups, spans, self.workspace, self.layer_caches)
         return input_ids, positions, meta
 
 

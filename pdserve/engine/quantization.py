@@ -196,12 +196,12 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype)
+        flat = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).to(self.scales_and_zeros.dtype)
         if flat.device.type == "cpu":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
         else:
             out = torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group_size, self.scales_and_zeros)
-        out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        out = (out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)).to(x.dtype)
         return out if self.bias is None else out + self.bias
 
     @classmethod
