@@ -20,7 +20,7 @@
   (float16 ones would tie a confident model's top tokens);
 - ``auto``: for a GGUF file with Q4/Q8 weights, ``native`` on CUDA and on a CPU torch runs at AVX-512 where
   attention keeps a row's bits independent of its company (probed at start-up, ``auto_weight_format``):
-  measured on AMD EPYC and Intel Xeon CPUs with AVX-512, it decodes one stream about 1.5x faster than
+  measured on AMD EPYC and Intel Xeon CPUs with AVX-512, it decodes one stream 1.25-1.6x faster than
   ``float16`` in 300 MB less memory, but prefills and decodes large batches slower (torch's int4 kernel
   costs about twice FBGEMM's per row beyond a few rows; docs/benchmarks.md has the figures: ``float16``
   remains the choice for throughput). Else ``float16`` on a CPU where torch has FBGEMM, ``none`` elsewhere
@@ -140,7 +140,7 @@ def auto_weight_format(device: torch.device, dtype: str = "auto") -> str:
     ``native`` rounds its GEMMs' inputs to bfloat16, which turns any last-bit difference upstream into a
     different input now and then, and a different token after it: it is the default only where the engine
     keeps every row's bits independent of its batch and chunking (the int4 kernel computes each row alone;
-    attention needs the probe). On the AVX-512 CPUs measured it decodes one stream about 1.5x faster than
+    attention needs the probe). On the AVX-512 CPUs measured it decodes one stream 1.25-1.6x faster than
     ``float16`` in 300 MB less memory; long prompts and large batches run slower (docs/benchmarks.md).
     """
     if device.type == "cuda":
