@@ -63,7 +63,7 @@ def attention_is_width_invariant(device_type: str = "cpu") -> bool:
     """Whether ``attend`` on this device gives a query row the same bits at every span ``attended_keys`` allows
     up to ``PROBE_MAX_KEYS`` keys: alone, beside other rows and as one request of a decode batch, in the
     engine's layouts (keys gathered as ``[span, kv_heads, head_dim]`` rows; a prefill chunk's query heads of one
-    KV head as its rows, a decode batch's as one request's). About 0.05 s on a 2-core CPU."""
+    KV head as its rows, a decode batch's as one request's). About 0.06 s on a 2-core CPU."""
     generator = torch.Generator().manual_seed(0)
     kv_heads, group, dim = 3, 3, 64
     keys = torch.randn(PROBE_MAX_KEYS, kv_heads, dim, generator=generator).to(device_type)

@@ -21,11 +21,12 @@
 - ``auto``: for a GGUF file with Q4/Q8 weights, ``native`` on CUDA and on a CPU torch runs at AVX-512 where
   attention keeps a row's bits independent of its company (probed at start-up, ``auto_weight_format``):
   measured on AMD EPYC and Intel Xeon CPUs with AVX-512, it decodes one stream 1.25-1.6x faster than
-  ``float16`` in 300 MB less memory, but prefills and decodes large batches slower (torch's int4 kernel
-  costs about twice FBGEMM's per row beyond a few rows; docs/benchmarks.md has the figures: ``float16``
-  remains the choice for throughput). Else ``float16`` on a CPU where torch has FBGEMM, ``none`` elsewhere
-  (there torch's int4/int8 kernels are slower than a float32 GEMM over the dequantised weights). A
-  checkpoint that is not such a GGUF file is served as it is (``none``).
+  ``float16`` in 300 MB less memory; it prefills and decodes large batches as fast on the AMD EPYC and
+  slower on the Intel Xeon (torch's int4 kernel costs about twice FBGEMM's per row beyond a few rows there;
+  docs/benchmarks.md has the figures: ``float16`` is the choice for throughput on such a CPU). Else
+  ``float16`` on a CPU where torch has FBGEMM, ``none`` elsewhere (there torch's int4/int8 kernels are
+  slower than a float32 GEMM over the dequantised weights). A checkpoint that is not such a GGUF file is
+  served as it is (``none``).
 
 The compute dtype of the ``native`` path (``--dtype auto``) is bfloat16 on CUDA, float32 on a CPU. The CUDA
 kernels (``_convert_weight_to_int4pack``,
@@ -141,7 +142,7 @@ def auto_weight_format(device: torch.device, dtype: str = "auto") -> str:
     different input now and then, and a different token after it: it is the default only where the engine
     keeps every row's bits independent of its batch and chunking (the int4 kernel computes each row alone;
     attention needs the probe). On the AVX-512 CPUs measured it decodes one stream 1.25-1.6x faster than
-    ``float16`` in 300 MB less memory; long prompts and large batches run slower (docs/benchmarks.md).
+    ``float16`` in 300 MB less memory; long prompts and large batches run as fast or slower (docs/benchmarks.md).
     """
     if device.type == "cuda":
         return "native"
