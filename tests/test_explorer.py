@@ -216,9 +216,31 @@ def sim_server() -> Iterator[str]:
         match = re.search(r"http://127\.0\.0\.1:\d+/", line)
         assert match, f"pdserve sim --serve said {line!r}"
         yield match.group(0)
-    finally:
+        children = _children(proc.pid)  # the playground's worker process, once a run has started it
         proc.terminate()
         proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{pid}") for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")], "a worker process outlived the server"
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux's /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return found
 
 
 @pytest.fixture(scope="module")

@@ -157,7 +157,11 @@ def deployment_config_from_args(args: argparse.Namespace) -> DeploymentConfig:
     )
 
 
+STOP_STACKS_AFTER_S = 30.0  # ``pdserve serve`` prints every thread's stack if stopping takes longer
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    import faulthandler
     import signal
     import threading
 
@@ -193,7 +197,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pass
     finally:
         print("stopping ...", flush=True)
+        # a stop is bounded (Deployment.stop); should one still hang, say where, for the bug report
+        faulthandler.dump_traceback_later(STOP_STACKS_AFTER_S)
         deployment.stop()
+        faulthandler.cancel_dump_traceback_later()
     return 0
 
 

@@ -43,9 +43,11 @@ RUN_TIMEOUT_S = 60.0  # a playground run taking longer is stopped (its worker pr
 
 
 def build_explorer_app(router: Router | None = None) -> FastAPI:
-    """An app with only the explorer (``pdserve sim --serve``: the playground, no deployment)."""
+    """An app with only the explorer (``pdserve sim --serve``: the playground, no deployment); its playground's
+    worker process stops with the app."""
     app = FastAPI(title="pdserve explorer", docs_url=None, redoc_url=None, openapi_url=None)
-    add_explorer(app, router)
+    api = add_explorer(app, router)
+    app.router.on_shutdown.append(api.close)
     return app
 
 
