@@ -97,6 +97,8 @@ def test_sigint_stops_serve_with_http_streams_and_the_explorer_open():
         text=True,
         cwd=ROOT,
         start_new_session=True,
+        # started as a shell's background job is: SIGINT ignored (Python then installs no handler of its own)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     connections: list[http.client.HTTPConnection] = []
     try:

@@ -176,7 +176,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     deployment = Deployment(config, progress=lambda line: print(line, file=sys.stderr, flush=True)).start()
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # SIGINT too, not left to Python's KeyboardInterrupt: a shell's background job inherits it ignored, and
+    # Python then installs no handler for it
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
     workers = ", ".join(w.worker_id for w in deployment.workers)
     print(
         f"pdserve listening on {deployment.address} (mode={config.mode}, transport={config.transport}, "
@@ -193,8 +196,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         while not stop.wait(0.5):
             pass
-    except KeyboardInterrupt:
-        pass
     finally:
         print("stopping ...", flush=True)
         # a stop is bounded (Deployment.stop); should one still hang, say where, for the bug report
