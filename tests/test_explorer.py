@@ -24,6 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from conftest import assert_no_leaks
 
@@ -216,31 +217,15 @@ def sim_server() -> Iterator[str]:
         match = re.search(r"http://127\.0\.0\.1:\d+/", line)
         assert match, f"pdserve sim --serve said {line!r}"
         yield match.group(0)
-        children = _children(proc.pid)  # the playground's worker process, once a run has started it
+        children = psutil.Process(proc.pid).children()  # the playground's worker process, once a run started it
         proc.terminate()
         proc.wait(timeout=30)
-        deadline = time.monotonic() + 10
-        while any(os.path.exists(f"/proc/{pid}") for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")], "a worker process outlived the server"
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"processes outlived the server: {alive}"
     finally:
         if proc.poll() is None:
             proc.terminate()
             proc.wait(timeout=30)
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (Linux's /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return found
 
 
 @pytest.fixture(scope="module")
