@@ -232,11 +232,9 @@ class Rotation(NamedTuple):
     def apply(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = []
         for x in xs:
-            if x.dtype == torch.float32:
-                out.append(x * self.cos + x.roll(x.shape[-1] // 2, dims=-1) * self.signed_sin)
-            else:
-                x32 = x.float()
-                out.append((x32 * self.cos + x32.roll(x.shape[-1] // 2, dims=-1) * self.signed_sin).to(x.dtype))
+            x32 = x if x.dtype == torch.float32 else x.float()
+            rotated = x32 * self.cos + x32.roll(x.shape[-1] // 2, dims=-1) * self.signed_sin
+            out.append(rotated if rotated.dtype == x.dtype else rotated.to(x.dtype))
         return tuple(out)
 
 
