@@ -18,7 +18,9 @@ class StepStats(NamedTuple):
     a step record has, for the engine, the simulator, the benchmarks, reports and plots.
 
     ``started`` is unix time from a worker, virtual seconds from the simulator: the clock of the run's
-    request records either way."""
+    request records either way. Tokens are counted by the shape the model computes them in: a decode token
+    is a one-token chunk that samples (one query row against the cache), so a prompt whose last chunk is a
+    single token counts that token with the decode tokens; every other computed token is a prefill token."""
 
     started: float  # unix time
     duration_s: float
