@@ -16,8 +16,14 @@ revision (exported to a temporary directory) as the variant ``before`` (with the
 revision instead of the working tree; ``--profile`` prints torch.profiler's top entries for 16-stream decode
 steps of each variant.
 
+``--conditions`` says how each variant runs: ``offline`` (the default) steps the engine on the process's main
+thread under ``OMP_WAIT_POLICY=PASSIVE``, so a step of a few tokens runs on one thread; ``worker`` runs it as an
+engine worker does: built by ``build_in_passing_thread``, warmed up and stepped on an ``EngineLoop``'s thread,
+with the workers' ``GOMP_SPINCOUNT`` (OpenMP threads spin between kernels, so small steps use every thread).
+Both, comma-separated, run side by side.
+
     python bench/decode_speed.py [--model smollm2] [--variants none,native] [--before REF [--before-variant float16]]
-        [--after REF] [--tokens 128]
+        [--after REF] [--tokens 128] [--conditions offline,worker]
         [--repeat 2] [--threads 2] [--profile]
     python bench/decode_speed.py --kernels [--model smollm2] [--kernel-batches 1,16]   # the GEMM kernels alone
 """
@@ -31,10 +37,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
-if __name__ == "__main__":  # OpenMP threads that spin at barriers stall on a shared machine (see engine_bench)
+# OpenMP threads that spin at barriers stall on a shared machine (see engine_bench); a run in a worker's
+# conditions gets the workers' spin count instead
+if __name__ == "__main__" and "GOMP_SPINCOUNT" not in os.environ:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 QUESTIONS = [
@@ -48,6 +57,7 @@ QUESTIONS = [
     "What is two plus two?",
 ]
 WEIGHT_FORMATS = {"none": "dequantised", "native": "int4/int8", "float16": "float16"}
+CONDITIONS = ("offline", "worker")  # how a variant's engine runs (``--conditions``)
 VARIANTS: dict[str, dict[str, Any]] = {  # name -> EngineConfig overrides
     "none": {"quantization": "none"},
     "none-kv-bf16": {"quantization": "none", "kv_cache_dtype": "bfloat16"},
@@ -173,12 +183,28 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     """One variant's measurements (runs in the variant's own process)."""
     import torch
 
-    from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+    from pdserve.engine import EngineConfig, LLMEngine
+    from pdserve.engine.engine_loop import EngineLoop, build_in_passing_thread
+
+    overrides = json.loads(args.overrides)
+    if args.conditions != "worker":
+        torch.set_num_threads(args.threads)
+        return measure(LLMEngine(EngineConfig(model=args.model, device="cpu", max_num_seqs=64, **overrides)), args)
+    # as a worker: the engine sets its thread count while it is built, as a worker's does
+    overrides.setdefault("torch_threads", args.threads)
+    config = EngineConfig(model=args.model, device="cpu", max_num_seqs=64, **overrides)
+    loop = EngineLoop(build_in_passing_thread(lambda: LLMEngine(config)))
+    try:  # every step, the warm-up's too, on the loop's thread: its OpenMP team is the process's only one
+        return loop.call(lambda engine: measure(engine, args)).result()
+    finally:
+        loop.stop()
+
+
+def measure(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The figures of one engine, on the calling thread."""
+    from pdserve.engine import SamplingParams
     from pdserve.engine.quantization import weight_bytes as model_weight_bytes
 
-    torch.set_num_threads(args.threads)
-    overrides = json.loads(args.overrides)
-    engine = LLMEngine(EngineConfig(model=args.model, device="cpu", max_num_seqs=64, **overrides))
     model = engine.runner.model
     weight_bytes = model_weight_bytes(model)
     if getattr(model.model.embed_tokens, "weight", None) is not None and not model.config.tie_word_embeddings:
@@ -239,6 +265,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         "quantized": getattr(engine, "quantized", False),
         "quantization": getattr(engine, "quantization", "native" if getattr(engine, "quantized", False) else "none"),
         "profile": profile,
+        "stepping_thread": threading.current_thread().name,  # the conditions it ran in, as the engine saw them
+        "threads_spin": engine.threads_spin,
     }
 
 
@@ -250,7 +278,10 @@ def export_revision(ref: str) -> str:
     return root
 
 
-def run_variant(args: argparse.Namespace, name: str, source_root: str) -> dict[str, Any]:
+def run_variant(args: argparse.Namespace, name: str, source_root: str, conditions: str) -> dict[str, Any]:
+    from pdserve.deployment_config import DEFAULT_OMP_SPIN_COUNT
+    from pdserve.priority import OMP_SPIN_COUNT_ENV
+
     overrides = VARIANTS[name] if name != "before" else VARIANTS[args.before_variant]
     command = (
         [
@@ -267,11 +298,19 @@ def run_variant(args: argparse.Namespace, name: str, source_root: str) -> dict[s
             json.dumps(overrides),
             "--profile-rows",
             str(args.profile_rows),
+            "--conditions",
+            conditions,
         ]
         + (["--profile"] if args.profile else [])
         + (["--one-stream-only"] if args.one_stream_only else [])
     )
-    env = {**os.environ, "PYTHONPATH": source_root, "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {**os.environ, "PYTHONPATH": source_root}
+    env.pop("OMP_WAIT_POLICY", None)
+    env.pop(OMP_SPIN_COUNT_ENV, None)
+    if conditions == "worker":
+        env[OMP_SPIN_COUNT_ENV] = str(DEFAULT_OMP_SPIN_COUNT)
+    else:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=source_root)
     if result.returncode != 0:
         raise RuntimeError(f"variant {name} failed:\n{result.stderr[-3000:]}")
@@ -296,6 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--kernels", action="store_true", help="only time the GEMM kernels over the model's shapes")
     parser.add_argument("--kernel-batches", default="1,16", help="--kernels: the batch sizes (rows), comma-separated")
+    parser.add_argument(
+        "--conditions",
+        default="offline",
+        help="offline (main thread, PASSIVE OpenMP threads), worker (as an engine worker steps), or offline,worker",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--overrides", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -324,20 +368,25 @@ def main(argv: list[str] | None = None) -> int:
         unknown.append(args.before_variant)
     if unknown:
         parser.error(f"unknown variants: {', '.join(unknown)}")
+    conditions = [c for c in args.conditions.split(",") if c]
+    if not conditions or any(c not in CONDITIONS for c in conditions):
+        parser.error(f"--conditions: {' or '.join(CONDITIONS)}, comma-separated, not {args.conditions!r}")
     after_root = export_revision(args.after) if args.after else here
     roots = {n: after_root for n in names}
     if args.before:
         names.insert(0, "before")
         roots["before"] = export_revision(args.before)
+    runs = [(name, c) for name in names for c in conditions]
     bandwidth = measure_bandwidth()
     print(f"memory bandwidth (torch copy, read + write): {bandwidth / 1e9:.1f} GB/s; threads {args.threads}")
-    results: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    labels = {run: run[0] if len(conditions) == 1 else f"{run[0]} ({run[1]})" for run in runs}
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {run: [] for run in runs}
     for rep in range(args.repeat):
-        for name in names:
-            results[name].append(run_variant(args, name, roots[name]))
-            r = results[name][-1]
+        for name, c in runs:
+            results[name, c].append(run_variant(args, name, roots[name], c))
+            r = results[name, c][-1]
             print(
-                f"  rep {rep} {name}: 1 stream {r['one_stream_tok_s']:.1f} tok/s, "
+                f"  rep {rep} {labels[name, c]}: 1 stream {r['one_stream_tok_s']:.1f} tok/s, "
                 f"16 streams {r['sixteen_streams_tok_s']:.1f} tok/s",
                 flush=True,
             )
@@ -345,16 +394,16 @@ def main(argv: list[str] | None = None) -> int:
     header = "| variant | weights | compute | weights MB | KV KiB/token | 1 stream tok/s | tok/CPU-s | step ms | "
     print(header + "floor ms | step / floor | 16 streams tok/s | RSS MB |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name in names:
-        runs = results[name]
-        one = [r["one_stream_tok_s"] for r in runs]
-        one_cpu = [r.get("one_stream_tok_cpu_s", float("nan")) for r in runs]
-        sixteen = [r["sixteen_streams_tok_s"] for r in runs]
-        last = runs[-1]
+    for run in runs:
+        done = results[run]
+        one = [r["one_stream_tok_s"] for r in done]
+        one_cpu = [r.get("one_stream_tok_cpu_s", float("nan")) for r in done]
+        sixteen = [r["sixteen_streams_tok_s"] for r in done]
+        last = done[-1]
         step_ms = 1000 / statistics.median(one)
         floor_ms = 1000 * last["weight_bytes"] / bandwidth
         print(
-            f"| {name} | {WEIGHT_FORMATS.get(last.get('quantization', 'none'), '?')} | {last['compute_dtype']} "
+            f"| {labels[run]} | {WEIGHT_FORMATS.get(last.get('quantization', 'none'), '?')} | {last['compute_dtype']} "
             f"| {last['weight_bytes'] / 1e6:.0f} | {last['kv_bytes_per_token'] / 1024:.0f} "
             f"| {statistics.median(one):.1f} ({min(one):.1f}-{max(one):.1f}) | {statistics.median(one_cpu):.1f} "
             f"| {step_ms:.1f} | {floor_ms:.1f} "
@@ -362,9 +411,9 @@ def main(argv: list[str] | None = None) -> int:
             f"| {last['rss_bytes'] / 1e6:.0f} |"
         )
     if args.profile:
-        for name in names:
-            print(f"\nprofile, 16-stream decode steps, {name}:")
-            print("\n".join(results[name][-1]["profile"]))
+        for run in runs:
+            print(f"\nprofile, 16-stream decode steps, {labels[run]}:")
+            print("\n".join(results[run][-1]["profile"]))
     return 0
 
 
