@@ -298,9 +298,8 @@ def run_variant(args: argparse.Namespace, name: str, source_root: str, condition
             json.dumps(overrides),
             "--profile-rows",
             str(args.profile_rows),
-            "--conditions",
-            conditions,
         ]
+        + (["--conditions", conditions] if conditions != "offline" else [])  # a --before revision may predate it
         + (["--profile"] if args.profile else [])
         + (["--one-stream-only"] if args.one_stream_only else [])
     )
