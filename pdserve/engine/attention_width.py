@@ -47,11 +47,14 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
     rows = query.shape[-2]
     if rows >= MIN_QUERY_ROWS or query.device.type != "cpu":
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
-    pad = MIN_QUERY_ROWS - rows
-    query = torch.cat((query, query[..., -1:, :].expand(*query.shape[:-2], pad, query.shape[-1])), dim=-2)
-    if mask.shape[-2] != 1:
-        mask = torch.cat((mask, mask[..., -1:, :].expand(*mask.shape[:-2], pad, mask.shape[-1])), dim=-2)
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)[..., :rows, :]
+    mask = mask if mask.shape[-2] == 1 else _padded_rows(mask)
+    return F.scaled_dot_product_attention(_padded_rows(query), keys, values, attn_mask=mask)[..., :rows, :]
+
+
+def _padded_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s rows (its second-to-last dimension), then copies of its last row: ``MIN_QUERY_ROWS`` in all."""
+    extra = MIN_QUERY_ROWS - t.shape[-2]
+    return torch.cat((t, t[..., -1:, :].expand(*t.shape[:-2], extra, t.shape[-1])), dim=-2)
 
 
 PROBE_POSITIONS = (0, 15, 100, 191, 192, 255, 271, 300, 450, 511, 512, 600, 700, 1000, 1023, 1500)
