@@ -6,9 +6,11 @@ tokens, token ids, chat prompts), and must refuse files it cannot serve with a c
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -228,7 +230,14 @@ def test_conversion_is_cached_and_keyed_by_the_file(tmp_path, monkeypatch):
     path = write_gguf(tmp_path / "model.gguf", "llama", "Q8_0")
     first = resolve_checkpoint(str(path))
     assert sorted(os.listdir(first)) == sorted(
-        ["config.json", "gguf_source.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+        [
+            "config.json",
+            "gguf_source.json",
+            "gguf_tensors.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ]
     )
     with monkeypatch.context() as patch:
         patch.setattr(engine_gguf, "read_gguf", lambda path: pytest.fail("a cached file was converted again"))
@@ -238,6 +247,33 @@ def test_conversion_is_cached_and_keyed_by_the_file(tmp_path, monkeypatch):
     second = resolve_checkpoint(str(path))
     assert second != first and os.path.isdir(second)  # a changed file converts anew
     assert not os.path.exists(first)  # and its outdated entry goes
+
+
+@pytest.mark.parametrize("matrix_type", ["Q4_1", "Q8_0", "F16"])
+def test_a_converted_file_opens_again_without_parsing_to_the_same_tensors(tmp_path, monkeypatch, matrix_type):
+    path = str(write_gguf(tmp_path / "model.gguf", "llama", matrix_type))
+    parsed = engine_gguf.read_gguf(path)
+    with monkeypatch.context() as patch:
+        opened_first = engine_gguf.open_gguf(path)  # converts: parses once
+        patch.setattr(engine_gguf, "read_gguf", lambda path: pytest.fail("a converted file was parsed again"))
+        opened = engine_gguf.open_gguf(path)
+    for checkpoint in (opened_first, opened):
+        assert dict(checkpoint.hf_config) == json_roundtrip(parsed.hf_config)
+        assert dict(checkpoint.tokenizer_config) == dict(parsed.tokenizer_config)
+        assert checkpoint.tokenizer.get_vocab() == parsed.tokenizer.get_vocab()
+        assert [t.hf_name for t in checkpoint.tensors] == [t.hf_name for t in parsed.tensors]
+        for mine, theirs in zip(checkpoint.tensors, parsed.tensors, strict=True):
+            assert (mine.kind, mine.shape, mine.unpermute_heads) == (theirs.kind, theirs.shape, theirs.unpermute_heads)
+            assert mine.source.shape == theirs.source.shape and mine.source.offset == theirs.source.offset
+            assert mine.source.data.dtype == theirs.source.data.dtype
+            assert mine.source.data.shape == theirs.source.data.shape
+            assert np.array_equal(mine.source.data, theirs.source.data)
+            assert np.array_equal(mine.dequantize(), theirs.dequantize())
+    assert any(t.kind == matrix_type for t in opened.tensors)
+
+
+def json_roundtrip(value):
+    return json.loads(json.dumps(dict(value)))
 
 
 def _truncated(fraction: float):

@@ -14,7 +14,7 @@ import torch
 from pdserve.engine import remote_kv
 from pdserve.engine.block_manager import BlockManager, BlockUsage
 from pdserve.engine.config import EngineConfig, ModelConfig, gguf_file
-from pdserve.engine.gguf import GGUFCheckpoint, read_gguf
+from pdserve.engine.gguf import GGUFCheckpoint, open_gguf
 from pdserve.engine.model_runner import (
     ModelRunner,
     allocate_kv_cache,
@@ -103,7 +103,7 @@ def resolve_quantization(
             raise ValueError(f"quantization float16 is for CPUs; on {device.type}, compute in 16 bits (--dtype)")
         return "float16", None
     path = gguf_file(model)
-    checkpoint = read_gguf(path) if path is not None else None
+    checkpoint = open_gguf(path) if path is not None else None
     if checkpoint is None or not any(t.kind in INT4_KINDS | INT8_KINDS for t in checkpoint.tensors):
         if mode == "auto":
             return "none", None
