@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -43,6 +44,31 @@ def test_commands_and_step_callbacks(engine):
     assert not loop.alive
     with pytest.raises(RuntimeError, match="engine loop stopped"):
         loop.call(lambda e: None).result(1)
+
+
+def test_an_engine_idle_after_work_trims_its_heap_once_per_idle_spell(engine):
+    finished = threading.Event()
+
+    def on_step(e, outputs):
+        if any(out.finished for out in outputs):
+            finished.set()
+
+    loop = EngineLoop(engine, on_step=on_step, trim_after_idle_s=0.2)
+    try:
+        time.sleep(0.5)
+        assert loop.num_trims == 0  # idle since it started: nothing freed to hand back
+        for spell in (1, 2):
+            finished.clear()
+            loop.call(lambda e: e.add_request([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))).result(10)
+            assert finished.wait(30)
+            deadline = time.monotonic() + 10
+            while loop.num_trims < spell and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert loop.num_trims == spell
+            time.sleep(0.5)
+            assert loop.num_trims == spell  # once, not on every idle turn of the loop
+    finally:
+        loop.stop()
 
 
 def test_a_crashing_step_fails_waiters_instead_of_hanging(engine):

