@@ -270,6 +270,12 @@ def test_a_converted_file_opens_again_without_parsing_to_the_same_tensors(tmp_pa
             assert np.array_equal(mine.source.data, theirs.source.data)
             assert np.array_equal(mine.dequantize(), theirs.dequantize())
     assert any(t.kind == matrix_type for t in opened.tensors)
+    index_file = Path(resolve_checkpoint(path)) / engine_gguf.TENSOR_INDEX_FILE
+    index = json.loads(index_file.read_text())
+    index[-1]["offset"] = os.path.getsize(path)  # an index that does not fit the file is refused, not read past
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"tensor {index[-1]['name']} ends past the file"):
+        engine_gguf.open_gguf(path)
 
 
 def json_roundtrip(value):
