@@ -4,20 +4,29 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.sampler import draw_seed, exponential_noise, sample
+from pdserve.engine.sampler import draw_uniform, sample
 from pdserve.engine.sampling_params import SamplingParams
 
 PROBS = torch.tensor([0.1, 0.2, 0.3, 0.4])
 
 
-def test_noise_of_a_row_depends_only_on_its_seed():
-    seeds = torch.tensor([draw_seed(7, 0), draw_seed(7, 1), draw_seed(8, 0)])
-    together = exponential_noise(seeds, 1000)
-    for row, seed in enumerate(seeds):
-        assert torch.equal(exponential_noise(seed.view(1), 1000)[0], together[row])
-    assert not torch.equal(together[0], together[1]) and not torch.equal(together[0], together[2])
-    big = exponential_noise(torch.tensor([draw_seed(1, 2)]), 200_000)[0]
-    assert (big > 0).all() and abs(big.mean().item() - 1.0) < 0.01 and abs(big.std().item() - 1.0) < 0.02
+def test_a_draws_uniform_number_is_in_0_1_and_uniform_over_seeds_and_token_indices():
+    draws = torch.tensor([draw_uniform(seed, i) for seed in range(100) for i in range(100)], dtype=torch.float64)
+    assert (draws > 0).all() and (draws <= 1).all()
+    assert len(set(draws.tolist())) == len(draws)  # no two draws alike
+    assert abs(draws.mean().item() - 0.5) < 0.01 and abs(draws.var().item() - 1 / 12) < 0.005
+    deciles = torch.histc(draws.float(), bins=10, min=0, max=1) / len(draws)
+    assert (deciles - 0.1).abs().max().item() < 0.015
+
+
+def test_tokens_of_probability_zero_are_never_drawn_even_at_the_ends_of_the_vocabulary():
+    n = 2000
+    logits = torch.full((n, 1000), float("-inf"))
+    logits[:, 1], logits[:, 998] = 0.0, 1.0  # only tokens 1 and 998 are possible
+    tokens = torch.tensor(sample(logits, [SamplingParams(temperature=1.0)] * n, list(range(n)), [0] * n))
+    assert set(tokens.tolist()) == {1, 998}
+    share = (tokens == 998).float().mean().item()
+    assert abs(share - torch.sigmoid(torch.tensor(1.0)).item()) < 0.04
 
 
 def test_draws_follow_the_distribution_in_one_batched_call():
