@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pdserve.decode_node.worker import DecodeWorker
 from pdserve.deployment_config import DeploymentConfig
 from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.explorer.app import add_explorer
 from pdserve.messages import WorkerStats
 from pdserve.placement import DECODE, PREFILL, place_workers
 from pdserve.prefill_node.worker import PrefillWorker
@@ -164,15 +165,19 @@ class Deployment:
             )
             self.routers.append(router)
             metrics_port = cfg.metrics_port + i if cfg.metrics_port else cfg.metrics_port
-            explorer = (cfg.explorer_host, cfg.explorer_port) if i == 0 and cfg.explorer_port is not None else None
+            site = (
+                (cfg.explorer_host, cfg.explorer_port, add_explorer)
+                if i == 0 and cfg.explorer_port is not None
+                else None
+            )
             ports: dict[str, Any] = ray.get(
-                router.start.remote(cfg.host, port, http_port, metrics_port, explorer), timeout=120
+                router.start.remote(cfg.host, port, http_port, metrics_port, site), timeout=120
             )
             port, http_port = ports["grpc"], ports["http"]  # the next routers share these ports
             if ports["metrics"] is not None:
                 self.metrics_ports.append(ports["metrics"])
-            if ports["explorer"] is not None:
-                self.explorer_port = ports["explorer"]
+            if ports["site"] is not None:
+                self.explorer_port = ports["site"]
         self.port, self.http_port = port, http_port
 
     @property

@@ -64,7 +64,7 @@ class GrpcConfig:
         port: server port; 0 binds any free port (reported by ``describe()``).
         message_bytes: senders pack whole blocks into messages of up to this many payload bytes
             (at least one block per message). 1-4 MiB all work; 2 MiB measured best on the
-            2-core machine (bench/kv_transfer_bench.py --grpc-message-mib).
+            2-core machine (benchmarks/kv_transfer_bench.py --grpc-message-mib).
         max_message_bytes: gRPC send/receive message limit on both sides (raised from gRPC's
             4 MiB default); a block must fit in one message.
         server_threads: receiver thread pool size (concurrent incoming pushes).

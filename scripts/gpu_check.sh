@@ -15,7 +15,7 @@
 #      the same greedy tokens; the workers run on cuda:0; KV moved in the disaggregated requests.
 #   3. the KV transports from CUDA memory: gRPC (blocks staged through pinned host memory) and NIXL
 #      (VRAM to VRAM) copy blocks between two pools on the GPU exactly, with matching block checksums.
-#   4. bench/disagg_ttft_bench.py on one GPU (two workers at 0.5 each), NIXL: disaggregated / colocated
+#   4. benchmarks/disagg_ttft_bench.py on one GPU (two workers at 0.5 each), NIXL: disaggregated / colocated
 #      TTFT <= 1.15.
 # Exit status 1 if any check is not PASS. Nothing is skipped: no CUDA is a FAIL.
 set -uo pipefail
@@ -188,7 +188,7 @@ print(f"200 blocks (6.25 MiB) each way exact, checksums equal, staging pinned: {
 EOF
 
 check "disaggregated TTFT bench, one GPU, NIXL" \
-  python bench/disagg_ttft_bench.py --device cuda --gpus-per-worker 0.5 --transport nixl --runs 3
+  python benchmarks/disagg_ttft_bench.py --device cuda --gpus-per-worker 0.5 --transport nixl --runs 3
 
 echo "logs: $logs"
 exit "$status"

@@ -1,13 +1,22 @@
 #!/usr/bin/env bash
-# Fresh machine -> the whole test suite: installs everything, lints, type-checks, then runs pytest.
-#   bash scripts/test.sh            everything (what CI runs)
-#   bash scripts/test.sh --quick    leaves out the tests that start Ray clusters (marked cluster / ray_up)
-# Other arguments go to pytest.
+# Fresh machine -> the test suite: installs everything, lints, type-checks, then runs pytest.
+#   bash scripts/test.sh               tests/unit and tests/e2e (what CI runs)
+#   bash scripts/test.sh --quick       tests/unit only: no Ray, no server processes (the quick loop)
+#   bash scripts/test.sh --benchmarks  also the lab scripts' own tests (benchmarks/tests)
+# Other arguments go to pytest (paths replace the default folders).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+folders=(tests/unit tests/e2e)
 args=()
 for arg in "$@"; do
-  if [ "$arg" = "--quick" ]; then args+=(-m "not cluster and not ray_up"); else args+=("$arg"); fi
+  case "$arg" in
+    --quick) folders=(tests/unit) ;;
+    --benchmarks) folders+=(benchmarks/tests) ;;
+    *) args+=("$arg") ;;
+  esac
+done
+for arg in ${args[@]+"${args[@]}"}; do  # a path given: run that instead of the folders
+  case "$arg" in -*) ;; *) if [ -e "${arg%%::*}" ]; then folders=(); fi ;; esac
 done
 bash scripts/setup.sh
 . .venv/bin/activate
@@ -15,4 +24,4 @@ ruff check .
 ruff format --check .
 mypy
 python proto/generate.py --check
-python -m pytest -q ${args[@]+"${args[@]}"}
+python -m pytest -q ${folders[@]+"${folders[@]}"} ${args[@]+"${args[@]}"}

@@ -34,16 +34,6 @@ from typing import Any
 import grpc
 from tqdm import tqdm
 
-from pdserve.bench.metrics import RequestRecord, SweepPoint, find_knee, parse_slo, sweep_point
-from pdserve.bench.report import RunData, markdown_table, write_report
-from pdserve.bench.spread import differences, spread_table, summarize
-from pdserve.bench.workloads import (
-    WorkloadRequest,
-    add_workload_arguments,
-    build_workload,
-    uniform_workload,
-    workload_spec_from_args,
-)
 from pdserve.deployment_config import DeploymentConfig
 from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.engine.options import add_engine_arguments, engine_config_from_args
@@ -57,8 +47,17 @@ from pdserve.options import (
     plain_text,
 )
 from pdserve.router.policy import RouterConfig
-from pdserve.sim.cli import parse_sweep
 from pdserve.transport_config import TransportConfig
+from pdserve.workload.generator import (
+    WorkloadRequest,
+    add_workload_arguments,
+    build_workload,
+    uniform_workload,
+    workload_spec_from_args,
+)
+from pdserve.workload.metrics import RequestRecord, SweepPoint, find_knee, parse_slo, parse_sweep, sweep_point
+from pdserve.workload.report import RunData, markdown_table, write_report
+from pdserve.workload.spread import differences, spread_table, summarize
 
 ARCHITECTURES = ("colocated", "disaggregated", "auto")
 

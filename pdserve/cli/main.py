@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 PASSTHROUGH = {  # sub-commands with parsers of their own
     "bench": ("pdserve.bench.runner", "A/B benchmark of the real system (pdserve bench --help)"),
-    "sim": ("pdserve.sim.cli", "step-time simulator (pdserve sim --help)"),
+    "sim": ("pdserve.cli.sim", "step-time simulator (pdserve sim --help)"),
     "tokenizer": (
         "pdserve.cli.tokenizer",
         "export the model's tokenizer for Hugging Face tools (pdserve tokenizer --help)",

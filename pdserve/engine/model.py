@@ -112,7 +112,7 @@ class Linear(nn.Linear):
 
     For one row ``F.linear`` ends in MKL's matrix-vector kernel, which on an AMD CPU streams the weights at
     half the speed of MKL's matrix product with one column (8.5 against 18 GB/s on a 2-core AMD EPYC VM;
-    ``bench/decode_speed.py --kernels``). Splitting the weight's rows into two halves and multiplying both by
+    ``benchmarks/decode_speed.py --kernels``). Splitting the weight's rows into two halves and multiplying both by
     the same rows (a stride-0 batch) takes that faster path; the results agree with ``F.linear`` to float32
     rounding. A decode step of a small batch is one such product per layer, so this is most of its time.
     """

@@ -36,18 +36,12 @@ lower case (``invalid_argument``, …) or ``model_not_found``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import socket
-import ssl
-import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -366,86 +360,14 @@ async def _disconnected(request: Request) -> None:
 # ---- serving -------------------------------------------------------------------------------------------
 
 
-class _Server(uvicorn.Server):
-    """uvicorn in a Ray actor's event loop: the process's signal handlers stay Ray's."""
-
-    def capture_signals(self) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]
-        return contextlib.nullcontext()
-
-
-def reuse_port_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket with SO_REUSEPORT, so several router processes can share ``port``."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError:
-        sock.close()
-        raise
-    sock.setblocking(False)
-    return sock
-
-
-def server_tls_context(cert_chain: bytes, private_key: bytes) -> ssl.SSLContext:
-    """A TLS server context from PEM bytes (the same certificate and key the gRPC server takes)."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    with tempfile.TemporaryDirectory(prefix="pdserve-tls-") as folder:  # ssl loads key files only
-        cert_path, key_path = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
-        for path, data in ((cert_path, cert_chain), (key_path, private_key)):
-            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
-                f.write(data)
-        context.load_cert_chain(cert_path, key_path)
-    return context
-
-
-class HttpServer:
-    """An ASGI app served by uvicorn on a socket bound here; ``await start()``, then ``await stop()``.
-
-    With ``tls`` (an ``ssl.SSLContext``) it serves HTTPS only.
-    """
-
-    def __init__(self, app: Any, host: str, port: int, tls: ssl.SSLContext | None = None) -> None:
-        self.sock = reuse_port_socket(host, port)
-        self.port: int = self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=2)
-        config.load()
-        config.ssl = tls  # uvicorn takes key files only; the context is built from the PEM bytes instead
-        self._server = _Server(config)
-        self._task: Any = None
-
-    async def start(self, timeout_s: float = 30.0) -> int:
-        self._task = asyncio.create_task(self._server.serve(sockets=[self.sock]))
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()  # raises why it stopped
-                raise RuntimeError("the HTTP server stopped while starting")
-            if time.monotonic() > deadline:
-                raise TimeoutError("the HTTP server did not start")
-            await asyncio.sleep(0.01)
-        return self.port
-
-    async def stop(self) -> None:
-        self._server.should_exit = True
-        if self._task is not None:
-            await asyncio.gather(self._task, return_exceptions=True)
-        self.sock.close()
-
-
 __all__ = [
     "MODES",
     "ApiError",
     "ChatCompletionRequest",
     "CompletionRequest",
     "FrontDoor",
-    "HttpServer",
     "StopMatcher",
     "build_app",
     "metrics_app",
     "render_chat",
-    "server_tls_context",
 ]

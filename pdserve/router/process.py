@@ -9,8 +9,9 @@ With ``http_port`` the router also serves the OpenAI-compatible HTTP API (``rout
 every router on the same port (``SO_REUSEPORT`` again). With ``metrics_port`` router ``i`` serves its
 own Prometheus ``/metrics`` on ``metrics_port + i`` (each router has its own registry, so each needs
 its own port to be scraped; the HTTP API's ``/metrics`` answers for whichever router took the connection).
-With ``explorer``, router 0 also serves the explorer page (``pdserve.explorer``) on that address: the
-same app as the HTTP API plus the page and its JSON endpoints, on a port of its own (loopback by default).
+With ``site``, the router also serves one more HTTP app on an address of its own: the HTTP API plus
+whatever the site's function adds to it (the deployment passes the explorer page's, ``pdserve.explorer``,
+to router 0; the router knows nothing of what it adds).
 With a TLS certificate and key (``ServerSecurity``) every one of these HTTP servers speaks HTTPS, as gRPC
 speaks TLS.
 """
@@ -20,16 +21,25 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.tokenizer import load_tokenizer
-from pdserve.explorer.app import ExplorerApi, add_explorer
+from pdserve.net import HttpServer, server_tls_context
 from pdserve.priority import restore_normal_priority
-from pdserve.router.http_api import HttpServer, build_app, metrics_app, server_tls_context
+from pdserve.router.http_api import build_app, metrics_app
 from pdserve.router.policy import RouterConfig
 from pdserve.router.router import ModelLimits, Router, WorkerHandle
 from pdserve.router.server import GrpcServer, ServerSecurity, start_server
+
+
+class Closeable(Protocol):
+    async def close(self) -> None: ...
+
+
+AddSite = Callable[[Any, Router], Closeable]
+"""Adds routes to a FastAPI app (the HTTP API's) for this router; what it returns is closed when the router stops."""
 
 
 class RouterProcess:
@@ -54,7 +64,7 @@ class RouterProcess:
         self.model_name = engine_config.model
         self._server: GrpcServer | None = None
         self._http: list[HttpServer] = []
-        self._explorer: ExplorerApi | None = None
+        self._site: Closeable | None = None
         self._security = security
 
     async def start(
@@ -63,16 +73,16 @@ class RouterProcess:
         port: int,
         http_port: int | None = None,
         metrics_port: int | None = None,
-        explorer: tuple[str, int] | None = None,
+        site: tuple[str, int, AddSite] | None = None,
     ) -> dict[str, Any]:
-        """Serve gRPC on ``port``, and HTTP / metrics / the explorer (at ``(host, port)``) when given
+        """Serve gRPC on ``port``, and HTTP / metrics / the site (``(host, port, add_site)``) when given
         (port 0 = any free port; None = off).
 
-        Returns the bound ports: ``{"grpc": int, "http", "metrics", "explorer": int | None}``.
+        Returns the bound ports: ``{"grpc": int, "http", "metrics", "site": int | None}``.
         """
         await self.router.start()
         self._server = await start_server(self.router, host, port, self._security)
-        ports: dict[str, Any] = {"grpc": self._server.port, "http": None, "metrics": None, "explorer": None}
+        ports: dict[str, Any] = {"grpc": self._server.port, "http": None, "metrics": None, "site": None}
         security = self._security or ServerSecurity()
         tls = None
         if security.tls_cert_chain is not None and security.tls_private_key is not None:
@@ -80,7 +90,7 @@ class RouterProcess:
         for name, address, app in (
             ("http", (host, http_port), self._http_app),
             ("metrics", (host, metrics_port), lambda: metrics_app(self.router)),
-            ("explorer", explorer or (host, None), self._explorer_app),
+            ("site", site[:2] if site else (host, None), lambda: self._site_app(site[2])),  # type: ignore[index]
         ):
             bind_host, bind_port = address
             if bind_port is not None:
@@ -93,14 +103,14 @@ class RouterProcess:
     def _http_app(self) -> Any:
         return build_app(self.router, self.model_name, self._security.auth_token if self._security else None)
 
-    def _explorer_app(self) -> Any:
+    def _site_app(self, add_site: AddSite) -> Any:
         app = self._http_app()
-        self._explorer = add_explorer(app, self.router)
+        self._site = add_site(app, self.router)
         return app
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        if self._explorer is not None:
-            await self._explorer.close()
+        if self._site is not None:
+            await self._site.close()
         await asyncio.gather(*(http.stop() for http in self._http))  # each waits up to 2 s for its streams
         self._http = []
         if self._server is not None:

@@ -21,7 +21,7 @@ The library API (``pdserve sim`` and the explorer's playground both call it): se
 
 Lower level: ``simulate`` (one run of requests on a cost model and ``SimConfig``), the cost models and
 profiles, ``sim.demo``, ``sim.experiments``, ``sim.calibrate`` (the cpu-measured profile), and
-``sim.cli.main`` (``pdserve sim``).
+``pdserve.cli.sim.main`` (``pdserve sim``).
 """
 
 from __future__ import annotations

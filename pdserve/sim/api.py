@@ -27,13 +27,13 @@ from pdserve.router.policy import RouterConfig
 from pdserve.sim.config import SimConfig
 
 if TYPE_CHECKING:
-    from pdserve.bench.metrics import SweepPoint
-    from pdserve.bench.workloads import WorkloadRequest, WorkloadSpec
     from pdserve.sim.cost_model import CostModel
     from pdserve.sim.demo import ChunkingComparison, DemoArchitecture, DemoResult
     from pdserve.sim.experiments import Architecture, PDRow
     from pdserve.sim.replay import ReplayReport
     from pdserve.sim.simulator import SimResult
+    from pdserve.workload.generator import WorkloadRequest, WorkloadSpec
+    from pdserve.workload.metrics import SweepPoint
 
 DEFAULT_CALIBRATION = os.path.join("results", "cpu-profile.json")
 ARCHITECTURE_CHOICES = ("colocated", "disaggregated", "auto", "both", "all")  # both: colocated, disaggregated
@@ -130,7 +130,7 @@ class Simulation:
     Raises ``ValueError`` for a profile that does not exist or does not fit, or bad SLOs."""
 
     def __init__(self, settings: SimSettings) -> None:
-        from pdserve.bench.metrics import parse_slo
+        from pdserve.workload.metrics import parse_slo
 
         self.settings = settings
         self.slo_ms: dict[str, float] = parse_slo(settings.slo)

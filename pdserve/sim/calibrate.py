@@ -51,10 +51,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 
-from pdserve.bench.metrics import RequestRecord
 from pdserve.messages import StepStats
 from pdserve.sim.cost_model import DEFAULT_BLOCK_SIZE, ROLES, StepShape, linear_features
 from pdserve.sim.profiles import BASE_TERMS, RATIO_PERCENTILES, LinearProfile, RoleFit
+from pdserve.workload.metrics import RequestRecord
 
 if TYPE_CHECKING:
     from pdserve.engine import LLMEngine

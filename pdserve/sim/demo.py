@@ -27,12 +27,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from pdserve.bench.metrics import itls_during_prefill
-from pdserve.bench.workloads import WorkloadRequest, random_tokens
 from pdserve.messages import StepStats
 from pdserve.sim.config import SimConfig
 from pdserve.sim.cost_model import CostModel
 from pdserve.sim.simulator import SimResult, simulate
+from pdserve.workload.generator import WorkloadRequest, random_tokens
+from pdserve.workload.metrics import itls_during_prefill
 
 STREAM_MAX_TOKENS = 1_000_000  # streams never finish inside the window
 TIMELINE_CONTEXT_STEPS = 4  # steps shown on each side of the window on the timeline

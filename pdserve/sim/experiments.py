@@ -26,11 +26,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pdserve.bench.metrics import SweepPoint, find_knee, prefill_throughput, sweep_point
-from pdserve.bench.workloads import WorkloadRequest, WorkloadSpec, build_workload
 from pdserve.sim.config import SimConfig
 from pdserve.sim.cost_model import CostModel
 from pdserve.sim.simulator import SimResult, simulate
+from pdserve.workload.generator import WorkloadRequest, WorkloadSpec, build_workload
+from pdserve.workload.metrics import SweepPoint, find_knee, prefill_throughput, sweep_point
 
 __all__ = [
     "Architecture",

@@ -22,12 +22,12 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from pdserve.bench.workloads import WorkloadSpec, build_workload
 from pdserve.sim.config import SimConfig
 from pdserve.sim.cost_model import RooflineCostModel
 from pdserve.sim.experiments import Architecture, max_rate_meeting_slo, search_goodput
 from pdserve.sim.profiles import get_hardware, get_model
 from pdserve.sim.simulator import simulate
+from pdserve.workload.generator import WorkloadSpec, build_workload
 
 DISTSERVE_SLO_MS = {"ttft": 400.0, "tpot": 40.0}
 SARATHI_TBT_SLOS_S = {"strict": 0.1, "relaxed": 0.5}

@@ -41,13 +41,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.bench.metrics import RequestRecord, compute_metrics
-from pdserve.bench.workloads import WorkloadRequest
 from pdserve.messages import StepStats
 from pdserve.sim.calibrate import recorded_call_latencies, recorded_handoff_latencies, recorded_reserve_latencies
 from pdserve.sim.config import SimConfig
 from pdserve.sim.cost_model import CostModel
 from pdserve.sim.simulator import ADMISSION_EVENTS, SimResult, Simulator
+from pdserve.workload.generator import WorkloadRequest
+from pdserve.workload.metrics import RequestRecord, compute_metrics
 
 FIGURES = ("TTFT p50", "TTFT p99", "ITL p50", "ITL p99")
 AGREEMENT_TARGET = 0.95
@@ -349,7 +349,7 @@ def load_recorded_runs(path: str) -> list[RecordedRun]:
     import json
     import os
 
-    from pdserve.bench.report import load_results
+    from pdserve.workload.report import load_results
 
     file = os.path.join(path, "results.json") if os.path.isdir(path) else path
     try:
@@ -409,7 +409,7 @@ def _workload_spec(config: Mapping[str, Any], file: str) -> Any:
     import argparse
     import math
 
-    from pdserve.bench.workloads import WorkloadSpec, workload_spec_from_args
+    from pdserve.workload.generator import WorkloadSpec, workload_spec_from_args
 
     workload = config.get("workload")
     try:
@@ -431,7 +431,7 @@ def _workload_spec(config: Mapping[str, Any], file: str) -> Any:
 def _regenerated(
     spec: Any, records: Sequence[RequestRecord], file: str, name: str, output_cap: int | None
 ) -> list[WorkloadRequest]:
-    from pdserve.bench.workloads import build_workload
+    from pdserve.workload.generator import build_workload
 
     if spec.kind == "sharegpt":
         raise ValueError(f"--replay: {file}: a sharegpt workload cannot be regenerated from its settings")

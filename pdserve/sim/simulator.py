@@ -74,8 +74,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.bench.metrics import BenchmarkMetrics, RequestRecord, compute_metrics
-from pdserve.bench.workloads import WorkloadRequest
 from pdserve.engine import remote_kv
 from pdserve.engine.block_manager import BlockManager, compute_block_hashes
 from pdserve.engine.request import Request, RequestStatus
@@ -86,6 +84,8 @@ from pdserve.router.policy import Route, RouterConfig, RoutingPolicy
 from pdserve.sim.config import SimConfig
 from pdserve.sim.cost_model import DECODE_GROUP_SIZE, CostModel, DecodePricer, StepShape, decode_pricer
 from pdserve.sim.profiles import quantile_at
+from pdserve.workload.generator import WorkloadRequest
+from pdserve.workload.metrics import BenchmarkMetrics, RequestRecord, compute_metrics
 
 MODES = ("colocated", "disaggregated", "auto")
 _DECODE_GROUP = DECODE_GROUP_SIZE  # the engine's decode attention groups (the keys a decode step reads)

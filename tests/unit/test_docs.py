@@ -1,0 +1,145 @@
+"""The user docs (README.md and docs/): short README with a contents list, every relative link resolving,
+every page reachable from the README, and nothing that speaks of anything but the product."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+README = REPO / "README.md"
+DOCS = REPO / "docs"
+README_MAX_LINES = 250
+
+FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.MULTILINE | re.DOTALL)
+INLINE_CODE = re.compile(r"(`+)(?:(?!\1).)+?\1", re.DOTALL)
+LINK = re.compile(r"!?\[(?:[^\]\\]|\\.)*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$", re.MULTILINE)
+EXTERNAL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.IGNORECASE)  # http:, https:, mailto:, ...
+
+# Docs speak to users: no files outside the repository, no development process, no shared-machine chores.
+FORBIDDEN = {
+    "a path outside the repository (../shared)": re.compile(r"\.\./shared"),
+    "the design brief (DESIGN.md)": re.compile(r"DESIGN\.md"),
+    "a lock file (/tmp/pdserve-ray.lock)": re.compile(r"/tmp/pdserve-ray\.lock"),
+    "'helper'": re.compile(r"\bhelpers?\b", re.IGNORECASE),
+    "'issue'": re.compile(r"\bissues?\b", re.IGNORECASE),
+    "'this machine' (name the hardware)": re.compile(r"\bthis machine\b", re.IGNORECASE),
+}
+
+
+def doc_files() -> list[Path]:
+    return [README, *sorted(DOCS.rglob("*.md"))]
+
+
+def prose(text: str) -> str:
+    """``text`` without fenced code blocks and inline code spans (links there are examples, not links)."""
+    return INLINE_CODE.sub("", FENCE.sub("", text))
+
+
+def links(text: str) -> list[str]:
+    return LINK.findall(prose(text))
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, inline markup and punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link in a heading keeps its text
+    text = text.replace("`", "").strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """Every heading anchor of a Markdown file, with GitHub's -1, -2, ... for repeated headings."""
+    seen: dict[str, int] = {}
+    result = set()
+    text = FENCE.sub("", path.read_text())
+    for _, heading in HEADING.findall(text):
+        anchor = github_anchor(heading)
+        count = seen.get(anchor, 0)
+        seen[anchor] = count + 1
+        result.add(anchor if count == 0 else f"{anchor}-{count}")
+    return result
+
+
+def broken_links(path: Path) -> list[str]:
+    """Relative links of ``path`` that do not resolve to a file or folder inside the repository, or whose
+    anchor names no heading of the Markdown file they point to."""
+    broken = []
+    for target in links(path.read_text()):
+        if EXTERNAL.match(target):
+            continue
+        file_part, _, anchor = target.partition("#")
+        resolved = (path.parent / file_part).resolve() if file_part else path.resolve()
+        if file_part and (not resolved.is_relative_to(REPO.resolve()) or not resolved.exists()):
+            broken.append(f"{target}: no such file in the repository")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+            broken.append(f"{target}: no heading #{anchor} in {resolved.name}")
+    return broken
+
+
+def forbidden_mentions(text: str) -> list[str]:
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for what, pattern in FORBIDDEN.items():
+            if pattern.search(line):
+                found.append(f"line {number}: {what}: {line.strip()[:100]}")
+    return found
+
+
+def test_the_docs_exist() -> None:
+    assert README.is_file()
+    pages = sorted(p.name for p in DOCS.glob("*.md"))
+    assert {"architecture.md", "cluster.md", "development.md", "serving.md", "simulator.md"} <= set(pages), pages
+
+
+@pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_resolves(path: Path) -> None:
+    assert broken_links(path) == []
+
+
+@pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_docs_speak_to_users(path: Path) -> None:
+    assert forbidden_mentions(path.read_text()) == []
+
+
+def test_the_readme_is_short_and_has_a_contents_list() -> None:
+    text = README.read_text()
+    lines = text.splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines (at most {README_MAX_LINES})"
+    section = re.search(r"^## Contents\s*$(.*?)(?=^## )", text, re.MULTILINE | re.DOTALL)
+    assert section, "README.md has no '## Contents' section"
+    entries = re.findall(r"^\s*(?:[-*]|\d+\.)\s+\[[^\]]+\]\(#([^)]+)\)", section.group(1), re.MULTILINE)
+    assert len(entries) >= 3, section.group(1)
+    assert set(entries) <= anchors(README), set(entries) - anchors(README)
+
+
+def test_every_docs_page_is_linked_from_the_readme() -> None:
+    linked = {(README.parent / t.partition("#")[0]).resolve() for t in links(README.read_text())}
+    unlinked = [p.name for p in sorted(DOCS.glob("*.md")) if p.resolve() not in linked]
+    assert unlinked == []
+
+
+def test_the_checks_catch_what_they_look_for(tmp_path: Path) -> None:
+    page = DOCS / "architecture.md"
+    bad = tmp_path / "bad.md"
+    bad.write_text(
+        "# Bad\n\nSee [missing](no-such-file.md), [gone](#nowhere) and [fine](#bad), "
+        "but not `[code](ignored.md)`.\n\n```\n[also code](ignored.md)\n```\n"
+    )
+    assert broken_links(bad) == [
+        "no-such-file.md: no such file in the repository",
+        "#nowhere: no heading #nowhere in bad.md",
+    ]
+    outside = tmp_path / "docs" / "outside.md"
+    outside.parent.mkdir()
+    outside.write_text("[the repository's README, but from outside it](../bad.md)\n")
+    assert broken_links(outside) == ["../bad.md: no such file in the repository"]  # exists, not in the repository
+    assert links(f"[a](../{page.name}) and [b](https://example.com/x)") == [f"../{page.name}", "https://example.com/x"]
+    assert github_anchor("3. Simulate an H100: `pdserve sim --demo`") == "3-simulate-an-h100-pdserve-sim---demo"
+    assert github_anchor("The A/B benchmark: `pdserve bench`") == "the-ab-benchmark-pdserve-bench"
+    text = "Read ../shared/reference/ and DESIGN.md.\nRun flock -x /tmp/pdserve-ray.lock x.\nThe issue's target.\n"
+    assert len(forbidden_mentions(text + "The helper ran it.\nMeasured on this machine.\n")) == 6
+    assert forbidden_mentions("Reissued tissues; a helpful note on a 2-core AMD EPYC VM.\n") == []
