@@ -1295,10 +1295,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def main_vllm(args: argparse.Namespace) -> int:
     """``--peer vllm``: pdserve and vLLM's CPU build, interleaved, on the same weights and KV tokens."""
     from pdserve.engine.config import ModelConfig
@@ -1412,3 +1408,7 @@ def main_vllm(args: argparse.Namespace) -> int:
         )
         print(f"wrote {args.json}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
