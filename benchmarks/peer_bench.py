@@ -1173,8 +1173,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM (``timeout``, a CI's stop) into SystemExit, so that the servers' ``finally`` stops them."""
+
+    def raise_exit(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, raise_exit)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    stop_on_sigterm()
     if args.peer == "vllm":
         return main_vllm(args)
     binary, build_s = cache_dir(args.llama_cpp_python) / "llama-server", None
