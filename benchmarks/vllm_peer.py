@@ -178,9 +178,11 @@ def vllm_command(
     port: int,
     max_num_seqs: int,
     max_model_len: int,
+    dtype: str = "bfloat16",
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """vLLM's OpenAI server on ``folder`` in bfloat16, named ``served`` (the one model it lists)."""
+    """vLLM's OpenAI server on ``folder`` (a bfloat16 checkpoint) computing in ``dtype``, serving it under the
+    folder's name."""
     return [
         str(python),
         "-m",
@@ -190,7 +192,7 @@ def vllm_command(
         "--served-model-name",
         folder.name,
         "--dtype",
-        "bfloat16",
+        dtype,
         "--host",
         host,
         "--port",
@@ -202,6 +204,19 @@ def vllm_command(
         "--disable-uvicorn-access-log",
         *extra,
     ]
+
+
+def vllm_dtype(requested: str = "auto") -> str:
+    """``requested``, or for ``auto`` bfloat16 where the CPU multiplies in it (AVX512-BF16 or AMX), else float32."""
+    if requested != "auto":
+        return requested
+    try:
+        flags = next(
+            (line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), ""
+        ).split()
+    except OSError:
+        flags = []
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
 
 
 def vllm_env(base: Mapping[str, str], threads: int, kv_gib: float) -> dict[str, str]:
