@@ -9,7 +9,6 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from pdserve.engine.attention_width import attended_blocks
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model import (
     FEW_ROWS,
@@ -180,7 +179,7 @@ class ModelRunner:
     def prompt_logits(self, output: SchedulerOutput) -> torch.Tensor:
         """Logits of every scheduled token (tests compare them against a reference model)."""
         input_ids, positions, meta = self._prepare(output)
-        return self.model.logits(self.model(input_ids, positions, meta))
+        return self.model.logits(self.model(input_ids, positions, meta)[: meta.slot_rows.numel()])
 
     def _prepare(self, output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
@@ -199,14 +198,14 @@ class ModelRunner:
             blocks = chunk.block_ids[: -(-end // bs)]
             if n == 1 and chunk.start > 0:
                 decodes.append((lo, end, blocks))
-            else:  # attended over whole spans (attention_width): the padding, block 0, stays masked
-                padding = attended_blocks(len(blocks), bs) - len(blocks)
-                prefills.append((lo, lo + n, chunk.start, blocks + [0] * padding))
+            else:
+                prefills.append((lo, lo + n, chunk.start, blocks))
         decodes.sort(key=lambda d: d[1])
         groups = [decodes[g : g + DECODE_GROUP_SIZE] for g in range(0, len(decodes), DECODE_GROUP_SIZE)]
-        widths = [attended_blocks(max(len(blocks) for _, _, blocks in part), bs) for part in groups]
+        widths = [max(len(blocks) for _, _, blocks in part) for part in groups]
 
-        lists = [ids, pos, slot_rows]
+        padding = self.model.batch_rows(len(ids)) - len(ids)  # rows computed and dropped (batch_rows)
+        lists = [ids + [0] * padding, pos + [0] * padding, slot_rows]
         lists += [blocks for *_, blocks in prefills]
         for part, width in zip(groups, widths, strict=True):
             lists.append([i for i, _, _ in part])

@@ -20,10 +20,8 @@ from support.prompt_logits import engine_prompt_logits
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.attention_width import (
-    SHORT_KEYS,
+    KEY_PIECE,
     attend,
-    attended_blocks,
-    attended_keys,
     attention_is_width_invariant,
     padded_query_rows,
     query_block_rows,
@@ -401,7 +399,7 @@ def test_a_token_decoded_and_recomputed_in_a_prompt_gets_the_same_bits(quantized
         [{"role": "user", "content": "Explain how attention works, step by step. " * 17}]
     )
     prompt = tokenizer.encode(text)
-    assert len(prompt) <= SHORT_KEYS < len(prompt) + 12
+    assert len(prompt) <= KEY_PIECE < len(prompt) + 12
     request_id = quantized_engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     decoded, logits = [], []
     while quantized_engine.has_unfinished_requests():
@@ -415,10 +413,22 @@ def test_a_token_decoded_and_recomputed_in_a_prompt_gets_the_same_bits(quantized
     quantized_engine.block_manager.check_integrity()
 
 
-def test_attended_keys_are_whole_blocks_then_whole_kernel_blocks():
-    assert [attended_keys(n) for n in (16, 48, 192, 208, 512, 513, 1100)] == [16, 48, 192, 512, 512, 1024, 1536]
-    assert attended_blocks(3, 16) == 3 and attended_blocks(12, 16) == 12 and attended_blocks(13, 16) == 32
-    assert attended_blocks(33, 16) == 64
+def test_attention_beyond_a_piece_matches_one_call_and_ignores_the_pieces_a_row_cannot_see():
+    """``attend`` over more than ``KEY_PIECE`` keys: the pieces' results combined by log-sum-exp give what one call
+    over all the keys gives (to float32 rounding), and a row's bits do not change when the call holds more keys
+    it cannot see (a decode beside a longer request; a longer prompt's chunk)."""
+    generator = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 1, 3, 1000, 64, generator=generator)
+    query = torch.randn(1, 3, 12, 64, generator=generator)
+    positions = torch.tensor([0, 5, 150, 191, 192, 200, 383, 384, 385, 600, 700, 999])
+    mask = torch.arange(1000) <= positions[:, None]
+    out = attend(query, keys, values, mask)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(query, keys, values, attn_mask=mask))
+    for span in (704, 1000):  # every key the first eleven rows see, and more pieces (or fewer)
+        shorter = attend(query[:, :, :11], keys[:, :, :span], values[:, :, :span], mask[:11, :span])
+        assert torch.equal(shorter, out[:, :, :11]), span
+    alone = attend(query[:, :, 2:3], keys[:, :, :160], values[:, :, :160], mask[2:3, :160])
+    assert torch.equal(alone, out[:, :, 2:3])  # 150 sees one piece: the one-call path gives the same bits
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
