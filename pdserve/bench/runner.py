@@ -37,7 +37,7 @@ from tqdm import tqdm
 from pdserve.deployment_config import DeploymentConfig
 from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.engine.options import add_engine_arguments, engine_config_from_args
-from pdserve.messages import StepStats
+from pdserve.messages import Mode, StepStats
 from pdserve.options import (
     RawDescriptionHelpFormatter,
     add_config_arguments,
@@ -46,7 +46,7 @@ from pdserve.options import (
     option_fields,
     plain_text,
 )
-from pdserve.router.policy import RouterConfig
+from pdserve.router.config import RouterConfig
 from pdserve.transport_config import TransportConfig
 from pdserve.workload.generator import (
     WorkloadRequest,
@@ -59,7 +59,7 @@ from pdserve.workload.metrics import RequestRecord, SweepPoint, find_knee, parse
 from pdserve.workload.report import RunData, markdown_table, write_report
 from pdserve.workload.spread import differences, spread_table, summarize
 
-ARCHITECTURES = ("colocated", "disaggregated", "auto")
+ARCHITECTURES = tuple(Mode)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.deployment_config import AUTH_TOKEN_ENV, DEFAULT_PORT, DeploymentConfig
 from pdserve.engine.options import add_engine_arguments, engine_config_from_args
+from pdserve.messages import Mode
 from pdserve.options import (
     HelpFormatter,
     RawDescriptionHelpFormatter,
@@ -24,7 +25,7 @@ from pdserve.options import (
     option_fields,
     plain_text,
 )
-from pdserve.router.policy import MODES, RouterConfig
+from pdserve.router.config import RouterConfig
 from pdserve.transport_config import TransportConfig
 
 if TYPE_CHECKING:
@@ -264,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="send the prompt as is (default: as the user's turn through the model's chat template, when it has one)",
     )
-    g.add_argument("--mode", default=None, choices=MODES, help="this request's mode (default: the deployment's)")
+    g.add_argument("--mode", default=None, choices=list(Mode), help="this request's mode (default: the deployment's)")
     _add_client_args(g)
     _add_sampling_args(g)
     add_engine_arguments(g, exclude=("seed",), title="engine (with --offline)")  # --seed: the sampling seed

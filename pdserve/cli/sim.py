@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from pdserve.deployment_config import DeploymentConfig
 from pdserve.engine.options import add_engine_arguments, engine_config_from_args
 from pdserve.options import HelpFormatter, add_config_arguments, config_values, plain_text
-from pdserve.router.policy import RouterConfig
+from pdserve.router.config import RouterConfig
 from pdserve.sim.api import DEFAULT_CALIBRATION, SimSettings, Simulation
 from pdserve.sim.config import ENGINE_OPTIONS
 from pdserve.workload.generator import add_workload_arguments, workload_spec_from_args

@@ -136,7 +136,7 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
 def _declared() -> list[tuple[type, str]]:
     from pdserve.deployment_config import DeploymentConfig
     from pdserve.options import option_fields
-    from pdserve.router.policy import RouterConfig
+    from pdserve.router.config import RouterConfig
     from pdserve.sim.api import SimSettings
 
     return [
@@ -165,7 +165,7 @@ def test_every_command_takes_a_setting_by_its_one_declared_flag_and_default():
             assert tuple(action.choices or ()) == tuple(f.metadata.get("choices", ())), (command, name)
     assert seen[(EngineConfig, "block_size")] >= {"generate", "serve", "bench", "sim"}
     from pdserve.deployment_config import DeploymentConfig
-    from pdserve.router.policy import RouterConfig
+    from pdserve.router.config import RouterConfig
 
     assert seen[(DeploymentConfig, "num_prefill_workers")] == {"serve", "bench", "sim"}
     assert seen[(DeploymentConfig, "num_decode_workers")] == {"serve", "bench", "sim"}
@@ -187,7 +187,7 @@ def test_the_hand_off_deadlines_have_one_default_everywhere():
     from pdserve.decode_node.worker import DecodeWorker
     from pdserve.deployment_config import DeploymentConfig
     from pdserve.prefill_node.worker import PrefillWorker
-    from pdserve.router.policy import RouterConfig
+    from pdserve.router.config import RouterConfig
     from pdserve.transport_config import GrpcConfig
 
     config = DeploymentConfig()
