@@ -198,6 +198,20 @@ class Report:
         return default
 
 
+def log(message: str) -> None:
+    print(f"      {time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
+def free_device_memory() -> None:
+    """Collect what the last check left (an engine's pool may sit in reference cycles) and hand torch's cached
+    GPU memory back, so that the next engine sizing its KV cache from the free memory finds it free."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run_check(report: Report, name: str, deadline: float, fn: Callable[[], tuple[str, str, dict[str, Any]]]) -> None:
     """Run one check and record it; an exception is a FAIL with its traceback, a check past the deadline a SKIP."""
     if time.monotonic() > deadline:
@@ -208,7 +222,9 @@ def run_check(report: Report, name: str, deadline: float, fn: Callable[[], tuple
         status, summary, details = fn()
     except Exception as e:
         status, summary, details = "FAIL", f"{type(e).__name__}: {e}"[:300], {"traceback": traceback.format_exc()}
+        print(details["traceback"], flush=True)
     report.add(Check(name, status, summary, details, time.monotonic() - started))
+    free_device_memory()
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------------
@@ -420,7 +436,11 @@ def parity_one(arch: str, sizes: Sizes, workdir: Path) -> dict[str, Any]:
         hf16 = hf.to(torch.bfloat16)
         reference16 = hf16(ids).logits[0].float().cpu()
     want, want_logits = hf_greedy(hf16, prompt, sizes.parity_tokens, device)
-    engine = LLMEngine(EngineConfig(model=str(path), device=sizes.device, dtype="bfloat16", max_num_batched_tokens=128))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(path), device=sizes.device, dtype="bfloat16", max_num_batched_tokens=128, num_kv_blocks=256
+        )
+    )
     ours = engine_prompt_logits(engine, prompt)
     [got] = engine.generate([prompt], SamplingParams(max_tokens=sizes.parity_tokens, temperature=0.0, ignore_eos=True))
     error_ours = (ours - reference32).abs().max().item()
@@ -471,7 +491,9 @@ def check_quantized(sizes: Sizes, workdir: Path) -> tuple[str, str, dict[str, An
     details: dict[str, Any] = {}
     for matrix_type in ("Q4_0", "Q8_0"):
         path = write_gguf(workdir / f"{matrix_type}.gguf", "llama", matrix_type)
-        common = dict(model=str(path), device=sizes.device, dtype="bfloat16", max_num_batched_tokens=64)
+        common = dict(
+            model=str(path), device=sizes.device, dtype="bfloat16", max_num_batched_tokens=64, num_kv_blocks=128
+        )
         auto = LLMEngine(EngineConfig(quantization="auto", **common))
         exact = LLMEngine(EngineConfig(quantization="none", **common))
         prompt = auto.tokenizer.encode("the quick brown fox jumps over the lazy dog, chunked prefill " * 3)
@@ -634,6 +656,7 @@ def check_speed(sizes: Sizes, report: Report, state: dict[str, Any]) -> tuple[st
     t0 = time.monotonic()
     written = write_random_checkpoint(folder, shape, device)
     t1 = time.monotonic()
+    log(f"speed: {written / 2**30:.1f} GiB checkpoint written to {folder} in {t1 - t0:.0f} s; loading")
     budget = max(sizes.prefill_chunks)
     engine = LLMEngine(
         EngineConfig(
@@ -647,6 +670,7 @@ def check_speed(sizes: Sizes, report: Report, state: dict[str, Any]) -> tuple[st
     )
     t2 = time.monotonic()
     state["engine"] = engine
+    log(f"speed: engine loaded in {t2 - t1:.0f} s, {engine.kv_capacity.num_blocks} KV blocks")
     capacity = engine.kv_capacity
     ceilings = {
         "bandwidth": (report.detail("ceilings", "bandwidth_GBps") or 4800.0) * 1e9,
@@ -701,6 +725,7 @@ def check_speed(sizes: Sizes, report: Report, state: dict[str, Any]) -> tuple[st
         }
         entry["x_floor"] = entry["wall_ms"] / entry["floor_ms"]
         details["decode"][batch] = entry
+        log(f"speed: decode at {batch}: {entry['wall_ms']:.2f} ms/step")
         lines.append(f"decode {batch}: {entry['wall_ms']:.1f} ms/step ({entry['x_floor']:.1f}x floor)")
     for chunk in sizes.prefill_chunks:
         walls, device_times = [], []
@@ -724,7 +749,9 @@ def check_speed(sizes: Sizes, report: Report, state: dict[str, Any]) -> tuple[st
             "kernels": kernels,
         }
         if kernels and "names" in kernels:
-            entry["flash_attention"] = any("flash" in n.lower() for n in kernels["names"])
+            marks = ("flash", "fmha", "attention", "attn", "cudnn", "sdpa")
+            entry["attention_kernels"] = [n for n in kernels["names"] if any(m in n.lower() for m in marks)]
+            entry["flash_attention"] = any("flash" in n.lower() for n in entry["attention_kernels"])
         entry["x_floor"] = entry["wall_ms"] / entry["floor_ms"]
         details["prefill"][chunk] = entry
         lines.append(f"prefill {chunk}: {entry['wall_ms']:.1f} ms ({entry['x_floor']:.1f}x floor)")
