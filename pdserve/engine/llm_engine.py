@@ -102,8 +102,9 @@ def resolve_quantization(
 ) -> tuple[str, GGUFCheckpoint | None]:
     """The weight format to serve ``model`` in (``native``, ``float16`` or ``none``), with the GGUF file whose
     blocks ``native`` keeps (None otherwise). See ``engine.quantization.auto_weight_format`` for what ``auto``
-    picks with ``dtype`` and why. On CUDA ``native`` keeps only the kinds ``native_weight_kinds`` allows and
-    dequantises the others to the compute dtype, saying so in a warning; with none left to keep it is ``none``.
+    picks with ``dtype`` and why. ``native`` keeps only the kinds ``native_weight_kinds`` allows on ``device``
+    (on CUDA, Q4 alone) and dequantises the others to the compute dtype, saying so in a warning; with none
+    left to keep it is ``none``.
 
     ``native`` on a model that is not a GGUF file with Q4_0/Q4_1/Q8_0 weights, and ``float16`` off the CPU,
     raise ValueError.
@@ -122,7 +123,7 @@ def resolve_quantization(
             return "none", None
         raise ValueError(f"quantization native: model {model!r} is not a GGUF file with Q4_0, Q4_1 or Q8_0 weights")
     picked = "native" if mode == "native" else auto_weight_format(device, dtype)
-    if picked == "native" and device.type == "cuda":  # only the kinds a good CUDA kernel takes stay quantized
+    if picked == "native":  # only the kinds a good kernel takes here stay quantized
         compute_dtype = resolve_dtype(dtype, device)
         kept = native_weight_kinds(device, compute_dtype)
         dequantised = sorted(quantized - kept.kinds)
@@ -414,9 +415,7 @@ class LLMEngine:
         """The key of what this engine's KV blocks mean (``model_runner.kv_compatibility_key``): a transfer
         peer's pool must carry the same one."""
         seed = self.config.seed if self.config.model in PRESETS else None
-        return kv_compatibility_key(
-            self.config.model, seed, self.model_config, self.dtype, self.quantization, self.kv_cache
-        )
+        return kv_compatibility_key(self.config.model, seed, self.model_config, self.dtype, self.kv_cache)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.scheduler.requests.get(request_id) or self.held.get(request_id)

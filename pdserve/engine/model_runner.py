@@ -44,18 +44,18 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 
 
 def kv_compatibility_key(
-    model: str, seed: int | None, config: ModelConfig, dtype: torch.dtype, quantization: str, kv_cache: torch.Tensor
+    model: str, seed: int | None, config: ModelConfig, dtype: torch.dtype, kv_cache: torch.Tensor
 ) -> str:
     """A key of what a KV pool's blocks mean: 16 hex digits of a SHA-256 over the model (its name, and
-    ``seed`` for random weights), its architecture, the compute dtype, the weight format, the pool's dtype
-    and block layout. Two engines can take each other's KV blocks only under equal keys: equal block bytes
-    alone would let a bfloat16 pool fill a float16 one, or one model's KV another's."""
+    ``seed`` for random weights), its architecture, the compute dtype, the pool's dtype and block layout.
+    Two engines can take each other's KV blocks only under equal keys: equal block bytes alone would let a
+    bfloat16 pool fill a float16 one, or one model's KV another's. The weight format is left out: machines
+    that serve one GGUF file in formats of their own (``--quantization auto``) hold the same KV, to rounding."""
     fields = {
         "model": model,
         "seed": seed,
         "architecture": dataclasses.asdict(config),
         "dtype": str(dtype),
-        "quantization": quantization,
         "kv_dtype": str(kv_cache.dtype),
         "block_shape": list(kv_cache.shape[1:]),
     }

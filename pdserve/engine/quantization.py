@@ -82,12 +82,20 @@ def native_weight_kinds(
     capability: tuple[int, int] | None = None,
     torch_version: str | None = None,
 ) -> NativeKinds:
-    """What the ``native`` path keeps on ``device`` with activations in ``compute_dtype``: every quantized
-    kind on a CPU; on CUDA Q4_0/Q4_1 alone, and only with bfloat16 activations, torch >= 2.5 and a GPU of
+    """What the ``native`` path keeps on ``device`` with activations in ``compute_dtype``: on a CPU the kinds
+    whose kernels this torch has (``_weight_int4pack_mm_for_cpu`` and ``_weight_int8pack_mm``, both in recent
+    torch only); on CUDA Q4_0/Q4_1 alone, and only with bfloat16 activations, torch >= 2.5 and a GPU of
     compute capability 8.0 or more. ``capability`` and ``torch_version`` default to the GPU's and torch's
     own (a test asks about a CUDA device without one)."""
     if device.type != "cuda":
-        return NativeKinds(INT4_KINDS | INT8_KINDS, "")
+        kept: set[str] = set()
+        missing = []
+        for kinds, op in ((INT4_KINDS, "_weight_int4pack_mm_for_cpu"), (INT8_KINDS, "_weight_int8pack_mm")):
+            if hasattr(torch.ops.aten, op):
+                kept |= kinds
+            else:
+                missing.append(f"{'/'.join(sorted(kinds))}: this torch has no {op}")
+        return NativeKinds(frozenset(kept), "; ".join(missing))
     why_not = ["Q8_0: torch's CUDA int8 weight-only GEMM is slower than a bfloat16 GEMM"]
     version = torch.torch_version.TorchVersion(torch_version or torch.__version__)
     too_old = version < CUDA_INT4_TORCH  # type: ignore[operator]  # TorchVersion compares with tuples

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -162,6 +163,16 @@ def test_on_cuda_only_q4_stays_quantized_and_only_where_the_int4_kernel_runs():
     ):
         kept = native_weight_kinds(CUDA, dtype, capability, version)
         assert kept.kinds == frozenset() and why in kept.why_not and "Q8_0" in kept.why_not
+
+
+def test_a_torch_without_the_weight_only_kernels_dequantises_those_kinds(monkeypatch):
+    """``pyproject.toml`` admits torch 2.4, which lacks the CPU int4 kernel and has an older CUDA one."""
+    assert native_weight_kinds(CPU, torch.float32).kinds == INT4_KINDS | INT8_KINDS  # this torch has both
+    old_torch_ops = SimpleNamespace(_weight_int8pack_mm=torch.ops.aten._weight_int8pack_mm)
+    monkeypatch.setattr(torch.ops, "aten", old_torch_ops)
+    kept = native_weight_kinds(CPU, torch.float32)
+    assert kept == (INT8_KINDS, "Q4_0/Q4_1: this torch has no _weight_int4pack_mm_for_cpu")
+    assert native_weight_kinds(CUDA, torch.bfloat16, H200, "2.11.0").kinds == frozenset()
 
 
 def test_the_quantization_asked_of_a_cuda_device_dequantises_what_no_good_kernel_takes(monkeypatch, caplog):
