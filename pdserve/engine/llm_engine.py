@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from collections import deque
@@ -13,9 +14,16 @@ import torch
 
 from pdserve.engine import loader, remote_kv
 from pdserve.engine.block_manager import BlockManager, BlockUsage
-from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.config import PRESETS, EngineConfig, ModelConfig
 from pdserve.engine.loader import quantized_checkpoint, resolve_device, resolve_dtype, resolve_quantization
-from pdserve.engine.model_runner import ModelRunner, StepResult, allocate_kv_cache, openmp_threads_spin, step_threads
+from pdserve.engine.model_runner import (
+    ModelRunner,
+    StepResult,
+    allocate_kv_cache,
+    kv_compatibility_key,
+    openmp_threads_spin,
+    step_threads,
+)
 from pdserve.engine.pace_probe import PaceProbe
 from pdserve.engine.request import FinishReason, Request, RequestStatus, RequestTimes
 from pdserve.engine.sampler import TokenLogprobs
@@ -23,6 +31,8 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, TokenUpdate
 from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from pdserve.messages import StepStats
+
+log = logging.getLogger(__name__)
 
 
 class RequestOutput(NamedTuple):
@@ -92,9 +102,10 @@ class LLMEngine:
         self.device, self.quantization, self.dtype = loaded.device, loaded.quantization, loaded.dtype
         self.quantized = loaded.quantization == "native"
         self.kv_cache_dtype = loaded.kv_cache_dtype
+        self.kv_capacity = loaded.kv_capacity
         model = loaded.model
 
-        block_size, num_blocks = self.config.block_size, loaded.num_kv_blocks
+        block_size, num_blocks = self.config.block_size, loaded.kv_capacity.num_blocks
         self.kv_cache = allocate_kv_cache(self.model_config, num_blocks, block_size, self.kv_cache_dtype, self.device)
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
         budget, max_model_len = self.config.max_num_batched_tokens, self.config.max_model_len
@@ -308,6 +319,13 @@ class LLMEngine:
         return EngineStats(
             self.block_manager.usage(), len(s.running), len(s.waiting), remote, len(self.held), in_flight
         )
+
+    @property
+    def kv_compatibility(self) -> str:
+        """The key of what this engine's KV blocks mean (``model_runner.kv_compatibility_key``): a transfer
+        peer's pool must carry the same one."""
+        seed = self.config.seed if self.config.model in PRESETS else None
+        return kv_compatibility_key(self.config.model, seed, self.model_config, self.dtype, self.kv_cache)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.scheduler.requests.get(request_id) or self.held.get(request_id)

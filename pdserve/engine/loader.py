@@ -5,24 +5,29 @@ them (``load``). ``LLMEngine`` takes the result and keeps none of these rules it
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig, gguf_file
 from pdserve.engine.gguf import GGUFCheckpoint, open_gguf
+from pdserve.engine.kv_capacity import KVCapacity, plan_kv_capacity
 from pdserve.engine.model import LlamaForCausalLM
-from pdserve.engine.model_runner import kv_block_bytes
+from pdserve.engine.model_runner import use_device
 from pdserve.engine.quantization import (
     INT4_KINDS,
     INT8_KINDS,
     auto_weight_format,
+    native_weight_kinds,
     quantized_compute_dtype,
     release_freed_memory,
     store_weights_in_float16,
     weight_only_input_dtype,
 )
 from pdserve.engine.weights import build_model
+
+log = logging.getLogger(__name__)
 
 
 class LoadedModel(NamedTuple):
@@ -34,13 +39,18 @@ class LoadedModel(NamedTuple):
     dtype: torch.dtype  # the activations' dtype
     kernel_dtype: torch.dtype  # the inputs of the native path's int4/int8 GEMMs
     kv_cache_dtype: torch.dtype
-    num_kv_blocks: int
+    kv_capacity: KVCapacity  # the KV pool's blocks and how they were sized
 
 
 def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when present, else the CPU. A bare ``cuda`` names the current GPU by its index, so that
+    the engine's threads all bind to that one (``model_runner.use_device``) and it reports which it is."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_quantization(
@@ -48,7 +58,9 @@ def resolve_quantization(
 ) -> tuple[str, GGUFCheckpoint | None]:
     """The weight format to serve ``model`` in (``native``, ``float16`` or ``none``), with the GGUF file whose
     blocks ``native`` keeps (None otherwise). See ``engine.quantization.auto_weight_format`` for what ``auto``
-    picks with ``dtype`` and why.
+    picks with ``dtype`` and why. ``native`` keeps only the kinds ``native_weight_kinds`` allows on ``device``
+    (on CUDA, Q4 alone) and dequantises the others to the compute dtype, saying so in a warning; with none
+    left to keep it is ``none``.
 
     ``native`` on a model that is not a GGUF file with Q4_0/Q4_1/Q8_0 weights, and ``float16`` off the CPU,
     raise ValueError.
@@ -61,11 +73,27 @@ def resolve_quantization(
         return "float16", None
     path = gguf_file(model)
     checkpoint = open_gguf(path) if path is not None else None
-    if checkpoint is None or not any(t.kind in INT4_KINDS | INT8_KINDS for t in checkpoint.tensors):
+    quantized = {t.kind for t in checkpoint.tensors} & (INT4_KINDS | INT8_KINDS) if checkpoint is not None else set()
+    if not quantized:
         if mode == "auto":
             return "none", None
         raise ValueError(f"quantization native: model {model!r} is not a GGUF file with Q4_0, Q4_1 or Q8_0 weights")
     picked = "native" if mode == "native" else auto_weight_format(device, dtype)
+    if picked == "native":  # only the kinds a good kernel takes here stay quantized
+        compute_dtype = resolve_dtype(dtype, device)
+        kept = native_weight_kinds(device, compute_dtype)
+        dequantised = sorted(quantized - kept.kinds)
+        if dequantised:
+            log.warning(
+                "quantization %s on %s: %s weights dequantised to %s (%s)",
+                mode,
+                device,
+                ", ".join(dequantised),
+                str(compute_dtype).removeprefix("torch."),
+                kept.why_not,
+            )
+        if not quantized & kept.kinds:
+            return "none", None
     return picked, checkpoint if picked == "native" else None
 
 
@@ -86,6 +114,7 @@ def load(config: EngineConfig, model_config: ModelConfig) -> LoadedModel:
     Raises ValueError when the options contradict each other (``float16`` weights computed in 16 bits).
     """
     device = resolve_device(config.device)
+    use_device(device)
     quantization, quantized = resolve_quantization(config.quantization, config.model, device, config.dtype)
     if quantized is not None and config.dtype == "auto":
         dtype = quantized_compute_dtype(device)
@@ -100,12 +129,18 @@ def load(config: EngineConfig, model_config: ModelConfig) -> LoadedModel:
     else:
         kv_cache_dtype = resolve_dtype(config.kv_cache_dtype, device)
     model = build_model(
-        config.model, model_config, dtype, device, config.seed, quantized=quantized, kernel_dtype=kernel_dtype
+        config.model,
+        model_config,
+        dtype,
+        device,
+        config.seed,
+        quantized=quantized,
+        kernel_dtype=kernel_dtype,
+        native_kinds=native_weight_kinds(device, kernel_dtype).kinds,
     )
     model.fuse_projections()
     if quantization == "float16":
         store_weights_in_float16(model)
     release_freed_memory()
-    block_bytes = kv_block_bytes(model_config, config.block_size, kv_cache_dtype)
-    num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gb * 2**30) // block_bytes)
-    return LoadedModel(model, device, quantization, dtype, kernel_dtype, kv_cache_dtype, num_blocks)
+    capacity = plan_kv_capacity(config, model, model_config, kv_cache_dtype, device)
+    return LoadedModel(model, device, quantization, dtype, kernel_dtype, kv_cache_dtype, capacity)

@@ -51,7 +51,6 @@ from pdserve.router.metrics import CONTENT_TYPE_LATEST
 from pdserve.router.openai_protocol import (
     CHAT,
     COMPLETION,
-    MODES,
     Answer,
     ApiError,
     ChatCompletionRequest,
@@ -361,7 +360,6 @@ async def _disconnected(request: Request) -> None:
 
 
 __all__ = [
-    "MODES",
     "ApiError",
     "ChatCompletionRequest",
     "CompletionRequest",
