@@ -1370,6 +1370,7 @@ def main_vllm(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     if args.omp_wait_policy != "inherit":
         env["OMP_WAIT_POLICY"] = args.omp_wait_policy
+    env[OMP_SPIN_COUNT_ENV] = str(args.omp_spin_count)  # vLLM's; pdserve's workers get it as an option
     runs: list[ServerRun] = []
     for rep in range(args.repeat):
         for name in args.servers if rep % 2 == 0 else args.servers[::-1]:
