@@ -17,12 +17,14 @@ from pdserve.engine.config import EngineConfig, ModelConfig, gguf_file
 from pdserve.engine.gguf import GGUFCheckpoint, open_gguf
 from pdserve.engine.model_runner import (
     ModelRunner,
+    PromptTargets,
     allocate_kv_cache,
     kv_block_bytes,
     openmp_threads_spin,
     step_threads,
 )
 from pdserve.engine.pace_probe import PaceProbe
+from pdserve.engine.prompt import check_prompt_text, check_prompt_tokens
 from pdserve.engine.quantization import (
     INT4_KINDS,
     INT8_KINDS,
@@ -38,7 +40,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from pdserve.engine.weights import build_model
-from pdserve.messages import StepStats
+from pdserve.messages import PromptLogprob, StepStats
 
 
 class RequestOutput(NamedTuple):
@@ -50,6 +52,9 @@ class RequestOutput(NamedTuple):
     finished: bool
     finish_reason: FinishReason | None
     logprobs: list[TokenLogprobs] | None = None  # per new token, when the request asked for them
+    # with a request's first token, when it asked (SamplingParams.prompt_logprobs): one per prompt token after
+    # the first, each the log-probability of that token given those before it
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 class Completion(NamedTuple):
@@ -62,6 +67,7 @@ class Completion(NamedTuple):
     finish_reason: FinishReason
     num_cached_tokens: int
     times: RequestTimes
+    prompt_logprobs: list[PromptLogprob] | None = None  # as in RequestOutput
 
 
 class Reservation(NamedTuple):
@@ -78,6 +84,24 @@ class EngineStats(NamedTuple):
     num_remote_pending: int
     num_held: int
     tokens_in_flight: int
+
+
+def _prompt_targets(output: SchedulerOutput, requests: dict[str, Request]) -> dict[str, PromptTargets]:
+    """The scheduled positions whose prompt log-probabilities are still to compute: position ``i`` predicts
+    prompt token ``i + 1``, so a prompt of P tokens has P - 1 of them (the last position predicts the first
+    output token, which is sampled). A recomputed position (after a preemption) is not computed twice."""
+    targets = {}
+    for chunk in output.chunks:
+        request = requests[chunk.request_id]
+        if not request.needs_prompt_logits:
+            continue
+        done = len(request.prompt_logprobs or ())
+        lo = max(chunk.start, done)
+        hi = min(chunk.start + len(chunk.token_ids), request.num_prompt_tokens - 1)
+        if hi > lo:
+            tokens = request.prompt_token_ids[lo + 1 : hi + 1]
+            targets[chunk.request_id] = PromptTargets(lo - chunk.start, tokens, request.params.prompt_logprobs or 0)
+    return targets
 
 
 def resolve_device(name: str) -> torch.device:
@@ -287,9 +311,12 @@ class LLMEngine:
         params = {rid: r.params for rid, r in requests.items()}
         seeds = {rid: self._seeds[rid] for rid in requests}
         output_index = {rid: r.num_output_tokens for rid, r in requests.items()}
+        targets = _prompt_targets(output, requests)
         with step_threads(output.num_prefill_tokens + output.num_decode_tokens, self.device, self.threads_spin):
-            result = self.runner.run(output, params, seeds, output_index, keep_logits)
+            result = self.runner.run(output, params, seeds, output_index, keep_logits, targets)
         self.last_logits = result.logits
+        for rid, picked in result.prompt_logprobs.items():
+            requests[rid].prompt_logprobs.extend(picked)  # type: ignore[union-attr]  # set for these requests
         self.scheduler.update_after_step(output)
 
         now = time.time()
@@ -309,7 +336,10 @@ class LLMEngine:
                     self.held[rid] = request
                 self._forget(rid)
             lp = result.logprobs.get(rid)
-            outputs.append(RequestOutput(rid, [token], text, reason is not None, reason, None if lp is None else [lp]))
+            prompt_lps = request.prompt_logprobs if request.num_output_tokens == 1 else None
+            outputs.append(
+                RequestOutput(rid, [token], text, reason is not None, reason, None if lp is None else [lp], prompt_lps)
+            )
         self.step_history.append(
             StepStats(
                 started,
@@ -367,6 +397,7 @@ class LLMEngine:
                 r.finish_reason or FinishReason.ABORT,  # every request here has finished: never the fallback
                 r.num_cached_tokens,
                 r.times,
+                r.prompt_logprobs,
             )
             for r in requests
         ]
@@ -394,24 +425,12 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        max_len = self._max_model_len
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass token ids")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
-        if not token_ids:
-            raise ValueError("prompt: must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt: token ids must be integers in [0, {vocab}), got {bad[:5]!r}")
-        max_len = self.config.max_model_len
-        assert max_len is not None
-        if len(token_ids) >= max_len:
-            raise ValueError(
-                f"prompt: {len(token_ids)} tokens leaves no room to generate within max_model_len={max_len}"
-            )
+            check_prompt_text(prompt, max_len, self.tokenizer is not None)
+            assert self.tokenizer is not None
+            prompt = self.tokenizer.encode(prompt)
+        token_ids = check_prompt_tokens(prompt, self.model_config.vocab_size, max_len)
         pool = f"{self.block_manager.num_blocks} blocks of {self.config.block_size} tokens"
         if self.block_manager.blocks_needed(len(token_ids) + 1) > self.block_manager.num_blocks:
             raise ValueError(f"prompt: {len(token_ids)} tokens need more KV blocks than this engine has ({pool})")
