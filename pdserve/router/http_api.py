@@ -48,27 +48,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.router.metrics import CONTENT_TYPE_LATEST
-from pdserve.router.openai_protocol import (
-    CHAT,
-    COMPLETION,
-    MODES,
-    Answer,
+from pdserve.router.openai.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    StopMatcher,
     TokenizeRequest,
+    api_error,
     bad_request,
-    detokenize,
     http_error,
-    render_chat,
-    reply,
-    start_jobs,
-    stream_reply,
-    tokenize,
 )
-from pdserve.router.router import Router
+from pdserve.router.openai.serving_chat import OpenAIServingChat
+from pdserve.router.openai.serving_completion import OpenAIServingCompletion
+from pdserve.router.openai.serving_tokenization import OpenAIServingTokenization
+from pdserve.router.router import RequestError, Router
 from pdserve.router.server import has_bearer_token
 
 log = logging.getLogger(__name__)
@@ -106,14 +99,10 @@ def _add_tokenizer_routes(app: FastAPI, api: _Endpoints) -> None:
     """vLLM's ``POST /tokenize`` and ``POST /detokenize`` (also under ``/v1/``)."""
 
     async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
-        if body.model is not None:
-            api._check_model(body.model)
-        return tokenize(api.router, body)
+        return api.tokenization.tokenize(body)
 
     async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
-        if body.model is not None:
-            api._check_model(body.model)
-        return detokenize(api.router, body)
+        return api.tokenization.detokenize(body)
 
     for prefix in ("", "/v1"):
         app.post(f"{prefix}/tokenize")(tokenize_route)
@@ -252,6 +241,9 @@ class _Endpoints:
         self.router = router
         self.model_name = model_name
         self.model_card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "pdserve"}
+        self.completion = OpenAIServingCompletion(router, model_name)
+        self.chat = OpenAIServingChat(router, model_name)
+        self.tokenization = OpenAIServingTokenization(router, model_name)
 
     async def health(self) -> JSONResponse:
         ok, status = await self.router.health()
@@ -261,73 +253,41 @@ class _Endpoints:
         return {"object": "list", "data": [self.model_card]}
 
     async def model(self, model_id: str) -> dict[str, Any]:
-        self._check_model(model_id)
+        self.completion.check_model(model_id)
         return self.model_card
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        self._check_model(body.model)
-        body.check()
-        prompts = body.prompts()
-        return await self._serve(request, body, prompts, body.max_tokens or 16, "cmpl", COMPLETION)
+        return await self._serve(request, body, self.completion, "cmpl")
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-        self._check_model(body.model)
-        body.check()
-        tokenizer = self.router.tokenizer
-        if tokenizer is None:
-            raise bad_request("messages: this model has no tokenizer, so it cannot chat", "messages")
-        prompt = render_chat(tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        default = min(self.router.config.default_chat_max_tokens, self.router.limits.max_model_len)
-        fit = max_tokens is None  # the default shrinks to the room the prompt leaves; an explicit value must fit
-        return await self._serve(request, body, [prompt], max_tokens or default, "chatcmpl", CHAT, fit)
-
-    def _check_model(self, name: str) -> None:
-        if name != self.model_name:
-            raise ApiError(
-                404,
-                f"model {name!r} does not exist; this server serves {self.model_name!r}",
-                "invalid_request_error",
-                "model",
-                "model_not_found",
-            )
+        return await self._serve(request, body, self.chat, "chatcmpl")
 
     async def _serve(
         self,
         request: Request,
-        body: CompletionRequest | ChatCompletionRequest,
-        prompts: list[str | list[int]],
-        max_tokens: int,
+        body: Any,
+        serving: OpenAIServingCompletion | OpenAIServingChat,
         prefix: str,
-        answer: Answer,
-        fit_max_tokens: bool = False,
     ) -> Response:
         """Route the request's choices and wait for their first events (so that a refusal gets its HTTP status),
         then answer. A client that disconnects before that (or before a whole answer is ready) has its
         requests aborted."""
         request_id = request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
-        echo = bool(getattr(body, "echo", False))
-        starting = start_jobs(
-            self.router, request_id, body, prompts, max_tokens, answer.prompt_param, fit_max_tokens, echo
-        )
         try:
-            jobs = await _unless_disconnected(request, starting)
+            choices = await _unless_disconnected(request, serving.start(body, request_id))
         except ClientGone:
             return Response(status_code=499)
-        base = {
-            "id": request_id,
-            "object": answer.chunk_object if body.stream else answer.object,
-            "created": int(time.time()),
-            "model": self.model_name,
-        }
         headers = {"X-Request-Id": request_id}
         if body.stream:
-            events = stream_reply(jobs, base, body, answer)
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+            return StreamingResponse(
+                serving.stream(choices, body, request_id), media_type="text/event-stream", headers=headers
+            )
         try:
-            whole = await _unless_disconnected(request, reply(jobs, base, body, answer))
+            whole = await _unless_disconnected(request, serving.whole(choices, body, request_id))
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; the request was aborted on the workers
+        except RequestError as e:
+            raise api_error(e, serving.prompt_param) from None
         return JSONResponse(whole, headers=headers)
 
 
@@ -357,17 +317,4 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-# ---- serving -------------------------------------------------------------------------------------------
-
-
-__all__ = [
-    "MODES",
-    "ApiError",
-    "ChatCompletionRequest",
-    "CompletionRequest",
-    "FrontDoor",
-    "StopMatcher",
-    "build_app",
-    "metrics_app",
-    "render_chat",
-]
+__all__ = ["FrontDoor", "build_app", "metrics_app"]

@@ -45,9 +45,9 @@ def test_the_engine_reports_logprobs_only_for_requests_that_ask():
 
 @pytest.mark.parametrize("bad", [-1, 21, True, 1.5])
 def test_bad_logprobs_counts_are_refused(bad):
-    with pytest.raises(ValueError, match="^logprobs"):
+    with pytest.raises(ValueError, match=r"^logprobs"):
         SamplingParams(logprobs=bad)
-    with pytest.raises(ValueError, match="^prompt_logprobs"):
+    with pytest.raises(ValueError, match=r"^prompt_logprobs"):
         SamplingParams(prompt_logprobs=bad)
 
 
