@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+SHUTTING_DOWN = "server shutting down"  # why a router refuses or ends requests while it stops (UNAVAILABLE)
+
 
 class StepStats(NamedTuple):
     """One engine step, as the worker that ran it measured it (or the simulator priced it): the only shape

@@ -26,7 +26,15 @@ from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 from pdserve.engine.prompt import check_prompt_text, check_prompt_tokens
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.messages import Logprob, PromptLogprob, RequestMetrics, TokenUpdate, WorkerRequestStats, WorkerStats
+from pdserve.messages import (
+    SHUTTING_DOWN,
+    Logprob,
+    PromptLogprob,
+    RequestMetrics,
+    TokenUpdate,
+    WorkerRequestStats,
+    WorkerStats,
+)
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import NoWorkerAvailable, Route, RouterConfig, RoutingPolicy
 from pdserve.router.worker_events import InFlight, WorkerEvents
@@ -34,7 +42,6 @@ from pdserve.router.worker_events import InFlight, WorkerEvents
 log = logging.getLogger(__name__)
 
 REUSE_GRACE_S = 0.5  # how long a new request waits for a live request with its id to end
-SHUTTING_DOWN = "server shutting down"  # the error of requests refused or ended by ``Router.drain``
 
 
 class RequestError(Exception):

@@ -267,13 +267,26 @@ def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(app):
     vllm = http(app, "POST", "/v1/completions", {**harness, "prompt": "Hey", "prompt_logprobs": 1, "echo": False})[2]
     assert vllm["choices"][0]["prompt_logprobs"] == [
         None,
-        {"101": {"logprob": -1.0, "rank": 1, "decoded_token": "e"}, "90": {"logprob": -0.1, "rank": 1, "decoded_token": "Z"}},
-        {"121": {"logprob": -2.0, "rank": 2, "decoded_token": "y"}, "90": {"logprob": -0.1, "rank": 1, "decoded_token": "Z"}},
+        {
+            "101": {"logprob": -1.0, "rank": 1, "decoded_token": "e"},
+            "90": {"logprob": -0.1, "rank": 1, "decoded_token": "Z"},
+        },
+        {
+            "121": {"logprob": -2.0, "rank": 2, "decoded_token": "y"},
+            "90": {"logprob": -0.1, "rank": 1, "decoded_token": "Z"},
+        },
     ]
-    status, _, text = http(app, "POST", "/v1/completions", {**harness, "prompt": "Hey", "stream": True, "max_tokens": 0})
+    status, _, text = http(
+        app, "POST", "/v1/completions", {**harness, "prompt": "Hey", "stream": True, "max_tokens": 0}
+    )
     chunks = sse_events(text)
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "Hey"
-    streamed = [v for c in chunks if c["choices"] and c["choices"][0]["logprobs"] for v in c["choices"][0]["logprobs"]["token_logprobs"]]
+    streamed = [
+        v
+        for c in chunks
+        if c["choices"] and c["choices"][0]["logprobs"]
+        for v in c["choices"][0]["logprobs"]["token_logprobs"]
+    ]
     assert streamed == [None, -1.0, -2.0]
 
 
@@ -377,3 +390,17 @@ def test_tokenize_and_detokenize_round_trip(app, oai):
     assert status == 404 and bad["error"]["code"] == "model_not_found"
     status, _, bad = http(app, "POST", "/tokenize", {"prompt": "x", "messages": messages})
     assert status == 400
+
+
+def test_a_json_body_without_its_content_type_is_read_as_json(app):
+    """``curl -d '{...}'`` sends a form's content type (urllib sends the same): the body is JSON all the same."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    req = urllib.request.Request(app.url + "/tokenize", data=b'{"prompt": "ab"}', method="POST", headers=auth)
+    assert req.get_header("Content-type") is None  # urllib adds the form's type as it sends
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert json.loads(resp.read())["tokens"] == [97, 98]
+    req = urllib.request.Request(app.url + "/tokenize", data=b"prompt=ab", method="POST", headers=auth)
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    body = json.loads(err.value.read())
+    assert err.value.code == 400 and "Content-Type: application/json" in body["error"]["message"], body
