@@ -35,8 +35,9 @@ from pdserve.messages import (
     WorkerRequestStats,
     WorkerStats,
 )
+from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policy import NoWorkerAvailable, Route, RouterConfig, RoutingPolicy
+from pdserve.router.policy import NoWorkerAvailable, Route, RoutingPolicy
 from pdserve.router.worker_events import InFlight, WorkerEvents
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.kv_transfer.nixl_transport import NixlConfig
 from pdserve.router.client import Client
-from pdserve.router.policy import RouterConfig
+from pdserve.router.config import RouterConfig
 
 pytestmark = pytest.mark.cluster
 

@@ -17,7 +17,7 @@ from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.model_runner import gather_kv
 from pdserve.router.client import AsyncClient, Client
-from pdserve.router.policy import RouterConfig
+from pdserve.router.config import RouterConfig
 
 pytestmark = pytest.mark.cluster
 

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdserve.messages import Mode
 from pdserve.router.choices import MAX_CHOICES, MAX_STOP_STRINGS
 from pdserve.router.router import RequestError
 
@@ -118,7 +119,7 @@ class SamplingRequest(BaseModel):
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # pdserve's extensions
     stream_interval: StrictInt | None = Field(None, ge=1)  # tokens per streamed chunk after the first
-    pdserve_mode: Literal["colocated", "disaggregated", "auto"] | None = None
+    pdserve_mode: Mode | None = None
 
     def check_common(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
