@@ -1,6 +1,7 @@
-"""The commands README.md and docs/ show with their output against a deployment, run as written (only the
-ports differ: free ones instead of 50051, 8000 and 8088) and compared with what the pages show: the README's
-tour, step 1, on its own deployment of SmolLM2, then the serving pages' gRPC and HTTP commands on it."""
+"""The commands README.md and docs/ show with their output against a deployment, run as written (only the ports
+differ: free ones instead of 50051, 8000 and 8088) and compared with what the pages show: the README's tour, step
+1, on its own deployment of SmolLM2, then the serving pages' gRPC and HTTP commands on it; and the engine page's
+offline generation, too slow for the quick loop."""
 
 from __future__ import annotations
 
@@ -159,3 +160,13 @@ def test_grpcurl_as_written(served: Served):
             assert first == json.loads(shown[: -len("...")]), (command, result.stdout)
         else:
             assert shape(result.stdout) == shape(shown), (command, result.stdout)
+
+
+def test_offline_generate():
+    """The engine page: the answer on stdout, the summary on stderr (no deployment; SmolLM2 loads in about 30 s
+    on a 2-core VM, too long for the quick loop)."""
+    page = block("docs/engine.md", "pdserve generate --offline")
+    argv = [*PDSERVE, *shlex.split(page.command.strip())[1:]]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert (result.stdout + result.stderr).strip() == page.output.strip()

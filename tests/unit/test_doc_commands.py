@@ -48,14 +48,6 @@ def test_tokenizer_export(tmp_path):
     assert sorted(os.listdir(folder)) == ["tokenizer.json", "tokenizer_config.json"]
 
 
-def test_offline_generate():
-    """The engine page: the answer on stdout, the summary on stderr."""
-    page = block("docs/engine.md", "pdserve generate --offline")
-    result = run(page.command.strip(), REPO)
-    assert result.returncode == 0, result.stderr
-    assert (result.stdout + result.stderr).strip() == page.output.strip()
-
-
 def test_a_token_off_loopback_without_tls_is_refused():
     page = block("docs/front-doors.md", "pdserve serve --host 0.0.0.0 --http-port 8443 --auth-token")
     [(command, output)] = console(page.command)
