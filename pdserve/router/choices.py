@@ -124,7 +124,15 @@ class Choices:
                 index = p * n + c
                 rid = f"{request_id}-{index}" if many and request_id is not None else request_id
                 choice_params = dataclasses.replace(params, seed=choice_seed(params.seed, c))
-                routed = GenerateInput(rid, prompt, choice_params, mode, fit_max_tokens, stream_interval, stop)
+                routed = GenerateInput(
+                    rid,
+                    prompt,
+                    choice_params,
+                    mode,
+                    fit_max_tokens=fit_max_tokens,
+                    stream_interval=stream_interval,
+                    stop=stop,
+                )
                 choices.append(Choice(index, p, rid or "", router.generate(routed)))
         self = cls(router, request_id, choices, n)
         if many and request_id is not None:
