@@ -54,3 +54,21 @@ def test_a_token_off_loopback_without_tls_is_refused():
     result = run(command.replace('"$TOKEN"', "secret"), REPO)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip() == output.strip()
+
+
+def test_help_lists_every_command_in_plain_text(capsys):
+    import pytest
+
+    from pdserve.cli.main import PASSTHROUGH, build_parser, main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    top = capsys.readouterr().out
+    commands = next(line for line in top.splitlines() if line.startswith("Commands:"))
+    names = [*build_parser()._subparsers._group_actions[0].choices]  # type: ignore[union-attr]
+    assert set(PASSTHROUGH) <= set(names) and all(name in commands for name in names), commands
+    for name in PASSTHROUGH:
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        text = capsys.readouterr().out
+        assert text.startswith(f"usage: pdserve {name}") and "``" not in text, text
