@@ -26,6 +26,7 @@ from pdserve.deployment_config import DeploymentConfig
 from pdserve.engine.config import EngineConfig, ModelConfig, shared_gpu_memory_utilization
 from pdserve.explorer.app import add_explorer
 from pdserve.messages import WorkerStats
+from pdserve.net import PortUnavailable
 from pdserve.placement import DECODE, PREFILL, place_workers
 from pdserve.prefill_node.worker import PrefillWorker
 from pdserve.priority import OMP_SPIN_COUNT_ENV, RAY_WORKER_NICENESS_ENV
@@ -81,8 +82,10 @@ class Deployment:
             self._progress(f"[{time.monotonic() - started:5.1f} s] {text}")
 
     def start(self) -> Deployment:
+        """Start everything; raises ``PortUnavailable`` (before Ray starts) when a port to listen on is taken."""
         cfg = self.config
         started = time.monotonic()
+        cfg.check_ports_free()  # before Ray and the model: a taken port fails in a second, not after a minute
         model_config = ModelConfig.load(cfg.engine.model)
         engine_config = cfg.engine.with_model_defaults(model_config)  # fail fast, here, on bad config
         if not ray.is_initialized():
@@ -174,9 +177,14 @@ class Deployment:
                 if i == 0 and cfg.explorer_port is not None
                 else None
             )
-            ports: dict[str, Any] = ray.get(
-                router.start.remote(cfg.host, port, http_port, metrics_port, site), timeout=120
-            )
+            try:
+                ports: dict[str, Any] = ray.get(
+                    router.start.remote(cfg.host, port, http_port, metrics_port, site), timeout=120
+                )
+            except ray.exceptions.RayTaskError as e:
+                if isinstance(e.cause, OSError):  # taken since start() checked it
+                    raise PortUnavailable(f"router-{i}: {e.cause}") from None
+                raise
             port, http_port = ports["grpc"], ports["http"]  # the next routers share these ports
             if ports["metrics"] is not None:
                 self.metrics_ports.append(ports["metrics"])

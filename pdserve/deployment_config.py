@@ -98,6 +98,7 @@ class DeploymentConfig(TransportConfig):
             raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
         if self.omp_spin_count < 0:
             raise ValueError(f"omp_spin_count must be >= 0, got {self.omp_spin_count}")
+        self._check_ports()
         tls = self.tls_cert_file is not None and self.tls_key_file is not None
         http_servers = (("http", self.http_port, self.host), ("explorer", self.explorer_port, self.explorer_host))
         for name, port, host in http_servers:
@@ -106,6 +107,45 @@ class DeploymentConfig(TransportConfig):
                     f"{name}_port on {host!r}: a token-protected HTTP server off loopback needs TLS "
                     "(tls_cert_file and tls_key_file), or the token crosses the network in the clear"
                 )
+
+    def _check_ports(self) -> None:
+        """Every port a number (0: any free one), and no two servers on one port of one host."""
+        from pdserve.net import MAX_PORT, check_port  # loads uvicorn: not for every command's parser
+
+        for name in ("port", "http_port", "metrics_port", "explorer_port"):
+            check_port(name, getattr(self, name))
+        if self.metrics_port and self.metrics_port + self.num_routers - 1 > MAX_PORT:
+            raise ValueError(
+                f"metrics_port {self.metrics_port} + one port per router ({self.num_routers}) passes {MAX_PORT}"
+            )
+        taken: dict[tuple[str, int], str] = {}
+        for name, host, port in self.listening():
+            if port and (host, port) in taken:
+                raise ValueError(
+                    f"{name} {port} is also the {taken[host, port]} on {host}: give each server its own port"
+                )
+            taken[host, port] = name
+
+    def listening(self) -> list[tuple[str, str, int]]:
+        """``(option, host, port)`` of every server this deployment listens on (port 0: any free one)."""
+        out = [("port", self.host, self.port)]
+        if self.http_port is not None:
+            out.append(("http_port", self.host, self.http_port))
+        if self.metrics_port is not None:
+            out += [("metrics_port", self.host, self.metrics_port + i if self.metrics_port else 0)
+                    for i in range(self.num_routers)]  # fmt: skip
+        if self.explorer_port is not None:
+            out.append(("explorer_port", self.explorer_host, self.explorer_port))
+        return out
+
+    def check_ports_free(self) -> None:
+        """Raise ``PortUnavailable`` (one line: the option, the address, what to do) unless every port asked for
+        can be listened on now; port 0 (any free one) always can."""
+        from pdserve.net import check_free
+
+        for name, host, port in self.listening():
+            if port:
+                check_free(host, port, name)
 
     @property
     def prefill_worker_count(self) -> int:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import NamedTuple
 
+SHUTTING_DOWN = "server shutting down"  # why a router refuses or ends requests while it stops (UNAVAILABLE)
+
 
 class Mode(StrEnum):
     """How a request is served: prefilled and decoded on one worker (``colocated``), prefilled on a prefill worker
@@ -86,6 +88,19 @@ class WorkerRequestStats(NamedTuple):
     reserved_at_step: int = -1
 
 
+Logprob = tuple[float, list[tuple[int, float]]]
+"""A sampled token's log-probability under the model, and the most likely tokens with theirs, most likely first."""
+
+
+class PromptLogprob(NamedTuple):
+    """A prompt token's log-probability given the tokens before it, its rank among the vocabulary (1: the most
+    likely), and the ``k`` most likely tokens at its position with theirs, most likely first."""
+
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
 class TokenUpdate(NamedTuple):
     """One request's news from one step: new tokens, and on the last update how it ended."""
 
@@ -94,8 +109,9 @@ class TokenUpdate(NamedTuple):
     finish_reason: str | None = None  # "stop", "length" or "abort" on the last update
     error: str | None = None  # the request failed on the worker (finish_reason is then "abort")
     stats: WorkerRequestStats | None = None  # on the last update
-    # per token: (its log-probability, [(token, log-probability) of the most likely]), when asked for
-    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    logprobs: list[Logprob] | None = None  # per token, when asked for (SamplingParams.logprobs)
+    # with the first token, when asked for (SamplingParams.prompt_logprobs): one per prompt token after the first
+    prompt_logprobs: list[PromptLogprob] | None = None
 
     @property
     def finished(self) -> bool:

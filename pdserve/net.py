@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import socket
 import ssl
@@ -20,6 +21,41 @@ class _Server(uvicorn.Server):
 
     def capture_signals(self) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]
         return contextlib.nullcontext()
+
+
+MAX_PORT = 65535
+
+
+class PortUnavailable(ValueError):
+    """A port a server was asked to listen on is taken, or not this process's to bind: one line says which."""
+
+
+def check_port(name: str, port: int | None, allow_any: bool = True) -> None:
+    """Raise ValueError unless ``port`` is a TCP port number (1-65535), or 0 for any free port where that is
+    ``allow_any``; None (the server is off) passes."""
+    if port is None:
+        return
+    low = 0 if allow_any else 1
+    if isinstance(port, bool) or not isinstance(port, int) or not low <= port <= MAX_PORT:
+        any_free = ", or 0 for any free port" if allow_any else ""
+        raise ValueError(f"{name} must be a port number in 1-{MAX_PORT}{any_free}; got {port!r}")
+
+
+def check_free(host: str, port: int, name: str) -> None:
+    """Raise ``PortUnavailable`` unless a server could listen on ``host:port`` now: a probe binds it (without
+    SO_REUSEPORT, so a server already sharing the port with SO_REUSEPORT counts as taking it) and lets go."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # connections closing on it do not count
+        try:
+            sock.bind((host, port))
+            sock.listen(1)
+        except OSError as e:
+            why = "in use" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
+            raise PortUnavailable(
+                f"{name}: cannot listen on {host}:{port} ({why}); stop what listens there or pick another port "
+                "(0: any free port)"
+            ) from None
 
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:

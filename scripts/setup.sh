@@ -11,7 +11,7 @@ if ! [ -x /usr/sbin/sshd ] || ! command -v rsync >/dev/null; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server rsync >/dev/null ||
       { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server rsync >/dev/null; }
   else
-    echo "setup.sh: note: install openssh-server and rsync to try cluster/local.yaml (README, Deploy on a cluster)" >&2
+    echo "setup.sh: note: install openssh-server and rsync to try cluster/local.yaml (README, "5. Two nodes with ray up"; docs/cluster.md)" >&2
   fi
 fi
 # The explorer's page is tested in Debian's headless Chromium, driven by Playwright (no browser download).

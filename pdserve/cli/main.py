@@ -1,6 +1,6 @@
 """pdserve: serve an LLM with chunked prefill and disaggregated prefill/decode on Ray; benchmark and simulate it.
 
-Commands: generate (offline, or from a running deployment), serve, status, demo, bench, sim.
+Commands: generate (offline, or from a running deployment), serve, status, demo, bench, sim, tokenizer.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of this much probability")
     g.add_argument("--seed", type=int, default=None, help="the sampler's seed (default: random)")
     g.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens, past end-of-sequence")
+    g.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="end the text before this string (repeatable)"
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -60,14 +63,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     if args.offline:
+        if args.stop:
+            raise ValueError("--stop: served by a router; not with --offline")
         return _generate_offline(args, params)
-    with _rpc_errors(args.target), _client(args) as client:
-        final = None
-        for chunk in client.generate(args.prompt, params, mode=args.mode, apply_chat_template=not args.raw):
-            sys.stdout.write(chunk.text)
+    final = None
+    num_tokens = 0
+    try:
+        with _rpc_errors(args.target), _client(args) as client:
+            chunks = client.generate(
+                args.prompt, params, mode=args.mode, apply_chat_template=not args.raw, stop=args.stop
+            )
+            for chunk in chunks:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                num_tokens += len(chunk.token_ids)
+                final = chunk
+    except ServerUnreachable as e:
+        if num_tokens:  # the stream ended early: end its line, then say what happened to it
+            sys.stdout.write("\n")
             sys.stdout.flush()
-            final = chunk
-        sys.stdout.write("\n")
+            raise ServerUnreachable(f"the answer ended early, after {num_tokens} tokens: {e}") from None
+        raise
+    sys.stdout.write("\n")
     if final is not None:
         print(format_metadata(final.metadata, final.finish_reason), file=sys.stderr)
     return 0
@@ -117,6 +134,10 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
 def _client(args: argparse.Namespace) -> Client:
     from pdserve.router.client import Client
 
+    _, colon, port = args.target.rpartition(":")
+    if not colon or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"--target: HOST:PORT with a port in 1-65535, got {args.target!r}")
+
     try:
         ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
     except OSError as e:
@@ -126,13 +147,18 @@ def _client(args: argparse.Namespace) -> Client:
 
 @contextmanager
 def _rpc_errors(target: str) -> Iterator[None]:
-    """Turn a failed call into ``ServerUnreachable`` with one line: the address, the status, the cause."""
+    """Turn a failed call into ``ServerUnreachable`` with one line: the address, the status, the cause. A server
+    that shuts down while it answers says so (UNAVAILABLE, "server shutting down"): it is not out of reach."""
     import grpc
+
+    from pdserve.messages import SHUTTING_DOWN
 
     try:
         yield
     except grpc.RpcError as e:
         code, details = e.code(), (e.details() or "").strip()
+        if code == grpc.StatusCode.UNAVAILABLE and details == SHUTTING_DOWN:
+            raise ServerUnreachable(f"{target}: {SHUTTING_DOWN} ({code.name})") from None
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             raise ServerUnreachable(f"cannot reach {target}: {code.name}: {details}") from None
         raise ServerUnreachable(f"{target} answered {code.name}: {details}") from None
@@ -169,6 +195,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.deployment import Deployment
 
     config = deployment_config_from_args(args)
+    config.check_ports_free()
     print(
         f"starting pdserve: {config.num_prefill_workers} prefill + {config.num_decode_workers} decode workers "
         f"of {config.engine.model}, mode={config.mode}, transport={config.transport}",

@@ -96,7 +96,9 @@ def _write_byte_tokenizer(directory: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve tokenizer", description=__doc__.split("\n\n")[0])
+    from pdserve.options import plain_text
+
+    parser = argparse.ArgumentParser(prog="pdserve tokenizer", description=plain_text(__doc__.split("\n\n")[0]))
     sub = parser.add_subparsers(dest="action", required=True)
     export = sub.add_parser(
         "export",

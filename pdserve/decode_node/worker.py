@@ -348,11 +348,12 @@ class DecodeWorker:
 
     def _update(self, out: RequestOutput) -> TokenUpdate:
         logprobs = [(lp.logprob, lp.top) for lp in out.logprobs] if out.logprobs is not None else None
+        prompt_logprobs = out.prompt_logprobs
         if not out.finished:
-            return TokenUpdate(out.request_id, out.new_token_ids, logprobs=logprobs)
+            return TokenUpdate(out.request_id, out.new_token_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         reason = out.finish_reason.value if out.finish_reason else "abort"
         stats = self._final_stats(out.request_id)
-        return TokenUpdate(out.request_id, out.new_token_ids, reason, stats=stats, logprobs=logprobs)
+        return TokenUpdate(out.request_id, out.new_token_ids, reason, None, stats, logprobs, prompt_logprobs)
 
     def _final_stats(self, request_id: str) -> WorkerRequestStats | None:
         served = self._served.pop(request_id, None)

@@ -85,9 +85,10 @@ class BlockManager:
     def find_prefix_hit(self, request: Request) -> PrefixHit:
         """Longest run of cached full blocks at the start of the request's tokens.
 
-        Never covers the last known token: the step that computes it must produce logits.
+        Never covers the last known token: the step that computes it must produce logits. None for a request
+        whose prompt log-probabilities are still to compute (every prompt position needs its logits).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.needs_prompt_logits:
             return PrefixHit([], 0)
         request.block_hashes = compute_block_hashes(request.all_token_ids, self.block_size, request.block_hashes)
         max_blocks = (request.num_tokens - 1) // self.block_size

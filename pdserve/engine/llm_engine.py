@@ -18,6 +18,7 @@ from pdserve.engine.config import PRESETS, EngineConfig, ModelConfig
 from pdserve.engine.loader import quantized_checkpoint, resolve_device, resolve_dtype, resolve_quantization
 from pdserve.engine.model_runner import (
     ModelRunner,
+    PromptTargets,
     StepResult,
     allocate_kv_cache,
     kv_compatibility_key,
@@ -25,12 +26,13 @@ from pdserve.engine.model_runner import (
     step_threads,
 )
 from pdserve.engine.pace_probe import PaceProbe
+from pdserve.engine.prompt import check_prompt_text, check_prompt_tokens
 from pdserve.engine.request import FinishReason, Request, RequestStatus, RequestTimes
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, TokenUpdate
 from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
-from pdserve.messages import StepStats
+from pdserve.messages import PromptLogprob, StepStats
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,9 @@ class RequestOutput(NamedTuple):
     finished: bool
     finish_reason: FinishReason | None
     logprobs: list[TokenLogprobs] | None = None  # per new token, when the request asked for them
+    # with a request's first token, when it asked (SamplingParams.prompt_logprobs): one per prompt token after
+    # the first, each the log-probability of that token given those before it
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 class Completion(NamedTuple):
@@ -56,6 +61,7 @@ class Completion(NamedTuple):
     finish_reason: FinishReason
     num_cached_tokens: int
     times: RequestTimes
+    prompt_logprobs: list[PromptLogprob] | None = None  # as in RequestOutput
 
 
 class Reservation(NamedTuple):
@@ -72,6 +78,24 @@ class EngineStats(NamedTuple):
     num_remote_pending: int
     num_held: int
     tokens_in_flight: int
+
+
+def _prompt_targets(output: SchedulerOutput, requests: dict[str, Request]) -> dict[str, PromptTargets]:
+    """The scheduled positions whose prompt log-probabilities are still to compute: position ``i`` predicts
+    prompt token ``i + 1``, so a prompt of P tokens has P - 1 of them (the last position predicts the first
+    output token, which is sampled). A recomputed position (after a preemption) is not computed twice."""
+    targets = {}
+    for chunk in output.chunks:
+        request = requests[chunk.request_id]
+        if not request.needs_prompt_logits:
+            continue
+        done = len(request.prompt_logprobs or ())
+        lo = max(chunk.start, done)
+        hi = min(chunk.start + len(chunk.token_ids), request.num_prompt_tokens - 1)
+        if hi > lo:
+            tokens = request.prompt_token_ids[lo + 1 : hi + 1]
+            targets[chunk.request_id] = PromptTargets(lo - chunk.start, tokens, request.params.prompt_logprobs or 0)
+    return targets
 
 
 __all__ = [  # the loader's choices, named here as before
@@ -248,13 +272,16 @@ class LLMEngine:
 
     def _run(self, output: SchedulerOutput, keep_logits: bool) -> StepResult:
         """The model over the scheduled chunks; tokens sampled for those that reach their last token."""
-        requests = [self.scheduler.requests[c.request_id] for c in output.chunks]
-        params = {r.request_id: r.params for r in requests}
-        seeds = {r.request_id: self._seeds[r.request_id] for r in requests}
-        output_index = {r.request_id: r.num_output_tokens for r in requests}
+        requests = {c.request_id: self.scheduler.requests[c.request_id] for c in output.chunks}
+        params = {rid: r.params for rid, r in requests.items()}
+        seeds = {rid: self._seeds[rid] for rid in requests}
+        output_index = {rid: r.num_output_tokens for rid, r in requests.items()}
+        targets = _prompt_targets(output, requests)
         with step_threads(output.num_prefill_tokens + output.num_decode_tokens, self.device, self.threads_spin):
-            result = self.runner.run(output, params, seeds, output_index, keep_logits)
+            result = self.runner.run(output, params, seeds, output_index, keep_logits, targets)
         self.last_logits = result.logits
+        for rid, picked in result.prompt_logprobs.items():
+            requests[rid].prompt_logprobs.extend(picked)  # type: ignore[union-attr]  # set for these requests
         return result
 
     def _emit(self, updates: list[TokenUpdate], result: StepResult) -> list[RequestOutput]:
@@ -271,7 +298,10 @@ class LLMEngine:
                     self.held[rid] = request
                 self._forget(rid)
             lp = result.logprobs.get(rid)
-            outputs.append(RequestOutput(rid, [token], text, reason is not None, reason, None if lp is None else [lp]))
+            prompt_lps = request.prompt_logprobs if request.num_output_tokens == 1 else None
+            outputs.append(
+                RequestOutput(rid, [token], text, reason is not None, reason, None if lp is None else [lp], prompt_lps)
+            )
         return outputs
 
     def generate(
@@ -308,6 +338,7 @@ class LLMEngine:
                 r.finish_reason or FinishReason.ABORT,  # every request here has finished: never the fallback
                 r.num_cached_tokens,
                 r.times,
+                r.prompt_logprobs,
             )
             for r in requests
         ]
@@ -342,24 +373,12 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        max_len = self._max_model_len
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass token ids")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
-        if not token_ids:
-            raise ValueError("prompt: must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt: token ids must be integers in [0, {vocab}), got {bad[:5]!r}")
-        max_len = self.config.max_model_len
-        assert max_len is not None
-        if len(token_ids) >= max_len:
-            raise ValueError(
-                f"prompt: {len(token_ids)} tokens leaves no room to generate within max_model_len={max_len}"
-            )
+            check_prompt_text(prompt, max_len, self.tokenizer is not None)
+            assert self.tokenizer is not None
+            prompt = self.tokenizer.encode(prompt)
+        token_ids = check_prompt_tokens(prompt, self.model_config.vocab_size, max_len)
         pool = f"{self.block_manager.num_blocks} blocks of {self.config.block_size} tokens"
         if self.block_manager.blocks_needed(len(token_ids) + 1) > self.block_manager.num_blocks:
             raise ValueError(f"prompt: {len(token_ids)} tokens need more KV blocks than this engine has ({pool})")

@@ -9,6 +9,7 @@ import json
 import os
 import time
 from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -22,12 +23,23 @@ from pdserve.engine.model import (
     Workspace,
     layer_caches,
 )
-from pdserve.engine.sampler import TokenLogprobs, sample, token_logprobs
+from pdserve.engine.sampler import TokenLogprobs, prompt_token_logprobs, sample, token_logprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.messages import PromptLogprob
 from pdserve.priority import OMP_SPIN_COUNT_ENV
 
 DECODE_GROUP_SIZE = 16  # decodes attended per SDPA call (sorted by length, padded within the group)
+PROMPT_LOGITS_ROWS = 256  # prompt positions whose logits are computed at once (a row is the vocabulary's size)
+
+
+class PromptTargets(NamedTuple):
+    """Which positions of a request's chunk need prompt log-probabilities: rows ``first`` onwards of the chunk,
+    each predicting the next prompt token in ``tokens``, with the ``k`` most likely tokens."""
+
+    first: int
+    tokens: list[int]
+    k: int
 
 
 def kv_block_shape(config: ModelConfig, block_size: int) -> tuple[int, ...]:
@@ -149,17 +161,19 @@ class DeviceTimer:
 class StepResult:
     """Sampled tokens for the chunks that sample, keyed by request id; logits when asked for."""
 
-    __slots__ = ("logits", "logprobs", "tokens")
+    __slots__ = ("logits", "logprobs", "prompt_logprobs", "tokens")
 
     def __init__(
         self,
         tokens: dict[str, int],
         logits: dict[str, torch.Tensor] | None,
         logprobs: dict[str, TokenLogprobs] | None = None,
+        prompt_logprobs: dict[str, list[PromptLogprob]] | None = None,
     ) -> None:
         self.tokens = tokens
         self.logits = logits
         self.logprobs = logprobs or {}  # for the requests that asked (SamplingParams.logprobs)
+        self.prompt_logprobs = prompt_logprobs or {}  # for the chunks of ``run``'s ``prompt_targets``
 
 
 class ModelRunner:
@@ -185,20 +199,23 @@ class ModelRunner:
         seeds: dict[str, int],
         output_index: dict[str, int],
         keep_logits: bool = False,
+        prompt_targets: Mapping[str, PromptTargets] | None = None,
     ) -> StepResult:
         """Compute every scheduled chunk; sample for chunks that reach their request's last token.
 
         ``output_index[rid]`` is the index of the output token being sampled (the draw's seed input).
+        ``prompt_targets[rid]``: the chunk's positions whose prompt log-probabilities to compute as well.
         """
         input_ids, positions, meta = self._prepare(output)
         self.timer.start()
         hidden = self.model(input_ids, positions, meta)
+        prompt_lps = self._prompt_logprobs(output, hidden, prompt_targets) if prompt_targets else None
         sampling = [c for c in output.chunks if c.samples]
         if not sampling:
             # nothing sampled means nothing waited for the kernels: the KV they write may be pushed next
             self.last_device_s = self.timer.stop()
             synchronize(hidden.device)
-            return StepResult({}, {} if keep_logits else None)
+            return StepResult({}, {} if keep_logits else None, None, prompt_lps)
         last_index, flat = [], 0
         for chunk in output.chunks:
             flat += len(chunk.token_ids)
@@ -209,7 +226,28 @@ class ModelRunner:
         tokens = sample(logits, [params[r] for r in ids], [seeds[r] for r in ids], [output_index[r] for r in ids])
         self.last_device_s = self.timer.stop()
         kept = {r: logits[i].cpu() for i, r in enumerate(ids)} if keep_logits else None
-        return StepResult(dict(zip(ids, tokens, strict=True)), kept, _logprobs(logits, ids, tokens, params))
+        logprobs = _logprobs(logits, ids, tokens, params)
+        return StepResult(dict(zip(ids, tokens, strict=True)), kept, logprobs, prompt_lps)
+
+    def _prompt_logprobs(
+        self, output: SchedulerOutput, hidden: torch.Tensor, targets: Mapping[str, PromptTargets]
+    ) -> dict[str, list[PromptLogprob]]:
+        """Log-probabilities of the prompt tokens that the chunks in ``targets`` predict, computed from their
+        rows' logits a slice of ``PROMPT_LOGITS_ROWS`` at a time (a row is a vocabulary of float32)."""
+        out: dict[str, list[PromptLogprob]] = {}
+        flat = 0
+        for chunk in output.chunks:
+            want = targets.get(chunk.request_id)
+            if want is not None:
+                picked: list[PromptLogprob] = []
+                for lo in range(0, len(want.tokens), PROMPT_LOGITS_ROWS):
+                    tokens = want.tokens[lo : lo + PROMPT_LOGITS_ROWS]
+                    start = flat + want.first + lo
+                    logits = self.model.logits(hidden[start : start + len(tokens)])
+                    picked += prompt_token_logprobs(logits, tokens, want.k)
+                out[chunk.request_id] = picked
+            flat += len(chunk.token_ids)
+        return out
 
     @torch.inference_mode()
     def prompt_logits(self, output: SchedulerOutput) -> torch.Tensor:

@@ -12,6 +12,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.messages import PromptLogprob
 
 
 class RequestStatus(enum.Enum):
@@ -70,6 +71,8 @@ class Request:
         self.queued_at_step = -1
         self.reserved_at_step = -1
         self.times = RequestTimes() if arrival_time is None else RequestTimes(arrival=arrival_time)
+        # with params.prompt_logprobs: one per prompt token after the first, filled in as its chunks are computed
+        self.prompt_logprobs: list[PromptLogprob] | None = [] if params.prompt_logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:
@@ -90,6 +93,12 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether some prompt position's log-probabilities are still to compute: its prompt then takes no
+        prefix-cache hit (a cached position computes no logits)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.messages import PromptLogprob
 
 _MIX = 0x9E3779B97F4A7C15
 _MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -55,6 +56,23 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> li
     return [
         TokenLogprobs(chosen[row], list(zip(index_rows[row][:k], values_rows[row][:k], strict=True)))
         for row, k in enumerate(ks)
+    ]
+
+
+def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[PromptLogprob]:
+    """For rows of ``logits`` ([N, vocab]: positions of a prompt), the log-probability of the token that
+    follows each position (``targets``), its rank (1 + the tokens more likely) and the ``k`` most likely."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    target = torch.tensor(targets, device=logits.device).unsqueeze(-1)
+    chosen = logprobs.gather(-1, target)
+    ranks = (logprobs > chosen).sum(dim=-1).add_(1).tolist()
+    values = chosen.squeeze(-1).tolist()
+    if not k:
+        return [PromptLogprob(v, r, []) for v, r in zip(values, ranks, strict=True)]
+    top_values, top_ids = logprobs.topk(k, dim=-1)
+    return [
+        PromptLogprob(v, r, list(zip(ids, tops, strict=True)))
+        for v, r, ids, tops in zip(values, ranks, top_ids.tolist(), top_values.tolist(), strict=True)
     ]
 
 

@@ -36,7 +36,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import build_in_passing_thread
 from pdserve.engine.remote_kv import admission_open, waiting_prompt_tokens
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.messages import WorkerStats
+from pdserve.messages import Logprob, PromptLogprob, WorkerStats
 from pdserve.placement import current_node, device_in_this_worker
 from pdserve.priority import restore_normal_priority
 from pdserve.transport_config import DEFAULT_PUSH_TIMEOUT_S, PUSH_MARGIN_S
@@ -62,6 +62,21 @@ class PrefillResult(NamedTuple):
     num_pushes: int  # pushes issued so far (the last one may still be in flight)
     decode_cached_tokens: int  # prompt tokens the decode worker already had (their blocks were not pushed)
     queued_at_step: int = -1  # this worker's step count when its scheduler queued the prompt
+    first_logprobs: Logprob | None = None  # the first token's, when the request asked (SamplingParams.logprobs)
+    prompt_logprobs: list[PromptLogprob] | None = None  # when it asked (SamplingParams.prompt_logprobs)
+
+
+class _First(NamedTuple):
+    """What the loop thread learns when a prompt's last chunk samples its first token."""
+
+    token: int
+    time: float
+    queue_s: float
+    prefill_s: float
+    num_cached_tokens: int
+    queued_at_step: int
+    logprobs: Logprob | None
+    prompt_logprobs: list[PromptLogprob] | None
 
 
 @dataclass
@@ -181,17 +196,19 @@ class PrefillWorker:
             job.admitted.set()
         if job.cancelled:
             raise RuntimeError(f"request {request_id!r} aborted")
-        first_token, first_time, queue_s, prefill_s, num_cached, queued_at_step = await job.first_token
+        first: _First = await job.first_token
         return PrefillResult(
             self.worker_id,
-            first_token,
-            first_time,
-            queue_s,
-            prefill_s,
-            num_cached,
+            first.token,
+            first.time,
+            first.queue_s,
+            first.prefill_s,
+            first.num_cached_tokens,
             job.push_index,
             job.next_block_at_start * self.block_size,
-            queued_at_step,
+            first.queued_at_step,
+            first.logprobs,
+            first.prompt_logprobs,
         )
 
     async def _admit(
@@ -275,7 +292,9 @@ class PrefillWorker:
         delay = 0.005
         while not job.cancelled:
             reserved_at = time.monotonic()  # the TTL runs from no earlier than this, on the decode side
-            reservation = await decode.reserve.remote(job.request_id, prompt, params, self._own_handle())
+            # the decode worker computes no prompt position: its prefix cache may serve the whole prompt
+            decode_params = replace(params, prompt_logprobs=None)
+            reservation = await decode.reserve.remote(job.request_id, prompt, decode_params, self._own_handle())
             if reservation is not None:
                 return reservation, reserved_at
             if time.monotonic() > give_up:
@@ -328,13 +347,16 @@ class PrefillWorker:
                 stats = worker_request_stats(request)
                 first_time = request.times.first_token or time.time()
                 queue_s = max(0.0, (request.times.first_scheduled or first_time) - job.accepted_at)
-                first = (
+                logprobs = (out.logprobs[0].logprob, out.logprobs[0].top) if out.logprobs else None
+                first = _First(
                     out.new_token_ids[0],
                     first_time,
                     queue_s,
                     stats.prefill_s,
                     stats.num_cached_tokens,
                     request.queued_at_step,
+                    logprobs,
+                    out.prompt_logprobs,
                 )
                 job.resolve(job.first_token, first)
 

@@ -7,24 +7,34 @@ with Client("127.0.0.1:50051") as client:
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.messages import RequestMetrics, WorkerStats
+from pdserve.messages import PromptLogprob, RequestMetrics, WorkerStats
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
-from pdserve.router.wire import GRPC_OPTIONS, MODE_ENUMS, metrics_from_proto, params_to_proto, worker_stats_from_proto
+from pdserve.router.wire import (
+    GRPC_OPTIONS,
+    MODE_ENUMS,
+    logprobs_from_proto,
+    metrics_from_proto,
+    params_to_proto,
+    worker_stats_from_proto,
+)
 
 
 class GenerateChunk(NamedTuple):
     token_ids: list[int]
     text: str
-    finished: bool
+    finished: bool  # the choice's last chunk
     finish_reason: str | None
-    metadata: RequestMetrics | None  # on the last chunk
+    metadata: RequestMetrics | None  # on the choice's last chunk
+    choice: int = 0  # the choice it belongs to (a request with n > 1): GenerateResponse.index
+    logprobs: list[PromptLogprob] | None = None  # per token, when asked (SamplingParams.logprobs); rank 0
+    prompt_logprobs: list[PromptLogprob] | None = None  # on the choice's first chunk, when asked
 
 
 def _request(
@@ -34,8 +44,12 @@ def _request(
     request_id: str | None,
     stream_interval: int = 0,
     apply_chat_template: bool = False,
+    stop: Sequence[str] = (),
+    n: int = 1,
 ) -> pb.GenerateRequest:
-    sampling = params_to_proto(params or SamplingParams())
+    if isinstance(stop, str):
+        stop = [stop]
+    sampling = params_to_proto(params or SamplingParams(), stop)
     if mode is not None and mode not in MODE_ENUMS:
         raise ValueError(f"mode must be one of {', '.join(MODE_ENUMS)}, got {mode!r}")
     if stream_interval < 0:
@@ -46,6 +60,7 @@ def _request(
         mode=MODE_ENUMS[mode] if mode else pb.MODE_UNSPECIFIED,
         stream_interval=stream_interval,
         apply_chat_template=apply_chat_template,
+        n=n,
     )
     if isinstance(prompt, str):
         req.text = prompt
@@ -54,9 +69,20 @@ def _request(
     return req
 
 
-def _chunk(resp: pb.GenerateResponse) -> GenerateChunk:
+def _chunk(resp: pb.GenerateResponse, params: SamplingParams | None) -> GenerateChunk:
     metrics = metrics_from_proto(resp.metadata) if resp.HasField("metadata") else None
-    return GenerateChunk(list(resp.token_ids), resp.text, resp.finished, resp.finish_reason or None, metrics)
+    logprobs = logprobs_from_proto(resp.logprobs) if params is not None and params.logprobs is not None else None
+    prompt_logprobs = logprobs_from_proto(resp.prompt_logprobs) if resp.prompt_logprobs else None
+    return GenerateChunk(
+        list(resp.token_ids),
+        resp.text,
+        resp.finished,
+        resp.finish_reason or None,
+        metrics,
+        resp.index,
+        logprobs,
+        prompt_logprobs,
+    )
 
 
 def _stats(resp: pb.StatsResponse) -> list[WorkerStats]:
@@ -97,22 +123,26 @@ class Client:
         request_id: str | None = None,
         stream_interval: int = 0,
         apply_chat_template: bool = False,
+        stop: Sequence[str] = (),
+        n: int = 1,
     ) -> Iterator[GenerateChunk]:
         """Stream chunks; raises ``grpc.RpcError`` (with the server's status and message) on failure.
 
         Closing the iterator early cancels the request on the server. ``stream_interval``: tokens per
         chunk after the first (0: the deployment's). ``apply_chat_template``: the text prompt is the
         user's turn of a conversation, which the router renders with its model's chat template (as is
-        when the model ships none).
+        when the model ships none). ``stop``: the text ends before the first of these strings (the choice then
+        finishes with reason "stop"). ``n``: completions of the prompt, their chunks interleaved, each naming
+        its choice (``choice``) and each choice ending with a chunk that has ``finished``.
         """
         call = self._stub.Generate(
-            _request(prompt, params, mode, request_id, stream_interval, apply_chat_template),
+            _request(prompt, params, mode, request_id, stream_interval, apply_chat_template, stop, n),
             timeout=self.timeout_s,
             metadata=self._md,
         )
         try:
             for resp in call:
-                yield _chunk(resp)
+                yield _chunk(resp, params)
         finally:
             call.cancel()
 
@@ -159,16 +189,18 @@ class AsyncClient:
         request_id: str | None = None,
         stream_interval: int = 0,
         apply_chat_template: bool = False,
+        stop: Sequence[str] = (),
+        n: int = 1,
     ) -> AsyncGenerator[GenerateChunk, None]:
         """``Client.generate``, for asyncio."""
         call = self._stub.Generate(
-            _request(prompt, params, mode, request_id, stream_interval, apply_chat_template),
+            _request(prompt, params, mode, request_id, stream_interval, apply_chat_template, stop, n),
             timeout=self.timeout_s,
             metadata=self._md,
         )
         try:
             async for resp in call:
-                yield _chunk(resp)
+                yield _chunk(resp, params)
         finally:
             call.cancel()  # no-op when the stream completed; tells the server when we stop early
 

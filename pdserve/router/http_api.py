@@ -1,36 +1,36 @@
-"""The OpenAI-compatible HTTP front door (FastAPI on uvicorn), in the router process, on the same ``Router``.
+"""The OpenAI-compatible HTTP front door (FastAPI on uvicorn; as vLLM's ``api_server.py``), in the router process,
+on the same ``Router``: routes, the body limit and the bearer token here; what each endpoint answers in
+``pdserve.router.openai`` (request bodies in ``protocol``, answers in ``serving_*``).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming as server-sent
 events, or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``POST /tokenize``
 and ``POST /detokenize`` (vLLM's shapes). ``n`` choices per prompt and lists of prompts (each choice its
-own routed request; a seeded request's choice i draws from ``seed + i``), ``echo``. Sampling:
+own routed request; a seeded request's choice i draws from ``seed + i``), ``echo`` (with ``logprobs``, the
+prompt's tokens and log-probabilities come first; ``max_tokens: 0`` answers the prompt alone). Sampling:
 ``max_tokens`` (chat: also ``max_completion_tokens``; a prompt plus max_tokens over the context is a
 400; chat's default is the room the prompt leaves), ``temperature``, ``top_p``, ``seed``, ``stop`` (up to
 4 strings; the text is cut before the first match and the request ends with ``finish_reason="stop"``),
-``stream_options.include_usage``. Extensions, as in vLLM: ``top_k``, ``ignore_eos``,
-``stop_token_ids``, ``return_token_ids`` (each choice carries the ``token_ids`` it adds); pdserve's
-own: request fields ``pdserve_mode`` (colocated, disaggregated, auto) and ``stream_interval`` (tokens per
-streamed chunk after the first), response field ``pdserve_metrics`` (the ``RequestMetrics``, a list by
-choice index with several choices; on the last chunk of a stream). A client's
+``logprobs`` / ``top_logprobs``, ``stream_options.include_usage``. Extensions, as in vLLM: ``top_k``,
+``ignore_eos``, ``stop_token_ids``, ``return_token_ids`` (each choice carries the ``token_ids`` it adds),
+``prompt_logprobs``; pdserve's own: request fields ``pdserve_mode`` (colocated, disaggregated, auto) and
+``stream_interval`` (tokens per streamed chunk after the first), response field ``pdserve_metrics`` (the
+``RequestMetrics``, a list by choice index with several choices; on the last chunk of a stream). A client's
 ``X-Request-Id`` header becomes the request id the router and workers log (else ``cmpl-…`` /
 ``chatcmpl-…``); the response echoes it.
 
-Chat requests without ``max_tokens`` / ``max_completion_tokens`` get at most
-``RouterConfig.default_chat_max_tokens``, and no more than the room the prompt leaves in the context
-(completions: 16, as OpenAI's). A request that asks for more than that room is refused (400).
-
 Limits: a request body over ``RouterConfig.max_request_bytes`` is answered 413 before it is parsed; a
 client that disconnects before its answer is complete has its request aborted on the workers (streamed
-or not). With a bearer token, ``/v1/`` and the explorer's ``/explorer/api/`` need it. With a certificate
-and key (``ServerSecurity``) the server speaks HTTPS only.
+or not). A POST body sent without a JSON content type is read as JSON. With a bearer token, ``/v1/`` and
+the explorer's ``/explorer/api/`` need it. With a certificate and key (``ServerSecurity``) the server
+speaks HTTPS only.
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, whatever the status: a
 bad parameter 400, a missing token 401 (with ``WWW-Authenticate``), an unknown model or route 404, a
 wrong method 405, a request id in use 409, a body too large 413, overload (RESOURCE_EXHAUSTED, also a
-request that waited past ``max_queue_time_s``) 429, no worker (UNAVAILABLE) 503. There is no ``/docs``
-page (it would load its scripts from a CDN); the schema is ``/openapi.json``. A failure after a stream
-has started arrives as a last ``data: {"error": …}`` event. ``code`` is the router's gRPC status name in
-lower case (``invalid_argument``, …) or ``model_not_found``.
+request that waited past ``max_queue_time_s``) 429, no worker or a server shutting down (UNAVAILABLE) 503.
+There is no ``/docs`` page (it would load its scripts from a CDN); the schema is ``/openapi.json``. A
+failure after a stream has started arrives as a last ``data: {"error": …}`` event, then ``data: [DONE]``.
+``code`` is the router's gRPC status name in lower case (``invalid_argument``, …) or ``model_not_found``.
 """
 
 from __future__ import annotations
@@ -48,26 +48,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.router.metrics import CONTENT_TYPE_LATEST
-from pdserve.router.openai_protocol import (
-    CHAT,
-    COMPLETION,
-    Answer,
+from pdserve.router.openai.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    StopMatcher,
     TokenizeRequest,
+    api_error,
     bad_request,
-    detokenize,
     http_error,
-    render_chat,
-    reply,
-    start_jobs,
-    stream_reply,
-    tokenize,
 )
-from pdserve.router.router import Router
+from pdserve.router.openai.serving_chat import OpenAIServingChat
+from pdserve.router.openai.serving_completion import OpenAIServingCompletion
+from pdserve.router.openai.serving_tokenization import OpenAIServingTokenization
+from pdserve.router.router import RequestError, Router
 from pdserve.router.server import has_bearer_token
 
 log = logging.getLogger(__name__)
@@ -105,14 +99,10 @@ def _add_tokenizer_routes(app: FastAPI, api: _Endpoints) -> None:
     """vLLM's ``POST /tokenize`` and ``POST /detokenize`` (also under ``/v1/``)."""
 
     async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
-        if body.model is not None:
-            api._check_model(body.model)
-        return tokenize(api.router, body)
+        return api.tokenization.tokenize(body)
 
     async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
-        if body.model is not None:
-            api._check_model(body.model)
-        return detokenize(api.router, body)
+        return api.tokenization.detokenize(body)
 
     for prefix in ("", "/v1"):
         app.post(f"{prefix}/tokenize")(tokenize_route)
@@ -137,18 +127,29 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
+DISCARD_MIN_BYTES = 64 << 20  # a refused body is read and dropped up to this (or 16 x the limit, if more)...
+DISCARD_TIMEOUT_S = 30.0  # ...for at most this long
+_LENIENT_TYPES = (b"", b"application/x-www-form-urlencoded", b"text/plain")  # curl -d's default, none, plain text
+
+
 class FrontDoor:
-    """ASGI middleware: the bearer token on ``PROTECTED_PREFIXES`` (when set), and the request body limit.
+    """ASGI middleware: the bearer token on ``PROTECTED_PREFIXES`` (when set), the request body limit, and JSON
+    bodies sent without their content type.
 
     A body whose ``Content-Length`` is over ``max_body_bytes`` is answered 413 unread; a body without one
-    (chunked) is read up to the limit first, then handed on (413 once it passes the limit). A plain ASGI
-    middleware, so streamed answers and client disconnects pass through untouched.
+    (chunked) is read up to the limit first, then handed on (413 once it passes the limit). The 413 goes out at
+    once, and the rest of the body is then read and dropped (up to ``DISCARD_MIN_BYTES`` or 16 times the limit,
+    for ``DISCARD_TIMEOUT_S``) before the connection closes: a client that sends its whole body before it reads
+    (most do) gets the answer rather than a reset. A POST whose content type is missing, a form's (``curl -d``)
+    or plain text is read as JSON, which every endpoint takes. A plain ASGI middleware, so streamed answers and
+    client disconnects pass through untouched.
     """
 
     def __init__(self, app: Any, auth_token: str | None, max_body_bytes: int) -> None:
         self.app = app
         self.auth_token = auth_token
         self.max_body_bytes = max_body_bytes
+        self.discard_bytes = max(DISCARD_MIN_BYTES, 16 * max_body_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -161,6 +162,8 @@ class FrontDoor:
                 challenge = {"WWW-Authenticate": 'Bearer realm="pdserve"'}
                 await _send_error(send, ApiError(401, why, "invalid_request_error", None, "invalid_api_key", challenge))
                 return
+        if scope.get("method") == "POST":
+            scope = _as_json(scope, headers)
         declared = headers.get("content-length")
         if declared is not None:
             try:
@@ -169,7 +172,7 @@ class FrontDoor:
                 await _send_error(send, bad_request("Content-Length: not a number", None))
                 return
             if size > self.max_body_bytes:
-                await _send_error(send, self._too_large(size))
+                await self._refuse(send, receive, self._too_large(size), drain=size <= self.discard_bytes)
                 return
             await self.app(scope, receive, send)
             return
@@ -185,7 +188,8 @@ class FrontDoor:
                 break
             size += len(message.get("body", b""))
             if size > self.max_body_bytes:
-                await _send_error(send, self._too_large(size, at_least=True))
+                more = message.get("more_body", False)
+                await self._refuse(send, receive, self._too_large(size, at_least=True), drain=more, read=size)
                 return
             if not message.get("more_body", False):
                 break
@@ -204,6 +208,37 @@ class FrontDoor:
             None,
             "request_too_large",
         )
+
+    async def _refuse(self, send: Send, receive: Receive, error: ApiError, drain: bool, read: int = 0) -> None:
+        """Answer ``error`` now and close the connection; with ``drain``, only once the rest of the body (from
+        ``read`` bytes on) has been read and dropped, within the discard bounds."""
+        response = error.response()
+        headers = [*response.raw_headers, (b"connection", b"close")]
+        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": response.body, "more_body": drain})
+        if not drain:
+            return
+        deadline = time.monotonic() + DISCARD_TIMEOUT_S
+        while read < self.discard_bytes:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                break
+            if message["type"] != "http.request":
+                break
+            read += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _as_json(scope: Scope, headers: dict[str, bytes]) -> Scope:
+    """``scope`` with a JSON content type where the client sent none, a form's or plain text's."""
+    content_type = headers.get("content-type", b"").split(b";")[0].strip().lower()
+    if content_type not in _LENIENT_TYPES:
+        return scope
+    kept = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-type"]
+    return {**scope, "headers": [*kept, (b"content-type", b"application/json")]}
 
 
 async def _send_error(send: Send, error: ApiError) -> None:
@@ -231,7 +266,12 @@ async def _http_exception(request: Request, e: StarletteHTTPException) -> JSONRe
 async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
     first = e.errors()[0] if e.errors() else {}
     if first.get("type") == "json_invalid":
-        return bad_request(f"request body is not valid JSON: {first.get('msg', '')}", None).response()
+        hint = "send a JSON object, Content-Type: application/json"
+        why = f"request body is not valid JSON: {first.get('msg', '')} ({hint})"
+        return bad_request(why, None).response()
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") in ("model_attributes_type", "dict_type"):
+        why = "request body: a JSON object is expected (send it with Content-Type: application/json)"
+        return bad_request(why, None).response()
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = loc[0] if loc else None
     where = ".".join(loc)
@@ -251,6 +291,9 @@ class _Endpoints:
         self.router = router
         self.model_name = model_name
         self.model_card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "pdserve"}
+        self.completion = OpenAIServingCompletion(router, model_name)
+        self.chat = OpenAIServingChat(router, model_name)
+        self.tokenization = OpenAIServingTokenization(router, model_name)
 
     async def health(self) -> JSONResponse:
         ok, status = await self.router.health()
@@ -260,73 +303,41 @@ class _Endpoints:
         return {"object": "list", "data": [self.model_card]}
 
     async def model(self, model_id: str) -> dict[str, Any]:
-        self._check_model(model_id)
+        self.completion.check_model(model_id)
         return self.model_card
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        self._check_model(body.model)
-        body.check()
-        prompts = body.prompts()
-        return await self._serve(request, body, prompts, body.max_tokens or 16, "cmpl", COMPLETION)
+        return await self._serve(request, body, self.completion, "cmpl")
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-        self._check_model(body.model)
-        body.check()
-        tokenizer = self.router.tokenizer
-        if tokenizer is None:
-            raise bad_request("messages: this model has no tokenizer, so it cannot chat", "messages")
-        prompt = render_chat(tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        default = min(self.router.config.default_chat_max_tokens, self.router.limits.max_model_len)
-        fit = max_tokens is None  # the default shrinks to the room the prompt leaves; an explicit value must fit
-        return await self._serve(request, body, [prompt], max_tokens or default, "chatcmpl", CHAT, fit)
-
-    def _check_model(self, name: str) -> None:
-        if name != self.model_name:
-            raise ApiError(
-                404,
-                f"model {name!r} does not exist; this server serves {self.model_name!r}",
-                "invalid_request_error",
-                "model",
-                "model_not_found",
-            )
+        return await self._serve(request, body, self.chat, "chatcmpl")
 
     async def _serve(
         self,
         request: Request,
-        body: CompletionRequest | ChatCompletionRequest,
-        prompts: list[str | list[int]],
-        max_tokens: int,
+        body: Any,
+        serving: OpenAIServingCompletion | OpenAIServingChat,
         prefix: str,
-        answer: Answer,
-        fit_max_tokens: bool = False,
     ) -> Response:
         """Route the request's choices and wait for their first events (so that a refusal gets its HTTP status),
         then answer. A client that disconnects before that (or before a whole answer is ready) has its
         requests aborted."""
         request_id = request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
-        echo = bool(getattr(body, "echo", False))
-        starting = start_jobs(
-            self.router, request_id, body, prompts, max_tokens, answer.prompt_param, fit_max_tokens, echo
-        )
         try:
-            jobs = await _unless_disconnected(request, starting)
+            choices = await _unless_disconnected(request, serving.start(body, request_id))
         except ClientGone:
             return Response(status_code=499)
-        base = {
-            "id": request_id,
-            "object": answer.chunk_object if body.stream else answer.object,
-            "created": int(time.time()),
-            "model": self.model_name,
-        }
         headers = {"X-Request-Id": request_id}
         if body.stream:
-            events = stream_reply(jobs, base, body, answer)
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+            return StreamingResponse(
+                serving.stream(choices, body, request_id), media_type="text/event-stream", headers=headers
+            )
         try:
-            whole = await _unless_disconnected(request, reply(jobs, base, body, answer))
+            whole = await _unless_disconnected(request, serving.whole(choices, body, request_id))
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; the request was aborted on the workers
+        except RequestError as e:
+            raise api_error(e, serving.prompt_param) from None
         return JSONResponse(whole, headers=headers)
 
 
@@ -356,16 +367,4 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-# ---- serving -------------------------------------------------------------------------------------------
-
-
-__all__ = [
-    "ApiError",
-    "ChatCompletionRequest",
-    "CompletionRequest",
-    "FrontDoor",
-    "StopMatcher",
-    "build_app",
-    "metrics_app",
-    "render_chat",
-]
+__all__ = ["FrontDoor", "build_app", "metrics_app"]

@@ -109,6 +109,10 @@ class RouterProcess:
         return app
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        """Drain, then stop serving: new requests are refused (UNAVAILABLE, "server shutting down"), open ones
+        get ``grace_s`` to finish, and the rest end with that error as the last event of their streams (an
+        error event then ``[DONE]`` over HTTP, that status over gRPC); then the servers close."""
+        await self.router.drain(grace_s, timeout_s=2.0)
         if self._site is not None:
             await self._site.close()
         await asyncio.gather(*(http.stop() for http in self._http))  # each waits up to 2 s for its streams

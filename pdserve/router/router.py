@@ -23,9 +23,18 @@ from typing import Any, NamedTuple
 
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
+from pdserve.engine.prompt import check_prompt_text, check_prompt_tokens
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.messages import RequestMetrics, WorkerRequestStats, WorkerStats
+from pdserve.messages import (
+    SHUTTING_DOWN,
+    Logprob,
+    PromptLogprob,
+    RequestMetrics,
+    TokenUpdate,
+    WorkerRequestStats,
+    WorkerStats,
+)
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import NoWorkerAvailable, Route, RoutingPolicy
@@ -64,9 +73,8 @@ class GenerateInput(NamedTuple):
     # False: a prompt plus max_tokens over max_model_len is refused (INVALID_ARGUMENT)
     fit_max_tokens: bool = False
     stream_interval: int = 0  # tokens per message after the first; 0 = the deployment's (RouterConfig)
-
-
-Logprob = tuple[float, list[tuple[int, float]]]  # a token's log-probability, and the most likely (token, lp)
+    # the text ends before the first of these strings; the request then ends with finish_reason "stop"
+    stop: tuple[str, ...] = ()
 
 
 class RouterEvent(NamedTuple):
@@ -77,10 +85,41 @@ class RouterEvent(NamedTuple):
     finish_reason: str | None = None
     metrics: RequestMetrics | None = None  # on the last event
     logprobs: list[Logprob] | None = None  # per token, when the request asked (SamplingParams.logprobs)
+    # on the first event, when the request asked (SamplingParams.prompt_logprobs): one per prompt token after the first
+    prompt_logprobs: list[PromptLogprob] | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class StopMatcher:
+    """Cuts streamed text before the first of some stop strings; holds back a tail that may begin one."""
+
+    def __init__(self, stops: tuple[str, ...] | list[str]) -> None:
+        if not stops or any(not s for s in stops):
+            raise ValueError("stop: strings must not be empty")
+        self.stops = tuple(stops)
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Text safe to release, and whether a stop string matched (the text then ends before it)."""
+        buffer = self.pending + text
+        cut = min((i for i in (buffer.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.pending = ""
+            return buffer[:cut], True
+        hold = 0
+        for k in range(min(len(buffer), max(len(s) for s in self.stops) - 1), 0, -1):
+            if any(s.startswith(buffer[-k:]) for s in self.stops):
+                hold = k
+                break
+        self.pending = buffer[len(buffer) - hold :]
+        return buffer[: len(buffer) - hold], False
+
+    def flush(self) -> str:
+        text, self.pending = self.pending, ""
+        return text
 
 
 class WorkerHandle(NamedTuple):
@@ -123,6 +162,8 @@ class Router:
         self._seeds = random.Random()
         self.metrics = RouterMetrics(router_id)
         self._unanswered: set[asyncio.Future] = set()  # decode-worker calls in flight (a hung one outlives its request)
+        self.groups: dict[str, list[str]] = {}  # a request of several choices: its id -> its choices' ids
+        self.draining = False  # set by ``drain``: new requests are refused
 
     # ---- the workers' event streams (``WorkerEvents``) -------------------------------------------
     async def start(self, timeout_s: float = 60.0) -> None:
@@ -140,35 +181,24 @@ class Router:
     # ---- validation and admission ----------------------------------------------------------------
     async def _validate(self, req: GenerateInput) -> tuple[str, list[int], SamplingParams]:
         """Check everything a worker would refuse, cheapest first; RequestError names the field."""
+        if self.draining:
+            raise RequestError("UNAVAILABLE", SHUTTING_DOWN)
         max_len = self.limits.max_model_len
-        if isinstance(req.prompt, str):
-            if not req.prompt:
-                raise RequestError("INVALID_ARGUMENT", "prompt: must not be empty")
-            if self.tokenizer is None:
-                raise RequestError("INVALID_ARGUMENT", "prompt: this model has no tokenizer; send token ids")
-            if len(req.prompt) > max_len * 64:  # no tokenizer packs 64 characters per token
-                raise RequestError(
-                    "INVALID_ARGUMENT", f"prompt: {len(req.prompt)} characters cannot fit max_model_len={max_len}"
-                )
-            if len(req.prompt) > 16384:  # long texts are tokenized off the event loop
-                prompt = await asyncio.to_thread(self.tokenizer.encode, req.prompt)
+        try:
+            if isinstance(req.prompt, str):
+                check_prompt_text(req.prompt, max_len, self.tokenizer is not None)
+                assert self.tokenizer is not None
+                if len(req.prompt) > 16384:  # long texts are tokenized off the event loop
+                    tokens = await asyncio.to_thread(self.tokenizer.encode, req.prompt)
+                else:
+                    tokens = self.tokenizer.encode(req.prompt)
             else:
-                prompt = self.tokenizer.encode(req.prompt)
-        else:
-            prompt = req.prompt  # token ids: listed once they are known to fit
-        if not prompt:
-            raise RequestError("INVALID_ARGUMENT", "prompt: must not be empty")
-        if len(prompt) >= max_len:
-            raise RequestError(
-                "INVALID_ARGUMENT",
-                f"prompt: {len(prompt)} tokens leaves no room to generate within max_model_len={max_len}",
-            )
-        prompt = list(prompt)
-        bad = [t for t in prompt if not 0 <= t < self.limits.vocab_size]
-        if bad:
-            raise RequestError(
-                "INVALID_ARGUMENT", f"prompt: token ids must be in [0, {self.limits.vocab_size}), got {bad[:5]}"
-            )
+                tokens = req.prompt
+            prompt = check_prompt_tokens(tokens, self.limits.vocab_size, max_len)
+            if req.stop:
+                StopMatcher(req.stop)
+        except ValueError as e:
+            raise RequestError("INVALID_ARGUMENT", str(e)) from None
         params = req.params
         if req.stream_interval < 0:
             raise RequestError("INVALID_ARGUMENT", f"stream_interval: must be >= 0, got {req.stream_interval}")
@@ -232,16 +262,9 @@ class Router:
         held until k have gathered (or the request ends): one event per k tokens.
         """
         received = time.time()
-        mode = req.mode
         try:
             request_id, prompt, params = await self._validate(req)
-            if params.logprobs is not None:  # the decode worker computes them: a prefill worker's first token has none
-                if mode == "disaggregated":
-                    raise RequestError(
-                        "INVALID_ARGUMENT", "logprobs: served colocated only; send mode colocated or auto"
-                    )
-                mode = "colocated"
-            route = self._route(prompt, params, mode)
+            route = self._route(prompt, params, req.mode)
         except RequestError as e:
             self.metrics.request_rejected(e.code, req.mode or self.config.default_mode)
             raise
@@ -264,7 +287,9 @@ class Router:
         self.queued_prompt_tokens += len(prompt)
         self.policy.start(route, prompt, params.max_tokens)
         log.debug("%s: request %s starts as %s: %s", self.router_id, request_id, request.key, route)
-        finished = False
+        finished = False  # the workers ended the request
+        ended = False  # the client's stream has its last event (a stop string may end it before the workers do)
+        stop = StopMatcher(req.stop) if req.stop else None
         interval = req.stream_interval or self.config.stream_interval
         held: list[int] = []
         held_logprobs: list[Logprob] = []
@@ -274,9 +299,11 @@ class Router:
                 first = await self._within_queue_time(request, self._prefill_remotely(request, prompt, params))
                 if first is not None:
                     finished = first.finished
+                    first = self._cut_at_stop(request, stop, first)
+                    ended = first.finished
                     # the decode worker is told at once, not once the client has read the first token:
                     # a slow reader must not eat into the reservation's deadline
-                    decoding = None if finished else asyncio.ensure_future(self._start_decode(request))
+                    decoding = None if ended else asyncio.ensure_future(self._start_decode(request))
                     try:
                         yield first
                     finally:
@@ -286,7 +313,7 @@ class Router:
                         decoding.result()
             else:
                 await self._start_colocated(request, prompt, params)
-            while not finished:
+            while not ended:
                 if request.ttft_s is None and self.config.max_queue_time_s is not None:
                     updates = await self._within_queue_time(request, request.next_updates())
                 else:
@@ -297,6 +324,7 @@ class Router:
                     raise RequestError("UNAVAILABLE", last.error)
                 finished = last.finish_reason is not None
                 logprobs = [lp for u in updates for lp in (u.logprobs or ())] if with_logprobs else None
+                prompt_logprobs = _prompt_logprobs(updates) if params.prompt_logprobs is not None else None
                 if interval > 1 and request.ttft_s is not None:
                     held.extend(token_ids)
                     held_logprobs.extend(logprobs or ())
@@ -304,9 +332,12 @@ class Router:
                         continue
                     token_ids, held = held, []
                     logprobs, held_logprobs = (held_logprobs if with_logprobs else None), []
-                yield self._event(request, token_ids, last.finish_reason, last.stats, logprobs)
+                event = self._event(request, token_ids, last.finish_reason, last.stats, logprobs, prompt_logprobs)
+                event = self._cut_at_stop(request, stop, event)
+                ended = event.finished
+                yield event
         except BaseException as e:
-            if not finished:
+            if not finished and not ended:
                 self._end_unfinished(request, e)
             raise
         finally:
@@ -323,6 +354,41 @@ class Router:
                     await asyncio.shield(self._abort_on_workers(request.key, request.served))
             finally:
                 request.done.set()
+
+    def _cut_at_stop(self, request: InFlight, stop: StopMatcher | None, event: RouterEvent) -> RouterEvent:
+        """``event`` with its text cut before a stop string: the request's last event (finish_reason "stop")
+        when one matched, which the workers are then told to stop."""
+        if stop is None:
+            return event
+        text, matched = stop.push(event.text)
+        if matched:
+            request.stopped = True
+            metrics = event.metrics
+            if metrics is None:
+                metrics = self._metrics(request, WorkerRequestStats(), time.time())
+                self.metrics.request_finished(metrics, "finished", reason="stop")
+            return event._replace(text=text, finish_reason="stop", metrics=metrics)
+        if event.finished:
+            text += stop.flush()
+        return event._replace(text=text)
+
+    async def drain(self, grace_s: float, timeout_s: float = 10.0) -> int:
+        """Stop serving: refuse new requests (UNAVAILABLE, ``SHUTTING_DOWN``), give the open ones ``grace_s`` to
+        finish, then end the rest with that error (their streams get it as their last event; their workers
+        stop them). Returns how many were ended so; waits at most ``timeout_s`` more for them to be gone."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        open_requests = list(self.active.values())
+        for request in open_requests:
+            request.deliver(TokenUpdate(request.key, [], "abort", error=SHUTTING_DOWN))
+        waiting = [asyncio.ensure_future(r.done.wait()) for r in open_requests]
+        if waiting:
+            _, late = await asyncio.wait(waiting, timeout=timeout_s)
+            for task in late:
+                task.cancel()
+        return len(open_requests)
 
     async def _within_queue_time(self, request: InFlight, waiting: Any) -> Any:
         """Await ``waiting`` (a step towards the first token) until ``max_queue_time_s`` after arrival."""
@@ -355,19 +421,9 @@ class Router:
                 metrics, "finished" if stopped else "aborted", reason="stop" if stopped else "abort"
             )
             return
-        log.warning("%s: request %s failed: %s: %s", self.router_id, request.key, code, error)
+        if not self.draining:
+            log.warning("%s: request %s failed: %s: %s", self.router_id, request.key, code, error)
         self.metrics.request_finished(metrics, "failed", code, str(error), reason="error")
-
-    def stopped(self, request_id: str) -> RequestMetrics | None:
-        """Its consumer has what it wanted (a stop string matched) and closes the stream next: a finish.
-
-        Returns the request's metrics so far (None for an unknown id).
-        """
-        request = self.active.get(request_id)
-        if request is None:
-            return None
-        request.stopped = True
-        return self._metrics(request, WorkerRequestStats(), time.time())
 
     async def _start_colocated(self, request: InFlight, prompt: list[int], params: SamplingParams) -> None:
         worker_id = request.served.decode_worker
@@ -418,7 +474,8 @@ class Router:
         request.num_cached_tokens = result.decode_cached_tokens
         request.prefill = result
         self._prefill_finished(request, prompt)
-        return self._event(request, [result.first_token])
+        logprobs = [result.first_logprobs] if result.first_logprobs is not None else None
+        return self._event(request, [result.first_token], logprobs=logprobs, prompt_logprobs=result.prompt_logprobs)
 
     async def _prefill_unless_decode_fails(self, request: InFlight, prefill_ref: Any) -> Any:
         """The prefill call's result; UNAVAILABLE at once if the decode worker's stream fails meanwhile
@@ -478,6 +535,7 @@ class Router:
         finish_reason: str | None = None,
         stats: WorkerRequestStats | None = None,
         logprobs: list[Logprob] | None = None,
+        prompt_logprobs: list[PromptLogprob] | None = None,
     ) -> RouterEvent:
         detok = request.detokenizer
         text = detok.push(token_ids) if detok is not None and token_ids else ""
@@ -491,13 +549,13 @@ class Router:
                 self.metrics.token_gap(now - request.last_event, request.served.mode)
             request.last_event = now
         if finish_reason is None:
-            return RouterEvent(token_ids, text, logprobs=logprobs)
+            return RouterEvent(token_ids, text, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         if detok is not None:
             text += detok.flush()
         metrics = self._metrics(request, stats or WorkerRequestStats(), now)
         outcome = "aborted" if finish_reason == "abort" else "finished"
         self.metrics.request_finished(metrics, outcome, reason=finish_reason)
-        return RouterEvent(token_ids, text, finish_reason, metrics, logprobs)
+        return RouterEvent(token_ids, text, finish_reason, metrics, logprobs, prompt_logprobs)
 
     def _metrics(self, request: InFlight, stats: WorkerRequestStats, now: float) -> RequestMetrics:
         served, prefill = request.served, request.prefill
@@ -565,6 +623,11 @@ class Router:
             log.warning("abort of %s on %s failed: %s", key, route.decode_worker, e)
 
     async def abort(self, request_id: str) -> bool:
+        """Stop a request (every choice of a request of several); False when no such request is active."""
+        choices = self.groups.get(request_id)
+        if choices is not None:
+            found = await asyncio.gather(*(self.abort(choice) for choice in choices))
+            return any(found)
         request = self.active.get(request_id)
         if request is None:
             return False
@@ -585,6 +648,8 @@ class Router:
 
     async def health(self, timeout_s: float = 1.0) -> tuple[bool, str]:
         """Serving while some decode worker answers; the status names every worker that does not."""
+        if self.draining:
+            return False, SHUTTING_DOWN
 
         async def answers(worker: WorkerHandle) -> bool:
             try:
@@ -602,6 +667,10 @@ class Router:
         if not serving:
             return False, f"no decode worker answers (down: {', '.join(down)})"
         return True, "serving" if not down else f"serving; down: {', '.join(down)}"
+
+
+def _prompt_logprobs(updates: list[TokenUpdate]) -> list[PromptLogprob] | None:
+    return next((u.prompt_logprobs for u in updates if u.prompt_logprobs is not None), None)
 
 
 async def _call(ref: Any) -> Any:

@@ -8,6 +8,7 @@ grpcurl and load balancers work; with a bearer token set, health and reflection 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 from collections.abc import Callable
@@ -22,12 +23,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.router.choices import Choices
 from pdserve.router.grpc_reflection import V1_SERVICE, V1ALPHA_SERVICE, enable_reflection
-from pdserve.router.router import GenerateInput, RequestError, Router
+from pdserve.router.router import RequestError, Router, RouterEvent
 from pdserve.router.wire import (
     GRPC_OPTIONS,
     MODE_ENUMS,
     MODE_NAMES,
+    logprobs_to_proto,
     metrics_to_proto,
     params_from_proto,
     worker_stats_to_proto,
@@ -114,25 +117,20 @@ class PDServeServicer(pb_grpc.PDServeServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"apply_chat_template: {e}")
         if request.mode not in MODE_NAMES:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"mode: unknown value {request.mode}")
-        req = GenerateInput(
-            request.request_id or None,
-            prompt,
-            params,
-            MODE_NAMES[request.mode],
-            stream_interval=request.stream_interval,
-        )
         try:
-            async for event in self.router.generate(req):
-                if event.metrics is None:
-                    yield pb.GenerateResponse(token_ids=event.token_ids, text=event.text)
-                else:
-                    yield pb.GenerateResponse(
-                        token_ids=event.token_ids,
-                        text=event.text,
-                        finished=True,
-                        finish_reason=event.finish_reason,
-                        metadata=metrics_to_proto(event.metrics),
-                    )
+            choices = await Choices.start(
+                self.router,
+                request.request_id or None,
+                [prompt],
+                params,
+                request.n or 1,
+                MODE_NAMES[request.mode],
+                tuple(request.sampling.stop),
+                request.stream_interval,
+            )
+            async with contextlib.aclosing(choices.events()) as events:
+                async for choice, event in events:
+                    yield _response(choice.index, event)
         except RequestError as e:
             await abort(context, getattr(grpc.StatusCode, e.code), str(e))
 
@@ -157,6 +155,19 @@ class PDServeServicer(pb_grpc.PDServeServicer):
         since = request.steps_since if request.include_steps else None
         workers = [worker_stats_to_proto(w) for w in await self.router.stats(since)]
         return pb.StatsResponse(workers=workers, num_active_requests=len(self.router.active))
+
+
+def _response(index: int, event: RouterEvent) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(token_ids=event.token_ids, text=event.text, index=index)
+    if event.logprobs is not None:
+        response.logprobs.extend(logprobs_to_proto(event.logprobs))
+    if event.prompt_logprobs is not None:
+        response.prompt_logprobs.extend(logprobs_to_proto(event.prompt_logprobs))
+    if event.metrics is not None:
+        response.finished = True
+        response.finish_reason = event.finish_reason or ""
+        response.metadata.CopyFrom(metrics_to_proto(event.metrics))
+    return response
 
 
 def _handlers(servicer: PDServeServicer, max_bytes: int) -> grpc.GenericRpcHandler:

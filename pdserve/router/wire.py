@@ -5,8 +5,10 @@ The server and the client both convert here, so a field added to a message is ad
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.messages import RequestMetrics, StepStats, WorkerStats
+from pdserve.messages import Logprob, PromptLogprob, RequestMetrics, StepStats, WorkerStats
 from pdserve.proto import pdserve_pb2 as pb
 
 MODE_NAMES = {pb.MODE_UNSPECIFIED: None, pb.COLOCATED: "colocated", pb.DISAGGREGATED: "disaggregated", pb.AUTO: "auto"}
@@ -16,7 +18,7 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_m
 
 
 def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
-    """Raises ValueError naming the field."""
+    """The engine's parameters (``stop`` strings are the router's: ``p.stop``). Raises ValueError naming the field."""
     return SamplingParams(
         max_tokens=p.max_tokens or 16,
         temperature=p.temperature,
@@ -25,10 +27,12 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         seed=p.seed if p.HasField("seed") else None,
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
 
 
-def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
+def params_to_proto(params: SamplingParams, stop: Sequence[str] = ()) -> pb.SamplingParams:
     sampling = pb.SamplingParams(
         max_tokens=params.max_tokens,
         temperature=params.temperature,
@@ -36,10 +40,34 @@ def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         top_p=params.top_p,
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        stop=list(stop),
     )
     if params.seed is not None:
         sampling.seed = params.seed
+    if params.logprobs is not None:
+        sampling.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        sampling.prompt_logprobs = params.prompt_logprobs
     return sampling
+
+
+def logprobs_to_proto(logprobs: Sequence[Logprob | PromptLogprob]) -> list[pb.TokenLogprob]:
+    """Generated tokens' ``(logprob, top)`` or prompt tokens' ``PromptLogprob`` as messages."""
+    out = []
+    for entry in logprobs:
+        if isinstance(entry, PromptLogprob):
+            value, rank, top = entry
+        else:
+            (value, top), rank = entry, 0
+        out.append(
+            pb.TokenLogprob(logprob=value, rank=rank, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top])
+        )
+    return out
+
+
+def logprobs_from_proto(entries: Iterable[pb.TokenLogprob]) -> list[PromptLogprob]:
+    """``logprobs_to_proto``'s messages back, each as a ``PromptLogprob`` (rank 0 for generated tokens)."""
+    return [PromptLogprob(e.logprob, e.rank, [(t.token_id, t.logprob) for t in e.top]) for e in entries]
 
 
 def metrics_to_proto(metrics: RequestMetrics) -> pb.RequestMetadata:

@@ -76,7 +76,9 @@ def open_stream(conn: http.client.HTTPConnection, max_tokens: int = 900, headers
 
 
 @pytest.mark.cluster
-def test_sigint_stops_serve_with_http_streams_and_the_explorer_open():
+def test_sigint_drains_serve_with_http_and_grpc_streams_and_the_explorer_open():
+    """Ctrl-C with streams open: each HTTP stream ends with an error event then [DONE], a gRPC client reports
+    "server shutting down" after ending its line, and the log has no traceback."""
     port, http_port, explorer_port = free_port(), free_port(), free_port()
     server = subprocess.Popen(
         [
@@ -109,15 +111,30 @@ def test_sigint_stops_serve_with_http_streams_and_the_explorer_open():
             assert time.monotonic() < deadline and server.poll() is None, "server did not start"
             line = server.stdout.readline()
         connections = [http.client.HTTPConnection("127.0.0.1", http_port, timeout=60) for _ in range(2)]
-        for conn in connections:
-            open_stream(conn)
+        streams = [open_stream(conn, max_tokens=4000) for conn in connections]
+        generate = subprocess.Popen(
+            [*PDSERVE, "generate", "Hello", "--raw", "--target", f"127.0.0.1:{port}", "--max-tokens", "4000",
+             "--ignore-eos"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        )  # fmt: skip
+        assert generate.stdout.read(1)  # its stream is open
         explorer = http.client.HTTPConnection("127.0.0.1", explorer_port, timeout=30)
         connections.append(explorer)
         explorer.request("GET", "/explorer/api/live")
         assert explorer.getresponse().read()  # a keep-alive connection stays open
         os.killpg(server.pid, signal.SIGINT)  # as Ctrl-C in a terminal: to the whole process group
-        output, _ = server.communicate(timeout=15)
+        output, _ = server.communicate(timeout=30)
         assert server.returncode == 0 and "stopping" in output, output[-3000:]
+        assert "Traceback" not in output and "CancelledError" not in output, output[-3000:]
+        for stream in streams:
+            events = [line[len(b"data: ") :] for line in stream.read().split(b"\n") if line.startswith(b"data: ")]
+            assert events[-1] == b"[DONE]", events[-3:]
+            error = json.loads(events[-2])["error"]
+            assert error["message"] == "server shutting down" and error["code"] == "unavailable", error
+        printed, said = generate.communicate(timeout=30)
+        assert generate.returncode == 1 and printed.endswith("\n"), (printed[-200:], said)
+        assert said.startswith("error: the answer ended early, after ") and "server shutting down" in said, said
+        assert said.count("\n") == 1, said
     finally:
         for conn in connections:
             conn.close()
@@ -201,6 +218,24 @@ def test_a_body_over_the_limit_is_refused_413_before_it_is_parsed(small_app):
     response = conn.getresponse()
     assert response.status == 200 and json.loads(response.read()) == {"size": 600}
     assert seen["parsed"] == 2  # neither large body reached the endpoint
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_50_mb_body_sent_whole_before_reading_gets_a_413_it_can_read(small_app, chunked):
+    """A client that sends its whole body before it reads the answer (http.client does) gets the 413, not a
+    reset: the refused body is read and dropped before the connection closes."""
+    server, seen = small_app
+    piece = b"x" * (1 << 20)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    headers = {**AUTH} if chunked else {**AUTH, "Content-Length": str(50 * len(piece))}
+    conn.request("POST", "/v1/echo", iter([piece] * 50), headers, encode_chunked=chunked)
+    response = conn.getresponse()
+    body = json.loads(response.read())
+    assert response.status == 413 and body["error"]["code"] == "request_too_large", body
+    assert response.getheader("Connection") == "close" and seen["parsed"] == 0
+    conn.close()
+    again = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    assert post(again, "/v1/echo", {"x": 1}, AUTH)[0] == 200  # the server serves on
 
 
 def test_the_token_guards_v1_and_the_explorer_api_but_not_health(small_app):

@@ -17,7 +17,8 @@ from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.engine.tokenizer import ByteTokenizer
 from pdserve.router.client import Client
 from pdserve.router.config import RouterConfig
-from pdserve.router.http_api import StopMatcher, render_chat
+from pdserve.router.openai.serving_chat import render_chat
+from pdserve.router.router import StopMatcher
 
 pytestmark = pytest.mark.cluster
 

@@ -31,7 +31,9 @@ PROMPT = "The quick brown fox jumps over the lazy dog."
 
 @pytest.fixture(scope="module")
 def deployment(ray_cluster):
-    config = DeploymentConfig(engine=ENGINE, num_decode_workers=1, transport="grpc", http_port=0)
+    config = DeploymentConfig(
+        engine=ENGINE, num_prefill_workers=1, num_decode_workers=1, transport="grpc", http_port=0
+    )  # colocated by default; a request may ask for disaggregated
     with Deployment(config) as d:
         yield d
 
@@ -169,8 +171,67 @@ def test_logprobs_of_greedy_tokens_are_the_most_likely(deployment, oai):
     )  # fmt: skip
     entries = [e for c in chat if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert len(entries) == 4 and all(e.top_logprobs[0].logprob == pytest.approx(e.logprob) for e in entries)
-    with pytest.raises(openai.BadRequestError) as err:
-        oai.completions.create(
-            model="tiny", prompt=PROMPT, max_tokens=2, logprobs=1, extra_body={"pdserve_mode": "disaggregated"}
-        )
-    assert err.value.body["param"] == "logprobs" and "colocated" in err.value.body["message"]
+    served = {
+        mode: oai.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=6, temperature=0.0, logprobs=3,
+            extra_body={"ignore_eos": True, "pdserve_mode": mode},
+        ).choices[0].logprobs
+        for mode in ("colocated", "disaggregated")
+    }  # fmt: skip
+    # disaggregated: the first token's from the prefill worker, the others' from the decode worker
+    assert served["disaggregated"].tokens == served["colocated"].tokens == lp.tokens
+    assert served["disaggregated"].token_logprobs == pytest.approx(served["colocated"].token_logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_echo_with_logprobs_gives_the_engines_prompt_logprobs_in_both_modes(deployment, oai, mode):
+    """An evaluation harness's request: token-id prompts, echo, logprobs 1, max_tokens 1 (or 0). A disaggregated
+    request's prompt is scored where it is prefilled, on the prefill worker."""
+    from pdserve.engine import LLMEngine
+
+    prompts = [[72, 101, 108, 108, 111, 32, 116], [84, 104, 101, 32]]
+    [reference, _] = LLMEngine(ENGINE).generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=1))
+    body = {"model": "tiny", "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True, "pdserve_mode": mode}  # fmt: skip
+    answer = oai.post("/completions", body=body, cast_to=object)
+    first = answer["choices"][0]["logprobs"]
+    assert first["token_logprobs"][0] is None and len(first["token_logprobs"]) == len(prompts[0]) + 1
+    expected = [lp.logprob for lp in reference.prompt_logprobs]
+    assert first["token_logprobs"][1 : len(prompts[0])] == pytest.approx(expected, abs=1e-4)
+    assert [set(top) for top in first["top_logprobs"][1:]] and all(len(t) <= 2 for t in first["top_logprobs"][1:])
+    assert answer["pdserve_metrics"][0]["mode"] == mode
+    only = oai.post("/completions", body={**body, "max_tokens": 0}, cast_to=object)
+    assert only["choices"][0]["logprobs"]["token_logprobs"] == first["token_logprobs"][: len(prompts[0])]
+    assert only["usage"]["completion_tokens"] == 0 and only["choices"][0]["text"] == "Hello t"
+
+
+def test_grpc_clients_use_stop_strings_and_n_as_http_does(deployment, oai):
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    full = grpc_text(deployment, PROMPT, greedy)
+    stop = full[6:8]
+    with Client(deployment.address) as c:
+        chunks = list(c.generate(PROMPT, greedy, stop=[stop]))
+    assert "".join(ch.text for ch in chunks) == full[: full.index(stop)]
+    assert chunks[-1].finished and chunks[-1].finish_reason == "stop"
+    http = oai.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=24, temperature=0.0, stop=stop, extra_body={"ignore_eos": True}
+    )
+    assert http.choices[0].text == full[: full.index(stop)] and http.choices[0].finish_reason == "stop"
+    seeded = SamplingParams(max_tokens=6, seed=11, ignore_eos=True)
+    with Client(deployment.address) as c:
+        chunks = list(c.generate(PROMPT, seeded, n=3))
+    texts = {i: "".join(ch.text for ch in chunks if ch.choice == i) for i in range(3)}
+    assert sorted(ch.choice for ch in chunks if ch.finished) == [0, 1, 2]
+    http_n = oai.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=6, n=3, seed=11, extra_body={"ignore_eos": True}
+    )
+    assert [texts[i] for i in range(3)] == [ch.text for ch in http_n.choices]
+
+
+def test_aborting_a_request_of_several_choices_stops_them_all(deployment):
+    with Client(deployment.address) as c:
+        stream = c.generate(PROMPT, SamplingParams(max_tokens=400, ignore_eos=True), request_id="many", n=2)
+        next(stream)
+        assert c.abort("many")
+        reasons = [ch.finish_reason for ch in stream if ch.finished]
+    assert reasons == ["abort", "abort"]

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from support.doc_blocks import MARKER, output_blocks
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
@@ -116,3 +117,28 @@ def test_the_checks_catch_what_they_look_for(tmp_path: Path) -> None:
     assert links(f"[a](../{page.name}) and [b](https://example.com/x)") == [f"../{page.name}", "https://example.com/x"]
     assert github_anchor("3. Simulate an H100: `pdserve sim --demo`") == "3-simulate-an-h100-pdserve-sim---demo"
     assert github_anchor("The A/B benchmark: `pdserve bench`") == "the-ab-benchmark-pdserve-bench"
+
+
+# ---- command blocks that claim an output --------------------------------------------------------------------
+
+
+def test_every_command_block_that_shows_an_output_is_checked_or_an_illustration() -> None:
+    """What a page shows a command printing is either run by a named test, or marked as an example of it (its
+    figures come from one run, or depend on timing): ``<!-- checked by tests/...py::test_x -->`` or
+    ``<!-- illustration -->`` above the block in its section (the last one above it counts)."""
+    unmarked = [f"{b.path.relative_to(REPO)}:{b.line}: {b.command.strip().splitlines()[0][:80]}"
+                for p in doc_files() for b in output_blocks(p) if b.marker is None]  # fmt: skip
+    assert unmarked == []
+
+
+def test_every_doc_check_names_a_test_that_exists() -> None:
+    missing = []
+    for path in doc_files():
+        for block in output_blocks(path):
+            m = MARKER.match(f"<!-- {block.marker} -->") if block.marker else None
+            if m is None or m.group(1) == "illustration":
+                continue
+            test_file = REPO / m.group(2)
+            if not test_file.is_file() or not re.search(rf"^def {m.group(3)}\(", test_file.read_text(), re.M):
+                missing.append(f"{path.relative_to(REPO)}:{block.line}: {block.marker}")
+    assert missing == []

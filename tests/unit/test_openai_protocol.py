@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from pdserve.engine.tokenizer import ByteTokenizer
-from pdserve.messages import RequestMetrics
+from pdserve.messages import PromptLogprob, RequestMetrics
 from pdserve.net import HttpServer
 from pdserve.router.config import RouterConfig
 from pdserve.router.http_api import build_app
@@ -46,12 +46,10 @@ class AlphabetRouter:
         self.limits = ModelLimits(ByteTokenizer.VOCAB_SIZE, 128)
         self.config = RouterConfig()
         self.requests: list[GenerateInput] = []
+        self.groups: dict[str, list[str]] = {}
 
     async def health(self) -> tuple[bool, str]:
         return True, "serving"
-
-    def stopped(self, request_id: str) -> RequestMetrics | None:
-        return RequestMetrics(request_id, "colocated", "decode-0")
 
     async def generate(self, req: GenerateInput) -> AsyncGenerator[RouterEvent, None]:
         self.requests.append(req)
@@ -63,14 +61,22 @@ class AlphabetRouter:
         for i, char in enumerate(text):
             await asyncio.sleep(0)
             lps = None if k is None else [(-0.5, [(ord(char), -0.5), (ord("Z"), -2.0)][:k])]
+            plps = prompt_logprobs(prompt, req.params.prompt_logprobs) if i == 0 else None
             if i < len(text) - 1:
-                yield RouterEvent([ord(char)], char, logprobs=lps)
+                yield RouterEvent([ord(char)], char, logprobs=lps, prompt_logprobs=plps)
             else:
                 metrics = RequestMetrics(
                     req.request_id or "", "colocated", "decode-0", num_prompt_tokens=len(prompt),
                     num_output_tokens=len(text),
                 )  # fmt: skip
-                yield RouterEvent([ord(char)], char, "length", metrics, lps)
+                yield RouterEvent([ord(char)], char, "length", metrics, lps, plps)
+
+
+def prompt_logprobs(prompt: list[int], k: int | None) -> list[PromptLogprob] | None:
+    """The stand-in's: prompt token i (after the first) has log-probability -i, rank i, and "Z" first of the k."""
+    if k is None:
+        return None
+    return [PromptLogprob(-float(i), i, [(ord("Z"), -0.1)][:k]) for i in range(1, len(prompt))]
 
 
 class AppThread:
@@ -224,9 +230,64 @@ def test_completion_logprobs_have_the_legacy_shape_streamed_and_not(oai):
     chunks = [c.choices[0] for c in stream if c.choices]
     assert [t for c in chunks for t in c.logprobs.tokens] == ["a", "b", "c"]
     assert [o for c in chunks for o in c.logprobs.text_offset] == [0, 1, 2]
-    assert all(top == {} for c in chunks for top in c.logprobs.top_logprobs)
+    assert [top for c in chunks for top in c.logprobs.top_logprobs] == [{"a": -0.5}, {"b": -0.5}, {"c": -0.5}]
     plain = oai.completions.create(model="stand-in", prompt="p", max_tokens=2)
     assert plain.choices[0].logprobs is None
+
+
+def lm_eval_scores(answer: dict[str, Any], ctxlens: list[int]) -> list[tuple[float, bool]]:
+    """lm-evaluation-harness's ``local-completions`` reading of a loglikelihood answer (``parse_logprobs``): the
+    sum of the continuation's token log-probabilities, and whether each was the most likely token."""
+    out = []
+    for choice, ctxlen in zip(sorted(answer["choices"], key=lambda c: c["index"]), ctxlens, strict=False):
+        values = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+        tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        out.append((sum(values), all(v == max(top.values()) for v, top in zip(values, tops, strict=True))))
+    return out
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(app):
+    """lm-evaluation-harness's request (token-id prompts, echo, logprobs 1, max_tokens 1) and the max_tokens 0 one:
+    the prompt's tokens first, the first with a null log-probability, each other with its own."""
+    harness = {"model": "stand-in", "prompt": [[72, 105, 33], [72, 111]], "temperature": 0, "max_tokens": 1,
+               "logprobs": 1, "seed": 1234, "echo": True}  # fmt: skip
+    status, _, body = http(app, "POST", "/v1/completions", harness)
+    assert status == 200, body
+    first, second = body["choices"]
+    assert first["text"] == "Hi!" + expected(1234, 1)
+    assert first["logprobs"]["tokens"] == ["H", "i", "!", expected(1234, 1)]
+    assert first["logprobs"]["token_logprobs"] == [None, -1.0, -2.0, -0.5]
+    assert first["logprobs"]["top_logprobs"][:3] == [None, {"i": -1.0, "Z": -0.1}, {"!": -2.0, "Z": -0.1}]
+    assert lm_eval_scores(body, [1, 1]) == [(-3.0, False), (-1.0, False)]
+    assert second["logprobs"]["token_logprobs"][:2] == [None, -1.0]
+    only = http(app, "POST", "/v1/completions", {**harness, "max_tokens": 0})[2]
+    assert [c["text"] for c in only["choices"]] == ["Hi!", "Ho"]
+    assert only["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.0, -2.0]
+    assert only["choices"][0]["finish_reason"] == "length" and only["usage"]["completion_tokens"] == 0
+    vllm = http(app, "POST", "/v1/completions", {**harness, "prompt": "Hey", "prompt_logprobs": 1, "echo": False})[2]
+    assert vllm["choices"][0]["prompt_logprobs"] == [
+        None,
+        {
+            "101": {"logprob": -1.0, "rank": 1, "decoded_token": "e"},
+            "90": {"logprob": -0.1, "rank": 1, "decoded_token": "Z"},
+        },
+        {
+            "121": {"logprob": -2.0, "rank": 2, "decoded_token": "y"},
+            "90": {"logprob": -0.1, "rank": 1, "decoded_token": "Z"},
+        },
+    ]
+    status, _, text = http(
+        app, "POST", "/v1/completions", {**harness, "prompt": "Hey", "stream": True, "max_tokens": 0}
+    )
+    chunks = sse_events(text)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "Hey"
+    streamed = [
+        v
+        for c in chunks
+        if c["choices"] and c["choices"][0]["logprobs"]
+        for v in c["choices"][0]["logprobs"]["token_logprobs"]
+    ]
+    assert streamed == [None, -1.0, -2.0]
 
 
 def test_chat_logprobs_and_top_logprobs(oai):
@@ -245,7 +306,8 @@ def test_chat_logprobs_and_top_logprobs(oai):
     ("endpoint", "change", "param"),
     [
         ("completions", {"logprobs": 21}, "logprobs"),
-        ("completions", {"logprobs": 1, "echo": True}, "logprobs"),
+        ("completions", {"max_tokens": 0}, "max_tokens"),
+        ("completions", {"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
         ("chat", {"top_logprobs": 2}, "top_logprobs"),
         ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ],
@@ -253,7 +315,7 @@ def test_chat_logprobs_and_top_logprobs(oai):
 def test_logprobs_requests_that_cannot_be_served_are_refused(oai, endpoint, change, param):
     with pytest.raises(openai.BadRequestError) as err:
         if endpoint == "completions":
-            oai.completions.create(model="stand-in", prompt="p", max_tokens=2, **change)
+            oai.completions.create(**{"model": "stand-in", "prompt": "p", "max_tokens": 2, **change})
         else:
             oai.chat.completions.create(model="stand-in", messages=[{"role": "user", "content": "x"}], **change)
     assert err.value.body["param"] == param
@@ -328,3 +390,17 @@ def test_tokenize_and_detokenize_round_trip(app, oai):
     assert status == 404 and bad["error"]["code"] == "model_not_found"
     status, _, bad = http(app, "POST", "/tokenize", {"prompt": "x", "messages": messages})
     assert status == 400
+
+
+def test_a_json_body_without_its_content_type_is_read_as_json(app):
+    """``curl -d '{...}'`` sends a form's content type (urllib sends the same): the body is JSON all the same."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    req = urllib.request.Request(app.url + "/tokenize", data=b'{"prompt": "ab"}', method="POST", headers=auth)
+    assert req.get_header("Content-type") is None  # urllib adds the form's type as it sends
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert json.loads(resp.read())["tokens"] == [97, 98]
+    req = urllib.request.Request(app.url + "/tokenize", data=b"prompt=ab", method="POST", headers=auth)
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    body = json.loads(err.value.read())
+    assert err.value.code == 400 and "Content-Type: application/json" in body["error"]["message"], body
