@@ -96,7 +96,7 @@ def _attend_in_pieces(
         total = term if total is None else total + term
         weights = weight if weights is None else weights + weight
     assert total is not None and weights is not None
-    return total / weights
+    return (total / weights).to(query.dtype)  # the log-sum-exps are float32 whatever the query's dtype
 
 
 def _padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:

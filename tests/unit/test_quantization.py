@@ -431,6 +431,21 @@ def test_attention_beyond_a_piece_matches_one_call_and_ignores_the_pieces_a_row_
     assert torch.equal(alone, out[:, :, 2:3])  # 150 sees one piece: the one-call path gives the same bits
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_beyond_a_piece_keeps_the_query_dtype(dtype):
+    """A half-precision model's attention over more than ``KEY_PIECE`` keys returns its own dtype (the pieces'
+    log-sum-exps are float32), close to one call over all the keys."""
+    generator = torch.Generator().manual_seed(1)
+    keys, values = torch.randn(2, 1, 3, 400, 64, generator=generator).to(dtype)
+    query = torch.randn(1, 3, 4, 64, generator=generator).to(dtype)
+    mask = torch.ones(4, 400, dtype=torch.bool)
+    out = attend(query, keys, values, mask)
+    assert out.dtype == dtype
+    torch.testing.assert_close(
+        out, F.scaled_dot_product_attention(query, keys, values, attn_mask=mask), atol=2e-2, rtol=2e-2
+    )
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
 def test_attend_gives_a_few_query_rows_the_bits_they_get_among_many(rows):
     """``attend`` pads a call of fewer than ``MIN_QUERY_ROWS`` query rows per head; its results are
