@@ -182,6 +182,7 @@ class LLMEngine:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.config.enable_chunked_prefill,
                 max_chunk_tokens=self.config.max_chunk_tokens,
+                scheduling=self.config.scheduling,
             ),
             self.block_manager,
         )

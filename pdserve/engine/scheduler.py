@@ -1,10 +1,17 @@
 """Chunked-prefill scheduler. Pure Python: no torch, so the simulator drives this very class.
 
 Each step has a token budget (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``).
-Order of service: running decodes (one token each), then partially prefilled requests, then waiting
-requests in arrival order. Each takes ``min(uncomputed tokens, budget left, chunk cap)``. With
-chunking off a prefill is scheduled whole or not at all. When blocks run out, the newest running
-request is preempted (its blocks freed, its tokens recomputed later).
+Two policies (``SchedulerConfig.scheduling``):
+
+- ``mixed`` (the default; Sarathi-Serve's stall-free batching, vLLM V1): running decodes (one token
+  each), then partially prefilled requests, then waiting requests in arrival order share each step;
+- ``prefill-first`` (vLLM v0, the baseline of the disaggregation papers): while a prompt can be
+  scheduled, a step holds prompt work only (partially prefilled requests, then waiting prompts in
+  arrival order) and every running decode waits; a step of decodes runs only when no prompt can.
+
+Each prompt takes ``min(uncomputed tokens, budget left, chunk cap)``. With chunking off a prefill is
+scheduled whole or not at all. When blocks run out, the newest running request is preempted (its
+blocks freed, its tokens recomputed later).
 """
 
 from __future__ import annotations
@@ -67,16 +74,39 @@ class SchedulerOutput(NamedTuple):
         return sum(c.start for c in self.chunks)
 
 
+SCHEDULING_POLICIES = ("mixed", "prefill-first")
+
+
 class SchedulerConfig(NamedTuple):
     max_num_batched_tokens: int
     max_num_seqs: int
     max_model_len: int
     enable_chunked_prefill: bool = True
     max_chunk_tokens: int | None = None
+    scheduling: str = "mixed"  # one of SCHEDULING_POLICIES
+
+
+class _StepPlan:
+    """The step being built: its chunks, the requests in it, the budget left, the preemptions made."""
+
+    __slots__ = ("budget", "chunks", "preempted", "scheduled")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.chunks: list[ScheduledChunk] = []
+        self.preempted: list[str] = []
+        self.scheduled: set[str] = set()
+
+    def add(self, chunk: ScheduledChunk) -> None:
+        self.chunks.append(chunk)
+        self.scheduled.add(chunk.request_id)
+        self.budget -= len(chunk.token_ids)
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        if config.scheduling not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling must be one of {', '.join(SCHEDULING_POLICIES)}, got {config.scheduling!r}")
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
@@ -141,54 +171,70 @@ class Scheduler:
         return SchedulerOutput(output.chunks, preempted + output.preempted) if preempted else output
 
     def _schedule_once(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
-        preempted: list[str] = []
-        scheduled: set[str] = set()
+        plan = _StepPlan(self.config.max_num_batched_tokens)
+        if self.config.scheduling == "prefill-first":
+            self._schedule_running_prefills(plan)
+            self._schedule_waiting(plan, only="prompts")
+            if not plan.chunks:  # no prompt could run: the decodes' step (remote KV admitted ones included)
+                self._schedule_decodes(plan)
+                self._schedule_waiting(plan, only="decodes")
+        else:
+            self._schedule_decodes(plan)
+            self._schedule_running_prefills(plan)
+            self._schedule_waiting(plan)
+        return SchedulerOutput(plan.chunks, plan.preempted)
 
-        decodes = [r for r in self.running if self._is_decode(r)]
-        prefills = [r for r in self.running if not self._is_decode(r)]
-        for request in decodes:
-            if budget == 0:
+    def _schedule_decodes(self, plan: _StepPlan) -> None:
+        """One token for every running decode, preempting the newest unscheduled requests for blocks."""
+        for request in [r for r in self.running if self._is_decode(r)]:
+            if plan.budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step, for another decode's sake
             while not self.block_manager.allocate_slots(request, 1):
-                victim = self._newest_unscheduled(scheduled)
+                victim = self._newest_unscheduled(plan.scheduled)
                 if victim is None:
                     break
                 self._preempt(victim)
-                preempted.append(victim.request_id)
+                plan.preempted.append(victim.request_id)
                 if victim is request:
                     break
             if request.status != RequestStatus.RUNNING or not self._owns_slots(request, 1):
                 continue
-            chunks.append(self._chunk(request, 1))
-            scheduled.add(request.request_id)
-            budget -= 1
+            plan.add(self._chunk(request, 1))
 
-        for request in prefills:
-            if budget == 0 or request.status != RequestStatus.RUNNING:
+    def _schedule_running_prefills(self, plan: _StepPlan) -> None:
+        """The next chunk of every partially prefilled running request that the budget and blocks allow."""
+        for request in [r for r in self.running if not self._is_decode(r)]:
+            if plan.budget == 0 or request.status != RequestStatus.RUNNING:
                 continue
-            n = self._chunk_size(request, budget)
+            n = self._chunk_size(request, plan.budget)
             if n == 0 or not self.block_manager.allocate_slots(request, n):
                 continue  # stays partially prefilled; it will get blocks when others finish
-            chunks.append(self._chunk(request, n))
-            scheduled.add(request.request_id)
-            budget -= n
+            plan.add(self._chunk(request, n))
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+    def _schedule_waiting(self, plan: _StepPlan, only: str | None = None) -> None:
+        """Waiting requests in arrival order while budget, sequence cap and blocks allow; the first that does
+        not fit stops the rest (no overtaking). ``only="prompts"`` steps over the decode-ready requests (remote
+        KV admitted, queued at the head); ``only="decodes"`` takes those at the head and stops at a prompt."""
+        i = 0
+        while i < len(self.waiting) and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[i]
+            if only is not None and (only == "decodes") != self._is_decode(request):
+                if only == "decodes":
+                    break
+                i += 1
+                continue
             hit = None
             if not request.block_ids:
                 hit = self.block_manager.find_prefix_hit(request)
                 if hit.num_tokens == 0:
                     hit = None
             uncomputed = request.num_uncomputed_tokens - (hit.num_tokens if hit else 0)
-            n = self._chunk_size(request, budget, uncomputed)
+            n = self._chunk_size(request, plan.budget, uncomputed)
             if n == 0 or not self.block_manager.can_allocate(request, n, hit):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             if hit is not None:
                 self.block_manager.take_prefix_hit(request, hit)
             ok = self.block_manager.allocate_slots(request, n)
@@ -197,11 +243,7 @@ class Scheduler:
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = self.clock()
             self.running.append(request)
-            chunks.append(self._chunk(request, n))
-            scheduled.add(request.request_id)
-            budget -= n
-
-        return SchedulerOutput(chunks, preempted)
+            plan.add(self._chunk(request, n))
 
     def update_after_step(self, output: SchedulerOutput) -> None:
         """Advance ``num_computed_tokens`` by what the step computed; register newly full blocks."""

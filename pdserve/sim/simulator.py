@@ -389,7 +389,9 @@ class Simulator:
         c = self.config
         for name in [*prefills, *decodes]:
             sched = Scheduler(
-                SchedulerConfig(budget, c.max_num_seqs, max_model_len, c.enable_chunked_prefill, c.chunk_size),
+                SchedulerConfig(
+                    budget, c.max_num_seqs, max_model_len, c.enable_chunked_prefill, c.chunk_size, c.scheduling
+                ),
                 BlockManager(self.num_blocks, c.block_size, c.enable_prefix_caching),
             )
             sched.clock = self._clock

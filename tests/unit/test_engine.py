@@ -57,6 +57,32 @@ def test_continuous_batching_matches_each_request_alone(engine):
     assert batched.block_manager.usage().used == 0
 
 
+def test_prefill_first_scheduling_runs_prompts_in_steps_of_their_own_with_the_same_tokens():
+    prompts = _random_prompts(12, seed=5, lo=20, hi=90)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    tokens, kinds = {}, {}
+    for policy in ("mixed", "prefill-first"):
+        engine = tiny(max_num_batched_tokens=256, max_num_seqs=16, scheduling=policy)
+        got: dict[str, list[int]] = {}
+        ids = []
+        for i, prompt in enumerate(prompts):
+            ids.append(engine.add_request(prompt, params))
+            if i % 3 == 2:  # a few steps between arrivals: the earlier requests are decoding
+                for _ in range(2):
+                    for out in engine.step():
+                        got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        tokens[policy] = [got[i] for i in ids]
+        kinds[policy] = [(s.num_prefill_tokens > 0, s.num_decode_tokens > 0) for s in engine.step_history]
+        assert engine.block_manager.usage().used == 0
+    assert tokens["prefill-first"] == tokens["mixed"]
+    assert (True, True) in kinds["mixed"]  # mixed: new prompts joined the running decodes' steps
+    assert (True, True) not in kinds["prefill-first"]  # prefill-first: never a prompt and a decode in one step
+    assert (True, False) in kinds["prefill-first"] and (False, True) in kinds["prefill-first"]
+
+
 def test_preemption_and_resume_give_the_same_tokens(engine):
     prompts = _random_prompts(6, seed=3, lo=40, hi=60)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

@@ -15,9 +15,11 @@ from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 BS = 16
 
 
-def make(budget=64, seqs=8, blocks=64, chunked=True, cap=None, prefix=True, max_len=4096):
+def make(budget=64, seqs=8, blocks=64, chunked=True, cap=None, prefix=True, max_len=4096, scheduling="mixed"):
     bm = BlockManager(blocks, BS, enable_prefix_caching=prefix)
-    config = SchedulerConfig(budget, seqs, max_len, enable_chunked_prefill=chunked, max_chunk_tokens=cap)
+    config = SchedulerConfig(
+        budget, seqs, max_len, enable_chunked_prefill=chunked, max_chunk_tokens=cap, scheduling=scheduling
+    )
     return Scheduler(config, bm), bm
 
 
@@ -257,3 +259,74 @@ def test_each_request_knows_the_step_count_at_which_it_was_queued_and_a_stall_is
     assert remote.reserved_at_step == steps and remote.queued_at_step == -1
     assert remote_kv.admit_remote(s, remote, 7, 0.0, 4096) is None
     assert remote.queued_at_step == steps
+
+
+def _kinds(out: SchedulerOutput) -> str:
+    if out.num_prefill_tokens and out.num_decode_tokens:
+        return "mixed"
+    return "prefill" if out.num_prefill_tokens else "decode"
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_prefill_first_runs_new_prompts_in_steps_of_their_own_while_decodes_wait(chunked):
+    steps = {}
+    for policy in ("mixed", "prefill-first"):
+        s, bm = make(budget=80, seqs=8, blocks=200, chunked=chunked, scheduling=policy)
+        s.add(req("a", 20, max_tokens=6))
+        s.add(req("b", 20, max_tokens=6, base=30))
+        outs = [fake_step(s), fake_step(s)]  # a and b's prompts, then a decode
+        s.add(req("c", 50, max_tokens=3, base=60))  # arrives while a and b decode
+        s.add(req("d", 25, max_tokens=3, base=90))
+        outs += run_all(s)
+        steps[policy] = outs
+        bm.check_integrity()
+    mixed, first = steps["mixed"], steps["prefill-first"]
+    assert any(_kinds(o) == "mixed" for o in mixed)  # mixed: the new prompts share steps with a and b's decodes
+    assert all(_kinds(o) != "mixed" for o in first)  # prefill-first: never
+    assert [_kinds(o) for o in first[:3]] == ["prefill", "decode", "prefill"]
+    assert {c.request_id for c in first[2].chunks} == {"c", "d"}  # both waiting prompts in one prompt-only step
+    assert {c.request_id for c in first[3].chunks} == {"a", "b", "c", "d"}  # then everyone decodes together
+    # the same work either way: every request computed every token once
+    for policy, outs in steps.items():
+        assert sum(o.num_tokens for o in outs) == 20 + 6 + 20 + 6 + 50 + 3 + 25 + 3 - 4, policy
+
+
+def test_prefill_first_chunks_a_long_prompt_in_prompt_only_steps_and_decodes_when_none_fits():
+    s, bm = make(budget=32, seqs=8, blocks=12, chunked=True, scheduling="prefill-first")
+    s.add(req("a", 10, max_tokens=20))
+    fake_step(s)
+    s.add(req("long", 100, max_tokens=2, base=40))  # 7 blocks: fits beside a's
+    kinds = [_kinds(fake_step(s)) for _ in range(4)]
+    assert kinds == ["prefill"] * 4  # 32 + 32 + 32 + 4 tokens, a waits
+    assert s.requests["long"].num_computed_tokens == 100
+    run_all(s)
+    bm.check_integrity()
+
+    s, bm = make(budget=256, seqs=8, blocks=12, chunked=False, scheduling="prefill-first")
+    s.add(req("a", 10, max_tokens=20))
+    s.add(req("b", 90, max_tokens=20, base=40))
+    fake_step(s)
+    s.add(req("huge", 150, max_tokens=2, base=70))  # 10 blocks whole: not while a and b hold 7 of the 12
+    out = fake_step(s)
+    assert _kinds(out) == "decode" and {c.request_id for c in out.chunks} == {"a", "b"}  # the decodes do not starve
+    run_all(s)
+    bm.check_integrity()
+
+
+def test_prefill_first_puts_remote_kv_admissions_in_decode_steps_not_prompt_steps():
+    from pdserve.engine import remote_kv
+
+    s, _ = make(budget=64, seqs=8, blocks=64, scheduling="prefill-first")
+    remote = req("r", 40, max_tokens=4)
+    assert remote_kv.reserve_remote_blocks(s, remote, 0.0) == 0
+    assert remote_kv.admit_remote(s, remote, 7, 0.0, 4096) is None  # queued at the head, decode-ready
+    s.add(req("p", 30, max_tokens=2, base=50))
+    first = fake_step(s)
+    assert [c.request_id for c in first.chunks] == ["p"]  # the prompt steps over the decode-ready request
+    second = fake_step(s)
+    assert _kinds(second) == "decode" and {c.request_id for c in second.chunks} == {"r", "p"}
+
+
+def test_unknown_scheduling_policy_is_refused():
+    with pytest.raises(ValueError, match="scheduling must be one of mixed, prefill-first"):
+        make(scheduling="fcfs")
