@@ -172,21 +172,25 @@ class Scheduler:
 
     def _schedule_once(self) -> SchedulerOutput:
         plan = _StepPlan(self.config.max_num_batched_tokens)
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for request in self.running:
+            (decodes if self._is_decode(request) else prefills).append(request)
         if self.config.scheduling == "prefill-first":
-            self._schedule_running_prefills(plan)
+            self._schedule_running_prefills(plan, prefills)
             self._schedule_waiting(plan, only="prompts")
             if not plan.chunks:  # no prompt could run: the decodes' step (remote KV admitted ones included)
-                self._schedule_decodes(plan)
+                self._schedule_decodes(plan, decodes)
                 self._schedule_waiting(plan, only="decodes")
         else:
-            self._schedule_decodes(plan)
-            self._schedule_running_prefills(plan)
+            self._schedule_decodes(plan, decodes)
+            self._schedule_running_prefills(plan, prefills)
             self._schedule_waiting(plan)
         return SchedulerOutput(plan.chunks, plan.preempted)
 
-    def _schedule_decodes(self, plan: _StepPlan) -> None:
+    def _schedule_decodes(self, plan: _StepPlan, decodes: list[Request]) -> None:
         """One token for every running decode, preempting the newest unscheduled requests for blocks."""
-        for request in [r for r in self.running if self._is_decode(r)]:
+        for request in decodes:
             if plan.budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
@@ -203,9 +207,9 @@ class Scheduler:
                 continue
             plan.add(self._chunk(request, 1))
 
-    def _schedule_running_prefills(self, plan: _StepPlan) -> None:
+    def _schedule_running_prefills(self, plan: _StepPlan, prefills: list[Request]) -> None:
         """The next chunk of every partially prefilled running request that the budget and blocks allow."""
-        for request in [r for r in self.running if not self._is_decode(r)]:
+        for request in prefills:
             if plan.budget == 0 or request.status != RequestStatus.RUNNING:
                 continue
             n = self._chunk_size(request, plan.budget)

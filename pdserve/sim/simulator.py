@@ -142,9 +142,13 @@ class SpeedTally:
         return self.num_steps / self.wall_s if self.wall_s > 0 else 0.0
 
     def add(self, result: SimResult) -> None:
-        self.num_runs += 1
-        self.num_steps += result.num_steps
-        self.wall_s += result.wall_s
+        self.count(1, result.num_steps, result.wall_s)
+
+    def count(self, runs: int, steps: int, wall_s: float) -> None:
+        """Add runs made elsewhere (another process)."""
+        self.num_runs += runs
+        self.num_steps += steps
+        self.wall_s += wall_s
 
     def to_dict(self) -> dict[str, float]:
         return {
@@ -158,6 +162,12 @@ class SpeedTally:
 _ACTIVE_TALLIES: list[SpeedTally] = []
 
 
+def count_speed(runs: int, steps: int, wall_s: float) -> None:
+    """Add runs made in another process to every active ``speed_tally``."""
+    for tally in _ACTIVE_TALLIES:
+        tally.count(runs, steps, wall_s)
+
+
 @contextmanager
 def speed_tally() -> Iterator[SpeedTally]:
     """Count the steps and wall time of every simulator run inside the ``with`` block (nested blocks each count)."""
@@ -166,14 +176,15 @@ def speed_tally() -> Iterator[SpeedTally]:
     try:
         yield tally
     finally:
-        _ACTIVE_TALLIES.remove(tally)
+        del _ACTIVE_TALLIES[next(i for i, t in enumerate(_ACTIVE_TALLIES) if t is tally)]  # by identity
 
 
 class _Instance:
-    def __init__(self, name: str, cost_role: str, scheduler: Scheduler, index: int = 0) -> None:
+    def __init__(self, name: str, cost_role: str, scheduler: Scheduler, cost_model: CostModel, index: int = 0) -> None:
         self.name = name
         self.index = index  # its place in the deployment's order (prefill instances first)
         self.cost_role = cost_role  # how the cost model prices its steps (cost_model.ROLES)
+        self.cost_model = cost_model  # its GPUs' (its tensor and pipeline parallelism priced in)
         self.scheduler = scheduler
         self.busy = False
         self.output: SchedulerOutput | None = None  # the step running now, if any
@@ -331,20 +342,30 @@ class Simulator:
         reserve_latencies: Mapping[str, float] | None = None,
         admission_steps: Mapping[tuple[str, str], tuple[str, int]] | None = None,
         tie_window_s: float = 0.0,
+        prefill_cost_model: CostModel | None = None,
+        prefill_gpus: int | None = None,
+        prefill_pp: int = 1,
+        prefill_config: SimConfig | None = None,
     ) -> None:
         Mode.parse(mode, "sim: mode")
-        if min(num_instances, num_prefill, num_decode) < 1:
-            raise ValueError("sim: instance counts must be >= 1")
+        if min(num_instances, num_prefill, num_decode, prefill_pp) < 1:
+            raise ValueError("sim: instance counts and prefill_pp must be >= 1")
         if config.kv_link_bw is None or config.kv_link_latency_s is None:
             raise ValueError("sim: the config must set kv_link_bw and kv_link_latency_s (see simulate)")
         self.link_bw: float = config.kv_link_bw
         self.link_latency_s: float = config.kv_link_latency_s
         self.cost_model = cost_model
+        self.prefill_cost_model = prefill_cost_model or cost_model
         self.config = config
         self.mode = mode
         self.tp = tp
+        self.prefill_gpus = tp if prefill_gpus is None else prefill_gpus  # GPUs of one prefill instance (tp x pp)
+        self.prefill_pp = prefill_pp  # a pipelined prefill instance runs as this many engines
+        # the prefill instances' engine settings (token budget, chunking, policy) where they differ from the others'
+        self.prefill_config = prefill_config or config
         self.now = 0.0
-        self.num_blocks = config.num_kv_blocks or max(1, cost_model.kv_capacity_tokens() // config.block_size)
+        self.num_blocks = self._pool_blocks(cost_model, 1)
+        self.prefill_blocks = self._pool_blocks(self.prefill_cost_model, prefill_pp)
         self._counts = (num_instances, num_prefill, num_decode)
         self.instances: dict[str, _Instance] = {}
         self.steps: list[StepStats] = []
@@ -382,22 +403,38 @@ class Simulator:
         )
 
     # ---- setup ---------------------------------------------------------------------------------
-    def _build(self, budget: int, max_model_len: int) -> None:
+    def _pool_blocks(self, cost_model: CostModel, engines: int) -> int:
+        """KV blocks of one engine: the config's, else the instance's capacity shared by its ``engines``."""
+        c = self.config
+        return c.num_kv_blocks or max(1, cost_model.kv_capacity_tokens() // engines // c.block_size)
+
+    def _build(self, budget: int, prefill_budget: int, max_model_len: int) -> None:
         n, p, d = self._counts
         decodes = [f"decode-{i}" for i in range(n if self.mode == "colocated" else d)]
-        prefills = [] if self.mode == "colocated" else [f"prefill-{i}" for i in range(p)]
-        c = self.config
+        prefills = []
+        if self.mode != "colocated":
+            pp = self.prefill_pp
+            prefills = [f"prefill-{i}" if pp == 1 else f"prefill-{i}.{k}" for i in range(p) for k in range(pp)]
         for name in [*prefills, *decodes]:
+            is_prefill = name in prefills
+            c = self.prefill_config if is_prefill else self.config
+            blocks = self.prefill_blocks if is_prefill else self.num_blocks
             sched = Scheduler(
                 SchedulerConfig(
-                    budget, c.max_num_seqs, max_model_len, c.enable_chunked_prefill, c.chunk_size, c.scheduling
+                    prefill_budget if is_prefill else budget,
+                    c.max_num_seqs,
+                    max_model_len,
+                    c.enable_chunked_prefill,
+                    c.chunk_size,
+                    c.scheduling,
                 ),
-                BlockManager(self.num_blocks, c.block_size, c.enable_prefix_caching),
+                BlockManager(blocks, c.block_size, c.enable_prefix_caching),
             )
             sched.clock = self._clock
             decode_role = "auto-decode" if self.mode == "auto" else "decode"
-            role = "prefill" if name in prefills else (decode_role if prefills else "colocated")
-            self.instances[name] = _Instance(name, role, sched, len(self.instances))
+            role = "prefill" if is_prefill else (decode_role if prefills else "colocated")
+            cost = self.prefill_cost_model if is_prefill else self.cost_model
+            self.instances[name] = _Instance(name, role, sched, cost, len(self.instances))
         if self.tie_window_s > 0:
             for (request_id, event), (worker, step) in sorted(self.admission_steps.items(), key=lambda kv: kv[1][1]):
                 if worker in self.instances:
@@ -451,8 +488,9 @@ class Simulator:
         if len(set(ids)) != len(ids):
             raise ValueError("sim: request ids must be unique")
         self._max_model_len = max(r.num_prompt_tokens + r.max_tokens for r in requests)
-        self._budget = self.config.token_budget(max(r.num_prompt_tokens for r in requests))
-        self._build(self._budget, self._max_model_len)
+        longest = max(r.num_prompt_tokens for r in requests)
+        self._budget = self.config.token_budget(longest)
+        self._build(self._budget, self.prefill_config.token_budget(longest), self._max_model_len)
         self._clients = {r.request_id: _Client(r) for r in requests}
         self._max_concurrency = max_concurrency
         self._in_flight = 0
@@ -514,11 +552,12 @@ class Simulator:
         self._in_flight += 1
         client.send_time = self.now
         w = client.wreq
-        if -(-(w.num_prompt_tokens + 1) // self.config.block_size) > self.num_blocks:
+        fewest = min(self.num_blocks, self.prefill_blocks) if self.mode != "colocated" else self.num_blocks
+        if -(-(w.num_prompt_tokens + 1) // self.config.block_size) > fewest:
             self._complete(
                 client,
                 error=f"prompt of {w.num_prompt_tokens} tokens needs more KV blocks than an "
-                f"instance has ({self.num_blocks} x {self.config.block_size})",
+                f"instance has ({fewest} x {self.config.block_size})",
             )
             return
         client.prompt_hashes = compute_block_hashes(w.prompt_token_ids, self.config.block_size)
@@ -623,7 +662,7 @@ class Simulator:
             if k < len(recorded):
                 return max(float(recorded[k]), 1e-9)
             self.unreplayed_steps += 1
-        return max(self.cost_model.step_time(shape, inst.cost_role), 1e-9)
+        return max(inst.cost_model.step_time(shape, inst.cost_role), 1e-9)
 
     # ---- coalesced decode runs -----------------------------------------------------------------
     # A decode instance whose step is decode-only, with nothing waiting, runs the same batch step after
@@ -659,7 +698,7 @@ class Simulator:
             for g in range(0, len(contexts), _DECODE_GROUP)
         ]
         end = self.now + work
-        price, reads_keys = decode_pricer(self.cost_model, len(chunks), inst.cost_role)
+        price, reads_keys = decode_pricer(inst.cost_model, len(chunks), inst.cost_role)
         run = _DecodeRun(
             requests=requests,
             clients=[self._clients[c.request_id] for c in chunks],
@@ -1200,8 +1239,19 @@ class Simulator:
         }
         if self.mode == "colocated":
             config["num_instances"] = n
+            gpus = n * self.tp
         else:
             config.update(num_prefill=p, num_decode=d)
+            if self.prefill_config is not self.config:
+                config["prefill_sim"] = self.prefill_config.to_dict()
+            if self.prefill_cost_model is not self.cost_model or self.prefill_gpus != self.tp or self.prefill_pp > 1:
+                config.update(
+                    prefill_cost_model=self.prefill_cost_model.name,
+                    prefill_gpus=self.prefill_gpus,
+                    prefill_pp=self.prefill_pp,
+                    prefill_num_kv_blocks=self.prefill_blocks,
+                )
+            gpus = p * self.prefill_gpus + d * self.tp
         order = sorted(range(len(self.steps)), key=self._step_order.__getitem__)
         if self.step_durations is not None:
             config["unreplayed_steps"] = self.unreplayed_steps
@@ -1211,7 +1261,7 @@ class Simulator:
             tuple(self.steps[i] for i in order),
             tuple(self.instances),
             self.kv_bytes_moved,
-            len(self.instances) * self.tp,
+            gpus,
             config,
             tuple(self.step_chunks[i] for i in order),
             self.num_steps,
@@ -1254,11 +1304,19 @@ def simulate(
     max_concurrency: int | None = None,
     kv_link_bw: float = 25e9,
     kv_link_latency_s: float = 20e-6,
+    prefill_cost_model: CostModel | None = None,
+    prefill_tp: int | None = None,
+    prefill_pp: int = 1,
+    prefill_config: SimConfig | None = None,
 ) -> SimResult:
     """Replay ``requests`` on ``cost_model``: the simulator's main entry point.
 
-    ``tp`` only labels the result (GPUs per instance, for per-GPU figures); the cost model already
-    prices tensor parallelism. ``kv_link_bw``/``kv_link_latency_s`` apply unless ``config`` sets them.
+    ``cost_model`` prices the colocated or decode instances' steps, ``prefill_cost_model`` (default: the
+    same) the prefill instances': each already prices its instance's tensor and pipeline parallelism.
+    ``tp`` (GPUs of a colocated or decode instance), ``prefill_tp`` (default ``tp``) and ``prefill_pp`` count
+    the GPUs for per-GPU figures; a prefill instance of ``prefill_pp`` > 1 stages runs as that many engines
+    (its stages work on as many steps at once), each with its share of the instance's KV pool.
+    ``kv_link_bw``/``kv_link_latency_s`` apply unless ``config`` sets them.
     """
     config = config or SimConfig()
     if config.kv_link_bw is None or config.kv_link_latency_s is None:
@@ -1267,5 +1325,17 @@ def simulate(
             kv_link_bw=config.kv_link_bw or kv_link_bw,
             kv_link_latency_s=kv_link_latency_s if config.kv_link_latency_s is None else config.kv_link_latency_s,
         )
-    sim = Simulator(cost_model, config, mode, num_instances, num_prefill, num_decode, tp)
+    sim = Simulator(
+        cost_model,
+        config,
+        mode,
+        num_instances,
+        num_prefill,
+        num_decode,
+        tp,
+        prefill_cost_model=prefill_cost_model,
+        prefill_gpus=(tp if prefill_tp is None else prefill_tp) * prefill_pp,
+        prefill_pp=prefill_pp,
+        prefill_config=prefill_config,
+    )
     return sim.run(requests, max_concurrency)
