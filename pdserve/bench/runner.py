@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -36,7 +38,7 @@ from tqdm import tqdm
 
 from pdserve.deployment_config import DeploymentConfig
 from pdserve.engine import EngineConfig, SamplingParams
-from pdserve.messages import Mode, StepStats
+from pdserve.messages import Mode, StepStats, WorkerStats
 from pdserve.options import (
     RawDescriptionHelpFormatter,
     add_config_arguments,
@@ -290,7 +292,29 @@ def measure(
         stats = client.stats(steps_since=t0)
     steps = sorted((s._replace(worker=w.worker_id) for w in stats for s in w.steps), key=lambda s: s.started)
     moved = sum(w.kv_bytes_moved - before.get(w.worker_id, 0) for w in stats if w.role == "prefill")
-    return MeasuredRun(records, steps, moved, duration)
+    return MeasuredRun(with_admission_steps(records, stats), steps, moved, duration)
+
+
+def admission_steps(stats: Sequence[WorkerStats]) -> dict[str, dict[str, int]]:
+    """Per request, each worker's step count when it took the request in, from the workers' admission traces:
+    ``{request id: {"decode_queued_step": k, "decode_reserved_step": k, "prefill_queued_step": k}}``, ``k``
+    counting that worker's steps in ``stats`` that started before the admission (the position of the first
+    step it could join among them). A trace replay (``sim.replay``) reads them from the records' meta."""
+    out: dict[str, dict[str, int]] = {}
+    for w in stats:
+        starts = sorted(s.started for s in w.steps)
+        for event in w.admissions:
+            name = f"{w.role}_{event.event}_step"
+            out.setdefault(event.request_id, {})[name] = bisect.bisect_left(starts, event.time)
+    return out
+
+
+def with_admission_steps(records: Sequence[RequestRecord], stats: Sequence[WorkerStats]) -> list[RequestRecord]:
+    """``records`` with each one's ``admission_steps`` in its meta (of each kind, the latest)."""
+    steps = admission_steps(stats)
+    return [
+        dataclasses.replace(r, meta={**r.meta, **steps[r.request_id]}) if r.request_id in steps else r for r in records
+    ]
 
 
 def target_problem(target: str, timeout_s: float = 10.0) -> str | None:

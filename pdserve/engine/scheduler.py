@@ -124,15 +124,11 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         if request.status == RequestStatus.WAITING:
-            request.queued_at_step = self.num_steps
             self.waiting.append(request)
-        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-            request.reserved_at_step = self.num_steps
 
     def admit_front(self, request: Request) -> None:
         """Queue an already-known request (remote KV arrived) ahead of new arrivals."""
         request.status = RequestStatus.WAITING
-        request.queued_at_step = self.num_steps
         self.waiting.appendleft(request)
 
     def finish(self, request: Request, reason: FinishReason, free_blocks: bool = True) -> None:

@@ -61,7 +61,6 @@ class PrefillResult(NamedTuple):
     num_cached_tokens: int  # prompt tokens found in this worker's own prefix cache
     num_pushes: int  # pushes issued so far (the last one may still be in flight)
     decode_cached_tokens: int  # prompt tokens the decode worker already had (their blocks were not pushed)
-    queued_at_step: int = -1  # this worker's step count when its scheduler queued the prompt
 
 
 @dataclass
@@ -179,7 +178,7 @@ class PrefillWorker:
             job.admitted.set()
         if job.cancelled:
             raise RuntimeError(f"request {request_id!r} aborted")
-        first_token, first_time, queue_s, prefill_s, num_cached, queued_at_step = await job.first_token
+        first_token, first_time, queue_s, prefill_s, num_cached = await job.first_token
         return PrefillResult(
             self.worker_id,
             first_token,
@@ -189,7 +188,6 @@ class PrefillWorker:
             num_cached,
             job.push_index,
             job.next_block_at_start * self.block_size,
-            queued_at_step,
         )
 
     async def _admit(
@@ -332,7 +330,6 @@ class PrefillWorker:
                     queue_s,
                     stats.prefill_s,
                     stats.num_cached_tokens,
-                    request.queued_at_step,
                 )
                 job.resolve(job.first_token, first)
 
