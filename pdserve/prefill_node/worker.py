@@ -117,6 +117,7 @@ class PrefillWorker:
         """``transport``: a kind for ``make_transport``, or a transport object (tests). ``verify_kv``: send
         the CRC-32 of every pushed block with its notification (the decode worker checks them)."""
         from pdserve.engine.llm_engine import LLMEngine
+        from pdserve.engine.model_runner import use_device
         from pdserve.kv_transfer import KVTransport, make_transport
 
         restore_normal_priority()  # Ray starts workers at niceness 15
@@ -134,10 +135,11 @@ class PrefillWorker:
         self._waiting_tokens = 0  # prompt tokens waiting in the engine, as of the loop thread's last look
         self._adding: dict[str, int] = {}  # admitted, not yet added by the loop thread: prompt tokens
         self._fault: str | None = None
+        use_device(engine.device)  # a CUDA context on this thread before the NIXL agent brings up UCX
         self.transport = (
             transport if isinstance(transport, KVTransport) else make_transport(transport, transport_config)
         )
-        self.transport.register_pool(engine.kv_cache)
+        self.transport.register_pool(engine.kv_cache, engine.kv_compatibility)
         self._jobs: dict[str, _Job] = {}  # touched on the loop thread only (after creation)
         self._notices: set[asyncio.Future] = set()
         self._kv_bytes = 0
