@@ -16,6 +16,7 @@ blocks freed, its tokens recomputed later).
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from collections.abc import Callable
@@ -254,6 +255,102 @@ class Scheduler:
             request.num_computed_tokens = chunk.start + len(chunk.token_ids)
             self.block_manager.cache_full_blocks(request)
 
+    # ---- runs of identical decode steps (the simulator's fast path) ------------------------------
+    def decode_run_length(self, output: SchedulerOutput) -> int:
+        """How many steps, ``output`` (just scheduled) the first, the running batch can repeat as it is: every
+        running request decodes one token a step, nothing waits, and the run ends at the step in which the
+        first request reaches its ``max_tokens`` or the model length, or before the first step whose blocks
+        the free pool cannot hold. 0 when ``output`` is not such a step. Only a caller that knows no request
+        stops earlier (no EOS, no stop strings: the simulator) can run the steps as one
+        (``advance_decode_run``)."""
+        chunks = output.chunks
+        if self.waiting or output.preempted or len(chunks) != len(self.running):
+            return 0
+        if any(len(c.token_ids) != 1 or not c.samples for c in chunks):
+            return 0
+        requests = [self.requests[c.request_id] for c in chunks]
+        max_len = self.config.max_model_len
+        last = min(min(r.params.max_tokens - r.num_output_tokens, max_len - r.num_tokens) for r in requests)
+        if last < 1:
+            return 0
+        return self._steps_with_blocks(requests, [c.start for c in chunks], last)
+
+    def _steps_with_blocks(self, requests: list[Request], first_starts: list[int], last: int) -> int:
+        """The most steps (up to ``last``) of a run whose blocks the free pool holds: step ``i`` needs
+        every request's blocks to cover its first start + ``i`` tokens."""
+        blocks = self.block_manager
+        bs, free = blocks.block_size, blocks.num_available_blocks
+        held = [len(r.block_ids) for r in requests]
+
+        def needed(steps: int) -> int:
+            return sum(max(0, -(-(s + steps) // bs) - h) for s, h in zip(first_starts, held, strict=True))
+
+        if needed(last) <= free:
+            return last
+        lo, hi = 1, last  # needed(lo) == 0 (step 1 is allocated), needed(hi) > free
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if needed(mid) <= free else (lo, mid)
+        return lo
+
+    def advance_decode_run(
+        self, requests: list[Request], first_starts: list[int], a: int, j: int, token_id: int
+    ) -> SchedulerOutput:
+        """Apply steps ``a .. j-1`` of a run (``decode_run_length``) whose step ``a`` is scheduled and whose
+        first step computed each request's token at ``first_starts``, every step sampling ``token_id``: the
+        tokens, the computed counts and the blocks as those steps one by one and ``schedule()`` between
+        them would have left them; returns step ``j``, scheduled (its blocks allocated)."""
+        n = j - a
+        if n:
+            sampled = [token_id] * n
+            for request in requests:
+                request.all_token_ids.extend(sampled)
+            self._apply_block_steps(requests, first_starts, a, j)
+        chunks = []
+        for request, first in zip(requests, first_starts, strict=True):
+            start = first + j - 1
+            request.num_computed_tokens = start
+            chunks.append(
+                ScheduledChunk(
+                    request.request_id, request.all_token_ids[start : start + 1], start, list(request.block_ids), True
+                )
+            )
+        return SchedulerOutput(chunks, [])
+
+    def _apply_block_steps(self, requests: list[Request], first_starts: list[int], a: int, j: int) -> None:
+        """What steps ``a .. j-1`` did to the blocks, in the engine's order: after each step, every
+        request whose computed tokens fill a block registers it (prefix caching); then the next step
+        allocates a block to every request whose next token needs one. Only those requests are visited
+        (and, with prefix caching, any whose registration is behind: retried after every step)."""
+        blocks = self.block_manager
+        bs, caching = blocks.block_size, blocks.enable_prefix_caching
+        events: list[tuple[int, int, int]] = []  # (step i, 0: register after it / 1: allocate for step i+1, request)
+        behind: set[int] = set()
+        for q, (request, first) in enumerate(zip(requests, first_starts, strict=True)):
+            if caching:
+                if request.num_registered_blocks < _num_full(request, bs, first + a - 1):
+                    behind.add(q)
+                    events.extend((i, 0, q) for i in range(a, j))
+                else:
+                    events.extend((i, 0, q) for i in range(a + (-(first + a)) % bs, j, bs))
+            covered = len(request.block_ids) * bs  # slots held; step i + 1 needs first + i + 1 of them
+            events.extend((i, 1, q) for i in range(max(a, covered - first), j, bs))
+        heapq.heapify(events)
+        while events:
+            i, phase, q = heapq.heappop(events)
+            request = requests[q]
+            request.num_computed_tokens = first_starts[q] + i
+            if phase == 1:
+                ok = blocks.allocate_slots(request, 1)
+                assert ok, "the run was planned within the free blocks"
+                continue
+            blocks.cache_full_blocks(request)
+            if q not in behind and request.num_registered_blocks < _num_full(request, bs, request.num_computed_tokens):
+                behind.add(q)
+                for later in range(i + 1, j):
+                    if (first_starts[q] + later) % bs:  # the block-filling steps are queued already
+                        heapq.heappush(events, (later, 0, q))
+
     # ---- helpers -------------------------------------------------------------------------------
     @staticmethod
     def _is_decode(request: Request) -> bool:
@@ -292,3 +389,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.waiting.appendleft(request)
+
+
+def _num_full(request: Request, block_size: int, computed: int) -> int:
+    """The request's full blocks when ``computed`` of its tokens are computed (``cache_full_blocks``)."""
+    return min(computed // block_size, len(request.block_ids))
