@@ -314,3 +314,67 @@ def test_prefill_first_puts_remote_kv_admissions_in_decode_steps_not_prompt_step
 def test_unknown_scheduling_policy_is_refused():
     with pytest.raises(ValueError, match="scheduling must be one of mixed, prefill-first"):
         make(scheduling="fcfs")
+
+
+def _decoding(blocks: int, prefix: bool, max_tokens: int = 40) -> tuple[Scheduler, BlockManager, SchedulerOutput]:
+    """Three requests prefilled and decoding, one sharing another's prefix; the first decode step scheduled."""
+    s, bm = make(budget=256, blocks=blocks, prefix=prefix)
+    s.add(req("a", 30, max_tokens=max_tokens))
+    s.add(req("b", 45, max_tokens=max_tokens + 5))
+    s.add(req("c", 30, max_tokens=max_tokens))  # a's prompt: a prefix hit with caching on
+    while True:
+        out = s.schedule()
+        if all(len(c.token_ids) == 1 for c in out.chunks) and len(out.chunks) == 3:
+            return s, bm, out
+        s.update_after_step(out)
+        for c in out.chunks:
+            if c.samples:
+                s.requests[c.request_id].all_token_ids.append(7)
+
+
+def _state(s: Scheduler, bm: BlockManager) -> tuple:
+    requests = {
+        rid: (list(r.all_token_ids), r.num_computed_tokens, list(r.block_ids), r.num_registered_blocks)
+        for rid, r in s.requests.items()
+    }
+    return requests, list(bm.free_blocks), list(bm.cached_free), dict(bm.hash_to_block), list(bm.ref_counts)
+
+
+@pytest.mark.parametrize("prefix", [True, False])
+@pytest.mark.parametrize("blocks", [64, 12])
+def test_a_decode_run_leaves_what_its_steps_one_by_one_leave(prefix, blocks):
+    # the simulator's fast path: decode_run_length steps applied at once by advance_decode_run give the same
+    # tokens, computed counts, blocks and next step as schedule() and update_after_step() step by step
+    s1, bm1, first = _decoding(blocks, prefix)
+    n = s1.decode_run_length(first)
+    assert n >= 2
+    if blocks == 12:
+        assert n < 40  # the free pool ends the run before any request's max_tokens
+    requests = [s1.requests[c.request_id] for c in first.chunks]
+    starts = [c.start for c in first.chunks]
+    j = n  # apply steps 1 .. n-1: step n is the last the run holds blocks for
+    out1 = s1.advance_decode_run(requests, starts, 1, j, 7)
+
+    s2, bm2, out2 = _decoding(blocks, prefix)
+    for _ in range(j - 1):
+        s2.update_after_step(out2)
+        for c in out2.chunks:
+            s2.requests[c.request_id].all_token_ids.append(7)
+        out2 = s2.schedule()
+    assert out1 == out2
+    assert _state(s1, bm1) == _state(s2, bm2)
+    # one step past the run would need a block the pool lacks (or a request ends at its max_tokens)
+    s2.update_after_step(out2)
+    for c in out2.chunks:
+        s2.requests[c.request_id].all_token_ids.append(7)
+    ended = any(r.num_output_tokens >= r.params.max_tokens for r in s2.requests.values())
+    assert ended or s2.schedule().preempted
+
+
+def test_no_decode_run_while_a_prompt_waits_or_a_prefill_runs():
+    s, _, first = _decoding(64, True)
+    s.add(req("d", 20))
+    assert s.decode_run_length(first) == 0
+    s2, _ = make(budget=256)
+    s2.add(req("x", 30))
+    assert s2.decode_run_length(s2.schedule()) == 0  # a prompt's step
