@@ -11,7 +11,7 @@ closely as their material allows (``docs/simulator.md`` sets the papers' figures
 - **Sarathi-Serve** (OSDI 2024): Mistral-7B on one A100, a workload shaped like openchat_sharegpt4
   (lognormal lengths with its median and P90), capacity = the highest rate with P99 time-between-tokens
   within the SLO and the median scheduling delay (here: TTFT) under 2 s, chunked prefill at a token
-  budget of 512 against whole-prompt steps.
+  budget of 512 against whole prompts under the prefill-first policy (vLLM's scheduler of the time).
 
 ``python -m pdserve.sim.published [--quick]`` prints both tables.
 """
@@ -227,7 +227,7 @@ def sarathi_capacity(
     cfg = (
         replace(base, enable_chunked_prefill=True, max_num_batched_tokens=512)
         if chunked
-        else replace(base, enable_chunked_prefill=False)
+        else replace(base, enable_chunked_prefill=False, scheduling="prefill-first")
     )
     found: dict[float, tuple[float, float]] = {}
 
