@@ -36,9 +36,13 @@
      Pass: agreement ≥ 95 % and both p50s within 10 %, for every run;
    - **check 3, end to end**: each workload on each architecture simulated ``--sim-runs`` times (one
      seed of the slowdown draws each); the median of each figure against the median of the measured
-     repeats. Pass: p50 figures within 10 % or inside the measured spread (min–max), p99 within 20 % or
-     inside the spread. Beside it, not counted in the verdict: each figure simulated at the measured
-     repeats' own levels (how fast the machine ran in each, ``simulated_at_levels``), and the levels.
+     repeats: a figure passes within 10 % (p50) or 20 % (p99) of it, or inside the measured spread
+     (min–max). Pass: the simulated figures pass at least as many references as a rerun of the real system
+     does, each measured repeat taken in turn as the prediction and judged against the other repeats (their
+     median and spread), the simulated figures against those same references (``rerun_baseline``; with
+     fewer than three repeats, every figure must pass). Beside it, not counted in the verdict: each figure
+     simulated at the measured repeats' own levels (how fast the machine ran in each,
+     ``simulated_at_levels``), and the levels.
 
     flock -x /tmp/pdserve-ray.lock python benchmarks/validate_sim.py [--repeats 3] [--out results/validate]
     python benchmarks/validate_sim.py --measured results/validate/measured.json   # re-simulate, no Ray
@@ -361,6 +365,17 @@ def rerun_baseline(rows: Sequence[Row]) -> tuple[float, float] | None:
     if not each or any(e is None for e in each):
         return None
     return sum(e[0] for e in each if e), sum(e[1] for e in each if e)
+
+
+def check_three_ok(rows: Sequence[Row]) -> bool:
+    """Check 3's verdict: the simulated figures pass at least as many held-out references as a rerun of the
+    real system does (``rerun_baseline``: each measured repeat taken as the prediction against the others).
+    Without three repeats of every figure, every figure must pass (within its tolerance or its spread)."""
+    baseline = rerun_baseline(rows)
+    if baseline is None:
+        return bool(rows) and all(r.ok for r in rows)
+    repeat, simulated = baseline
+    return simulated >= repeat - 1e-9
 
 
 def compare(args: argparse.Namespace, runs: Sequence[Run], profile: Any, say: Any = print) -> list[Row]:
@@ -903,7 +918,7 @@ def check_summary(step_rows: Sequence[StepCheckRow], replay_rows: Sequence[Repla
         "check 3 (end to end)": {
             "passed": sum(r.ok for r in rows),
             "of": len(rows),
-            "ok": all(r.ok for r in rows),
+            "ok": check_three_ok(rows),
             "passed_at_levels": sum(bool(r.ok_at_level) for r in rows)
             if rows and all(r.at_level is not None for r in rows)
             else None,

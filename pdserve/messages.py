@@ -58,9 +58,6 @@ class StepStats(NamedTuple):
     # the stepping thread's CPU time over the same span as duration_s (time.thread_time): the step's own work
     # without the time other processes held the core; 0.0 when not recorded (the simulator, older records)
     cpu_s: float = 0.0
-    # the worker's step count before this step: the count its requests' admission records (``queued_at_step``)
-    # refer to; -1 when not recorded
-    step_index: int = -1
     # the worker's latest pace probe before this step: the CPU time of one fixed kernel (``engine.pace_probe``),
     # which moves with the machine's pace and not with the step; 0.0 when the probe is off
     pace_s: float = 0.0
@@ -82,10 +79,6 @@ class WorkerRequestStats(NamedTuple):
     # unix time this worker received the call that started its part of the request (a prompt to prefill here,
     # or the first token after a remote prefill): a busy worker takes the call in only after its step
     call_time: float = 0.0
-    # this worker's step count when its scheduler queued the request (its first possible step here) and, for a
-    # remote prefill, when it reserved the blocks; -1 if not
-    queued_at_step: int = -1
-    reserved_at_step: int = -1
 
 
 Logprob = tuple[float, list[tuple[int, float]]]
@@ -149,11 +142,17 @@ class RequestMetrics(NamedTuple):
     second_token_time: float = 0.0  # unix time the decode worker sampled output token #2 (0 if none)
     fallback: str = ""  # why a disaggregated request was prefilled locally instead (empty if it was not)
     decode_call_time: float = 0.0  # unix time the decode worker received its call (generate, or decode); 0 if unknown
-    # each worker's step count when it took the request in (its scheduler's queue, or the decode side's reservation):
-    # the first step it could join there; -1 if unknown or not applicable
-    decode_queued_step: int = -1
-    decode_reserved_step: int = -1
-    prefill_queued_step: int = -1
+
+
+class AdmissionEvent(NamedTuple):
+    """A debug trace entry of a worker's engine: it took a request in at ``time`` (unix, on its engine loop,
+    between two steps). ``event``: ``queued`` (its scheduler queued the request: a prompt, or a decode whose
+    remote KV arrived) or ``reserved`` (blocks set aside for its remote KV). What a trace replay needs to put
+    each admission before the step the worker put it before (``pdserve.bench.runner.admission_steps``)."""
+
+    request_id: str
+    event: str
+    time: float
 
 
 class WorkerStats(NamedTuple):
@@ -176,3 +175,5 @@ class WorkerStats(NamedTuple):
     device: str = ""  # its torch device
     state: str = "serving"  # "serving", or "unavailable" when the worker did not answer
     kv_pushes_refused: int = 0  # decode: incoming KV pushes turned away (no secret, no such reservation)
+    # with the steps (asked for with them): when the engine took requests in, a debug trace for trace replay
+    admissions: tuple[AdmissionEvent, ...] = ()

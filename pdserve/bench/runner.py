@@ -2,7 +2,8 @@
 """``pdserve bench``: the A/B benchmark of the real system, one architecture after another.
 
 Each architecture gets a fresh deployment on the same number of workers (disaggregated and
-auto: ``--prefill-workers`` P + ``--decode-workers`` D; colocated: P + D workers), a warm-up that is
+auto: ``--prefill-workers`` P + ``--decode-workers`` D; colocated and baseline: P + D workers; the baseline
+is colocated under the prefill-first policy with whole prompts, ``architecture_engine``), a warm-up that is
 left out of the figures, then the workload, sent on its arrival schedule from an asyncio client
 that timestamps every token.
 With ``--target HOST:PORT`` it runs against a router that is already serving (the architectures
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -36,7 +39,7 @@ from tqdm import tqdm
 
 from pdserve.deployment_config import DeploymentConfig
 from pdserve.engine import EngineConfig, SamplingParams
-from pdserve.messages import Mode, StepStats
+from pdserve.messages import Mode, StepStats, WorkerStats
 from pdserve.options import (
     RawDescriptionHelpFormatter,
     add_config_arguments,
@@ -58,7 +61,11 @@ from pdserve.workload.metrics import RequestRecord, SweepPoint, find_knee, parse
 from pdserve.workload.report import RunData, markdown_table, write_report
 from pdserve.workload.spread import differences, spread_table, summarize
 
-ARCHITECTURES = tuple(Mode)
+BASELINE = "baseline"
+ARCHITECTURES = (*Mode, BASELINE)
+# the classic baseline of the disaggregation papers (vLLM v0's scheduler): colocated, prompts whole, a step of
+# prompts runs while any prompt can and the decodes wait (``architecture_engine``)
+BASELINE_SCHEDULING = "prefill-first"
 
 
 @dataclass(frozen=True)
@@ -290,7 +297,29 @@ def measure(
         stats = client.stats(steps_since=t0)
     steps = sorted((s._replace(worker=w.worker_id) for w in stats for s in w.steps), key=lambda s: s.started)
     moved = sum(w.kv_bytes_moved - before.get(w.worker_id, 0) for w in stats if w.role == "prefill")
-    return MeasuredRun(records, steps, moved, duration)
+    return MeasuredRun(with_admission_steps(records, stats), steps, moved, duration)
+
+
+def admission_steps(stats: Sequence[WorkerStats]) -> dict[str, dict[str, int]]:
+    """Per request, each worker's step count when it took the request in, from the workers' admission traces:
+    ``{request id: {"decode_queued_step": k, "decode_reserved_step": k, "prefill_queued_step": k}}``, ``k``
+    counting that worker's steps in ``stats`` that started before the admission (the position of the first
+    step it could join among them). A trace replay (``sim.replay``) reads them from the records' meta."""
+    out: dict[str, dict[str, int]] = {}
+    for w in stats:
+        starts = sorted(s.started for s in w.steps)
+        for event in w.admissions:
+            name = f"{w.role}_{event.event}_step"
+            out.setdefault(event.request_id, {})[name] = bisect.bisect_left(starts, event.time)
+    return out
+
+
+def with_admission_steps(records: Sequence[RequestRecord], stats: Sequence[WorkerStats]) -> list[RequestRecord]:
+    """``records`` with each one's ``admission_steps`` in its meta (of each kind, the latest)."""
+    steps = admission_steps(stats)
+    return [
+        dataclasses.replace(r, meta={**r.meta, **steps[r.request_id]}) if r.request_id in steps else r for r in records
+    ]
 
 
 def target_problem(target: str, timeout_s: float = 10.0) -> str | None:
@@ -334,15 +363,25 @@ def worker_counts(args: argparse.Namespace) -> tuple[int, int]:
     return prefill, args.num_decode_workers
 
 
+def architecture_engine(architecture: str, engine: EngineConfig) -> EngineConfig:
+    """The engine options ``architecture`` runs with: ``engine``'s; the baseline's under the prefill-first policy
+    with whole prompts."""
+    if architecture != BASELINE:
+        return engine
+    return dataclasses.replace(
+        engine, scheduling=BASELINE_SCHEDULING, enable_chunked_prefill=False, max_chunk_tokens=None
+    )
+
+
 def deployment_config(architecture: str, args: argparse.Namespace, engine: EngineConfig) -> DeploymentConfig:
     prefill, decode = worker_counts(args)
-    if architecture == "colocated":
+    if architecture in ("colocated", BASELINE):
         prefill, decode = 0, prefill + decode
     values = config_values(DeploymentConfig, args)
     return DeploymentConfig(
         **{**values, "num_prefill_workers": prefill, "num_decode_workers": decode},
-        engine=engine,
-        mode=architecture,
+        engine=architecture_engine(architecture, engine),
+        mode="colocated" if architecture == BASELINE else architecture,
         port=0,
         router=config_from_args(RouterConfig, args),
     )
@@ -374,8 +413,11 @@ def deployed(architecture: str, args: argparse.Namespace, engine: EngineConfig) 
         yield args.target, {"target": args.target}
         return
     config = deployment_config(architecture, args, engine)
+    engine = config.engine
     meta = {
         "architecture": architecture,
+        "scheduling": engine.scheduling,
+        "enable_chunked_prefill": engine.enable_chunked_prefill,
         "prefill_workers": config.num_prefill_workers,
         "decode_workers": config.num_decode_workers,
         "transport": config.transport,
@@ -413,7 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("architectures")
     g.add_argument(
-        "--architectures", default="colocated,disaggregated", help=f"comma-separated, from {', '.join(ARCHITECTURES)}"
+        "--architectures",
+        default="colocated,disaggregated",
+        help=f"comma-separated, from {', '.join(ARCHITECTURES)} (baseline: colocated, prefill-first, whole prompts)",
     )
     add_config_arguments(
         p,
@@ -477,7 +521,9 @@ def main(argv: list[str] | None = None) -> int:
         bad = [a for a in archs if a not in ARCHITECTURES]
         if bad or not archs:
             raise ValueError(f"--architectures: unknown {bad} (choose from {', '.join(ARCHITECTURES)})")
-        if worker_counts(args)[0] == 0 and set(archs) - {"colocated"}:
+        if args.target and BASELINE in archs:
+            raise ValueError("--architectures baseline starts a deployment of its own: not with --target")
+        if worker_counts(args)[0] == 0 and set(archs) - {"colocated", BASELINE}:
             raise ValueError("--prefill-workers 0: disaggregated and auto need at least one prefill worker")
         if args.repeats < 1:
             raise ValueError("--repeats must be >= 1")

@@ -9,8 +9,8 @@ workload on the chosen architecture(s) and writes a report):
   default, on one colocated instance unless ``--mode``/``--prefill-workers``/``--decode-workers`` say
   otherwise) plus the 32k chunking off-vs-on worst-ITL ratio
 - ``--sweep chunk=128,256,...``: chunk-size sweep, P99 ITL vs prefill throughput and the knee
-- ``--pd-search N``: colocated vs every P:D split of N GPUs, disaggregated and auto, goodput per GPU
-  under ``--slo``
+- ``--pd-search N``: deployments of at most N GPUs (colocated, disaggregated and auto; per-role TP and
+  PP, chunk sizes, scheduling policies), goodput per GPU under ``--slo`` with its spread over seeds
 - ``--calibrate [PATH]``: measure our engine on this CPU and write the cpu-measured profile JSON
 - ``--replay FILE``: replay the runs of a ``results.json`` (``pdserve sim``'s or ``pdserve bench``'s
   ``--out``) with their recorded step durations: step agreement and latency figures, replay vs run
@@ -110,14 +110,35 @@ def _add_action_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--demo-long-prompt-len", type=int, default=32768, help="demo: the prompt of the chunking off/on ratio"
     )
-    g.add_argument("--pd-search", type=int, default=None, metavar="N", help="P:D search over N GPUs")
+    g.add_argument("--pd-search", type=int, default=None, metavar="N", help="P:D search over at most N GPUs")
+    g.add_argument("--pd-tp", default="1,2,4,8", metavar="T,...", help="pd search: the TP degrees of every role to try")
+    g.add_argument("--pd-pp", default="1,2", metavar="P,...", help="pd search: the prefill pipeline depths to try")
+    g.add_argument(
+        "--pd-chunks",
+        default="512,2048",
+        metavar="C,...",
+        help="pd search: token budgets (chunk sizes) of chunked instances, beside whole-prompt prefill",
+    )
+    g.add_argument("--pd-seeds", type=int, default=3, help="pd search: workload seeds per verified deployment")
+    g.add_argument(
+        "--jobs",
+        type=int,
+        default=min(4, os.cpu_count() or 1),
+        help="pd search: configurations simulated at once, each in a process of its own",
+    )
+    g.add_argument(
+        "--pd-verify",
+        type=int,
+        default=3,
+        help="pd search: how many of the best predicted disaggregated placements to simulate whole",
+    )
     g.add_argument("--attainment", type=float, default=0.9, help="pd search: SLO attainment target")
-    g.add_argument("--no-rate-search", action="store_true", help="pd search: only the workload's own rate")
+    g.add_argument("--no-rate-search", action="store_true", help="goodput: only the workload's own rate")
     g.add_argument(
         "--pd-min-duration",
         type=float,
-        default=5.0,
-        help="pd search: each rate-search run spans at least this many seconds of arrivals",
+        default=10.0,
+        help="pd search and goodput: each rate-search run spans at least this many seconds of arrivals",
     )
     g.add_argument(
         "--calibrate",
@@ -332,25 +353,53 @@ def run_sweep(args: argparse.Namespace, sim: Simulation, say: Callable[..., None
     return Findings(config={"sweep_workload": wl.spec.to_dict()}, sweep=sweep)
 
 
-def run_pd_search(args: argparse.Namespace, sim: Simulation, say: Callable[..., None]) -> Findings:
-    """``--pd-search N``: colocated against every P:D split of N GPUs, goodput per GPU under the SLOs."""
+def _int_list(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag} takes integers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} takes integers >= 1 separated by commas, got {text!r}")
+    return values
 
+
+def run_pd_search(args: argparse.Namespace, sim: Simulation, say: Callable[..., None]) -> Findings:
+    """``--pd-search N``: deployments of at most N GPUs, goodput per GPU under the SLOs, with spread."""
+    import time
+
+    from pdserve.sim.experiments import SearchSpace
+
+    if args.pd_seeds < 1 or args.pd_verify < 1 or args.jobs < 1:
+        raise ValueError("--pd-seeds, --pd-verify and --jobs must be >= 1")
+    space = SearchSpace(
+        tps=_int_list("--pd-tp", args.pd_tp),
+        prefill_pps=_int_list("--pd-pp", args.pd_pp),
+        budgets=_int_list("--pd-chunks", args.pd_chunks),
+        seeds=tuple(args.seed + k for k in range(args.pd_seeds)),
+        verify_disaggregated=args.pd_verify,
+    )
     spec = _spec(args, args.workload or "random", default_requests=400)
     progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    started = time.monotonic()
     pd_rows = sim.pd_search(
         spec,
         args.pd_search,
         attainment=args.attainment,
-        search_rate=not args.no_rate_search,
         min_duration_s=args.pd_min_duration,
+        space=space,
         progress=progress,
+        jobs=args.jobs,
     )
     pd_rows = rank_pd_rows(say, pd_rows, args.attainment)
+    took = time.monotonic() - started
+    say(f"pd search took {took:.0f} s")
     return Findings(
-        config={"pd_search_workload": spec.to_dict()},
+        config={"pd_search_workload": spec.to_dict(), "pd_search_space": space.__dict__},
         notes=[
-            f"P:D search: SLO attainment target {100 * args.attainment:.0f}%; rate-search runs use at least "
-            f"{spec.num_requests} requests and {args.pd_min_duration:g} s of arrivals."
+            f"P:D search over at most {args.pd_search} GPUs: SLO attainment target {100 * args.attainment:.0f}%; "
+            f"every instance shape alone, then the best deployments whole, each over {len(space.seeds)} seeds "
+            f"(goodput: their mean, spread: their range); rate-search runs use at least {spec.num_requests} "
+            f"requests and {args.pd_min_duration:g} s of arrivals; {took:.0f} s."
         ],
         pd_rows=pd_rows,
     )
@@ -416,14 +465,22 @@ def _goodput_note(args: argparse.Namespace, num_requests: int) -> str:
 
 
 def _say_goodput_rows(say: Callable[..., None], rows: list[Any], attainment: float) -> None:
-    say(f"{'rank':>4}  {'config':<26} goodput/GPU  SLO met  TTFT met  TPOT met  (at the workload's rate)")
+    width = max(26, *(len(r.name) for r in rows))
+    say(
+        f"{'rank':>4}  {'config':<{width}} GPUs  goodput/GPU  (spread)          SLO met  TTFT met  TPOT met  "
+        "(at the workload's rate)"
+    )
     for i, r in enumerate(rows, 1):
         goodput = "-" if r.goodput_per_gpu is None else f"{r.goodput_per_gpu:.3f}"
+        spread = r.spread_per_gpu
+        spread_text = f"({spread[0]:.3f}-{spread[1]:.3f})" if spread and r.num_seeds > 1 else ""
         say(
-            f"{i:>4}  {r.name:<26} {goodput:>11}  {100 * r.slo_attainment:6.0f}%  {100 * r.ttft_attainment:7.0f}%  "
-            f"{100 * r.tpot_attainment:7.0f}%"
+            f"{i:>4}  {r.name:<{width}} {r.num_gpus:>4}  {goodput:>11}  {spread_text:<16}  "
+            f"{100 * r.slo_attainment:6.0f}%  {100 * r.ttft_attainment:7.0f}%  {100 * r.tpot_attainment:7.0f}%"
         )
-    say(f"goodput: req/s per GPU at which {100 * attainment:.0f}% of requests meet every SLO")
+    seeds = max((r.num_seeds for r in rows), default=1)
+    over = f", the mean over {seeds} workload seeds (spread: their range)" if seeds > 1 else ""
+    say(f"goodput: req/s per GPU at which {100 * attainment:.0f}% of requests meet every SLO{over}")
 
 
 def json_document(args: argparse.Namespace, sim: Simulation, findings: list[Findings]) -> dict[str, Any]:

@@ -366,8 +366,6 @@ class DecodeWorker:
             num_cached_tokens=request.num_cached_tokens,
             second_token_time=second_token_time(request),
             call_time=call_time,
-            queued_at_step=request.queued_at_step,
-            reserved_at_step=request.reserved_at_step,
         )
 
     def _end(self, request_id: str, error: str | None = None) -> None:

@@ -45,8 +45,6 @@ def worker_request_stats(request: Request, **extra: Any) -> WorkerRequestStats:
         prefill_s=max(0.0, first - scheduled),
         num_cached_tokens=request.num_cached_tokens,
         second_token_time=second_token_time(request),
-        queued_at_step=request.queued_at_step,
-        reserved_at_step=request.reserved_at_step,
         **extra,
     )
 
@@ -218,6 +216,9 @@ class AsyncEngine:
             steps = (
                 tuple(st for st in engine.step_history if st.started >= steps_since) if steps_since is not None else ()
             )
+            admissions = (
+                tuple(a for a in engine.admission_trace if a.time >= steps_since) if steps_since is not None else ()
+            )
             return WorkerStats(
                 worker_id,
                 role,
@@ -232,6 +233,7 @@ class AsyncEngine:
                 self.loop.num_steps,
                 kv_bytes,
                 steps,
+                admissions=admissions,
             )
 
         return await self.run(collect)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from pdserve.engine.scheduler import SCHEDULING_POLICIES
 from pdserve.options import option
 
 PRESETS = ("tiny", "bench")  # seeded random weights, byte tokenizer
@@ -285,6 +286,12 @@ class EngineConfig:
     max_num_seqs: int = option(128, "requests per step at most")
     max_model_len: int | None = option(None, "longest prompt + output; default: the model's max_position_embeddings")
     enable_chunked_prefill: bool = option(True, "split long prompts into chunks across steps")
+    scheduling: str = option(
+        "mixed",
+        "mixed: decodes and prompt chunks share every step (Sarathi-Serve, vLLM V1); prefill-first: while a "
+        "prompt can run, steps hold prompts only and decodes wait (vLLM v0, the disaggregation papers' baseline)",
+        choices=SCHEDULING_POLICIES,
+    )
     max_chunk_tokens: int | None = option(None, "per-request cap on a prompt chunk within a step; default: the budget")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes seen before")
     torch_threads: int | None = option(None, "torch threads per engine; default: torch's own")
@@ -301,6 +308,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.kv_cache_dtype not in DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
+        if self.scheduling not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling!r}")
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be auto, native, float16 or none, got {self.quantization!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

@@ -32,7 +32,7 @@ from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, TokenUpdate
 from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
-from pdserve.messages import PromptLogprob, StepStats
+from pdserve.messages import AdmissionEvent, PromptLogprob, StepStats
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,7 @@ class LLMEngine:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.config.enable_chunked_prefill,
                 max_chunk_tokens=self.config.max_chunk_tokens,
+                scheduling=self.config.scheduling,
             ),
             self.block_manager,
         )
@@ -153,6 +154,8 @@ class LLMEngine:
         self.held: dict[str, Request] = {}  # finished, blocks kept until release() (KV being pushed)
         self._hold: set[str] = set()
         self.step_history: deque[StepStats] = deque(maxlen=100_000)
+        # a debug trace for trace replay: when requests were taken in, on the clock of the steps' ``started``
+        self.admission_trace: deque[AdmissionEvent] = deque(maxlen=100_000)
         self.pace_probe = PaceProbe(self.config.pace_probe_interval_s)
         self.last_output: SchedulerOutput | None = None
         self.last_logits: dict[str, torch.Tensor] | None = None
@@ -174,6 +177,7 @@ class LLMEngine:
         """
         request = self._make_request(prompt, params, request_id, arrival_time, detokenize)
         self.scheduler.add(request)
+        self._admitted(request.request_id, "queued")
         if hold_blocks:
             self._hold.add(request.request_id)
         return request.request_id
@@ -214,6 +218,7 @@ class LLMEngine:
         if num_cached is None:
             self._forget(request_id)
             return None
+        self._admitted(request_id, "reserved")
         return Reservation(list(request.block_ids), num_cached)
 
     def admit_remote(self, request_id: str, first_token: int) -> RequestOutput | None:
@@ -225,6 +230,7 @@ class LLMEngine:
         if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
             raise ValueError(f"request {request_id!r} is not waiting for remote KV")
         reason = remote_kv.admit_remote(self.scheduler, request, first_token, time.time(), self._max_model_len)
+        self._admitted(request_id, "queued")
         if reason is not None:
             self._forget(request_id)
             return RequestOutput(request_id, [], "", True, reason)
@@ -261,7 +267,6 @@ class LLMEngine:
                 output.num_kv_read_tokens,
                 device_s=self.runner.last_device_s,
                 cpu_s=time.thread_time() - cpu0,
-                step_index=self.scheduler.num_steps - 1,
                 pace_s=self.pace_probe.last_s,
             )
         )
@@ -404,6 +409,9 @@ class LLMEngine:
     @property
     def _max_model_len(self) -> int:
         return self.config.max_model_len  # type: ignore[return-value]  # set by with_model_defaults
+
+    def _admitted(self, request_id: str, event: str) -> None:
+        self.admission_trace.append(AdmissionEvent(request_id, event, time.time()))
 
     def _forget(self, request_id: str) -> None:
         self._seeds.pop(request_id, None)

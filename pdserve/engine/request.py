@@ -66,10 +66,6 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of all_token_ids
         self.num_registered_blocks = 0  # leading blocks known to be in the prefix cache's map (block manager)
         self.num_preemptions = 0
-        # the scheduler's step count when it queued this request (new, or its remote KV arrived) and when it
-        # reserved blocks for its remote KV: the request's first possible step on that worker; -1 if it did not
-        self.queued_at_step = -1
-        self.reserved_at_step = -1
         self.times = RequestTimes() if arrival_time is None else RequestTimes(arrival=arrival_time)
         # with params.prompt_logprobs: one per prompt token after the first, filled in as its chunks are computed
         self.prompt_logprobs: list[PromptLogprob] | None = [] if params.prompt_logprobs is not None else None

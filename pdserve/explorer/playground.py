@@ -363,6 +363,7 @@ def cost_model_assumptions(cost_model: CostModel) -> dict[str, Any]:
         "mem_bw_tb_s": hw.mem_bw / 1e12,
         "bw_efficiency": hw.bw_efficiency,
         "step_overhead_ms": hw.step_overhead_s * 1000.0,
+        "seq_overhead_us": hw.seq_overhead_s * 1e6,
         "combine": cost_model.combine,
     }
 

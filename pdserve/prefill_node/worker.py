@@ -61,7 +61,6 @@ class PrefillResult(NamedTuple):
     num_cached_tokens: int  # prompt tokens found in this worker's own prefix cache
     num_pushes: int  # pushes issued so far (the last one may still be in flight)
     decode_cached_tokens: int  # prompt tokens the decode worker already had (their blocks were not pushed)
-    queued_at_step: int = -1  # this worker's step count when its scheduler queued the prompt
     first_logprobs: Logprob | None = None  # the first token's, when the request asked (SamplingParams.logprobs)
     prompt_logprobs: list[PromptLogprob] | None = None  # when it asked (SamplingParams.prompt_logprobs)
 
@@ -74,7 +73,6 @@ class _First(NamedTuple):
     queue_s: float
     prefill_s: float
     num_cached_tokens: int
-    queued_at_step: int
     logprobs: Logprob | None
     prompt_logprobs: list[PromptLogprob] | None
 
@@ -206,7 +204,6 @@ class PrefillWorker:
             first.num_cached_tokens,
             job.push_index,
             job.next_block_at_start * self.block_size,
-            first.queued_at_step,
             first.logprobs,
             first.prompt_logprobs,
         )
@@ -354,7 +351,6 @@ class PrefillWorker:
                     queue_s,
                     stats.prefill_s,
                     stats.num_cached_tokens,
-                    request.queued_at_step,
                     logprobs,
                     out.prompt_logprobs,
                 )

@@ -87,7 +87,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class RequestMetadata(_message.Message):
-    __slots__ = ("request_id", "mode", "prefill_worker", "decode_worker", "queue_s", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "ttft_s", "e2e_s", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "second_token_time", "router", "fallback", "decode_call_time", "decode_queued_step", "decode_reserved_step", "prefill_queued_step")
+    __slots__ = ("request_id", "mode", "prefill_worker", "decode_worker", "queue_s", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "ttft_s", "e2e_s", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "second_token_time", "router", "fallback", "decode_call_time")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
@@ -105,9 +105,6 @@ class RequestMetadata(_message.Message):
     ROUTER_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_FIELD_NUMBER: _ClassVar[int]
     DECODE_CALL_TIME_FIELD_NUMBER: _ClassVar[int]
-    DECODE_QUEUED_STEP_FIELD_NUMBER: _ClassVar[int]
-    DECODE_RESERVED_STEP_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_QUEUED_STEP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     mode: Mode
     prefill_worker: str
@@ -125,10 +122,7 @@ class RequestMetadata(_message.Message):
     router: str
     fallback: str
     decode_call_time: float
-    decode_queued_step: int
-    decode_reserved_step: int
-    prefill_queued_step: int
-    def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[Mode, str]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., second_token_time: _Optional[float] = ..., router: _Optional[str] = ..., fallback: _Optional[str] = ..., decode_call_time: _Optional[float] = ..., decode_queued_step: _Optional[int] = ..., decode_reserved_step: _Optional[int] = ..., prefill_queued_step: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[_Union[Mode, str]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., second_token_time: _Optional[float] = ..., router: _Optional[str] = ..., fallback: _Optional[str] = ..., decode_call_time: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finished", "finish_reason", "metadata", "index", "logprobs", "prompt_logprobs")
@@ -189,7 +183,7 @@ class StatsRequest(_message.Message):
     def __init__(self, include_steps: _Optional[bool] = ..., steps_since: _Optional[float] = ...) -> None: ...
 
 class StepRecord(_message.Message):
-    __slots__ = ("started", "duration_s", "num_prefill_tokens", "num_decode_tokens", "num_seqs", "num_context_tokens", "schedule_s", "num_preempted", "num_decode_context_tokens", "num_kv_read_tokens", "worker", "device_s", "cpu_s", "step_index", "pace_s")
+    __slots__ = ("started", "duration_s", "num_prefill_tokens", "num_decode_tokens", "num_seqs", "num_context_tokens", "schedule_s", "num_preempted", "num_decode_context_tokens", "num_kv_read_tokens", "worker", "device_s", "cpu_s", "pace_s")
     STARTED_FIELD_NUMBER: _ClassVar[int]
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -203,7 +197,6 @@ class StepRecord(_message.Message):
     WORKER_FIELD_NUMBER: _ClassVar[int]
     DEVICE_S_FIELD_NUMBER: _ClassVar[int]
     CPU_S_FIELD_NUMBER: _ClassVar[int]
-    STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
     PACE_S_FIELD_NUMBER: _ClassVar[int]
     started: float
     duration_s: float
@@ -218,12 +211,11 @@ class StepRecord(_message.Message):
     worker: str
     device_s: float
     cpu_s: float
-    step_index: int
     pace_s: float
-    def __init__(self, started: _Optional[float] = ..., duration_s: _Optional[float] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_seqs: _Optional[int] = ..., num_context_tokens: _Optional[int] = ..., schedule_s: _Optional[float] = ..., num_preempted: _Optional[int] = ..., num_decode_context_tokens: _Optional[int] = ..., num_kv_read_tokens: _Optional[int] = ..., worker: _Optional[str] = ..., device_s: _Optional[float] = ..., cpu_s: _Optional[float] = ..., step_index: _Optional[int] = ..., pace_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, started: _Optional[float] = ..., duration_s: _Optional[float] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_seqs: _Optional[int] = ..., num_context_tokens: _Optional[int] = ..., schedule_s: _Optional[float] = ..., num_preempted: _Optional[int] = ..., num_decode_context_tokens: _Optional[int] = ..., num_kv_read_tokens: _Optional[int] = ..., worker: _Optional[str] = ..., device_s: _Optional[float] = ..., cpu_s: _Optional[float] = ..., pace_s: _Optional[float] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "blocks_total", "blocks_free", "blocks_cached", "blocks_used", "num_running", "num_waiting", "num_remote_pending", "tokens_in_flight", "num_steps", "kv_bytes_moved", "steps", "node", "device", "state", "kv_pushes_refused")
+    __slots__ = ("worker_id", "role", "blocks_total", "blocks_free", "blocks_cached", "blocks_used", "num_running", "num_waiting", "num_remote_pending", "tokens_in_flight", "num_steps", "kv_bytes_moved", "steps", "node", "device", "state", "kv_pushes_refused", "admissions")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +233,7 @@ class WorkerStats(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     KV_PUSHES_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     blocks_total: int
@@ -258,7 +251,18 @@ class WorkerStats(_message.Message):
     device: str
     state: str
     kv_pushes_refused: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., blocks_used: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_remote_pending: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., num_steps: _Optional[int] = ..., kv_bytes_moved: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., node: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[str] = ..., kv_pushes_refused: _Optional[int] = ...) -> None: ...
+    admissions: _containers.RepeatedCompositeFieldContainer[AdmissionEvent]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., blocks_used: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_remote_pending: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., num_steps: _Optional[int] = ..., kv_bytes_moved: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., node: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[str] = ..., kv_pushes_refused: _Optional[int] = ..., admissions: _Optional[_Iterable[_Union[AdmissionEvent, _Mapping]]] = ...) -> None: ...
+
+class AdmissionEvent(_message.Message):
+    __slots__ = ("request_id", "event", "time")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    event: str
+    time: float
+    def __init__(self, request_id: _Optional[str] = ..., event: _Optional[str] = ..., time: _Optional[float] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("workers", "num_active_requests")

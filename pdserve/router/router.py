@@ -577,9 +577,6 @@ class Router:
             second_token_time=stats.second_token_time,
             fallback=request.fallback,
             decode_call_time=stats.call_time,
-            decode_queued_step=stats.queued_at_step,
-            decode_reserved_step=stats.reserved_at_step,
-            prefill_queued_step=prefill.queued_at_step if prefill is not None else -1,
         )
 
     def _keep(self, awaitable: Any) -> asyncio.Future:

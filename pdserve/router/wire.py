@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.messages import Logprob, PromptLogprob, RequestMetrics, StepStats, WorkerStats
+from pdserve.messages import AdmissionEvent, Logprob, PromptLogprob, RequestMetrics, StepStats, WorkerStats
 from pdserve.proto import pdserve_pb2 as pb
 
 MODE_NAMES = {pb.MODE_UNSPECIFIED: None, pb.COLOCATED: "colocated", pb.DISAGGREGATED: "disaggregated", pb.AUTO: "auto"}
@@ -81,10 +81,12 @@ def metrics_from_proto(p: pb.RequestMetadata) -> RequestMetrics:
 
 def worker_stats_to_proto(stats: WorkerStats) -> pb.WorkerStats:
     steps = [pb.StepRecord(**step._asdict()) for step in stats.steps]
-    return pb.WorkerStats(**{**stats._asdict(), "steps": steps})
+    admissions = [pb.AdmissionEvent(**event._asdict()) for event in stats.admissions]
+    return pb.WorkerStats(**{**stats._asdict(), "steps": steps, "admissions": admissions})
 
 
 def worker_stats_from_proto(p: pb.WorkerStats) -> WorkerStats:
-    fields = {name: getattr(p, name) for name in WorkerStats._fields if name != "steps"}
+    fields = {name: getattr(p, name) for name in WorkerStats._fields if name not in ("steps", "admissions")}
     steps = tuple(StepStats(**{name: getattr(s, name) for name in StepStats._fields}) for s in p.steps)
-    return WorkerStats(**fields, steps=steps)
+    admissions = tuple(AdmissionEvent(e.request_id, e.event, e.time) for e in p.admissions)
+    return WorkerStats(**fields, steps=steps, admissions=admissions)

@@ -17,8 +17,9 @@ each of its methods is one of ``pdserve sim``'s actions and returns that action'
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.config import EngineConfig
@@ -26,11 +27,12 @@ from pdserve.messages import Mode
 from pdserve.options import option
 from pdserve.router.config import RouterConfig
 from pdserve.sim.config import SimConfig
+from pdserve.sim.cost_model import COMBINES
 
 if TYPE_CHECKING:
     from pdserve.sim.cost_model import CostModel
     from pdserve.sim.demo import ChunkingComparison, DemoArchitecture, DemoResult
-    from pdserve.sim.experiments import Architecture, PDRow
+    from pdserve.sim.experiments import Architecture, PDRow, SearchSpace
     from pdserve.sim.replay import ReplayReport
     from pdserve.sim.simulator import SimResult
     from pdserve.workload.generator import WorkloadRequest, WorkloadSpec
@@ -53,9 +55,16 @@ class SimSettings:
     model_profile: str | None = option(
         None, "model profile: Llama-3-8B, Llama-3-70B, tiny or bench (default: Llama-3-8B; cpu-measured: its own)"
     )
-    tp: int = option(1, "tensor-parallel GPUs per instance")
+    tp: int = option(1, "tensor-parallel GPUs per instance (every role unless --prefill-tp/--decode-tp say otherwise)")
+    prefill_tp: int | None = option(None, "tensor-parallel GPUs of a prefill instance (default: --tp)")
+    prefill_pp: int = option(1, "pipeline stages of a prefill instance (the layers split across them)")
+    decode_tp: int | None = option(None, "tensor-parallel GPUs of a decode or colocated instance (default: --tp)")
     calibration: str = option(DEFAULT_CALIBRATION, "the cpu-measured profile JSON to read")
-    combine: str = option("max", "roofline: a step takes max(compute, memory) or their sum", choices=("max", "sum"))
+    combine: str = option(
+        "smooth",
+        "roofline: a kernel takes sqrt(compute² + memory²) (smooth), max(compute, memory) or their sum",
+        choices=COMBINES,
+    )
     mode: str = option("both", "both: colocated and disaggregated; all: and auto", choices=ARCHITECTURE_CHOICES)
     kv_bandwidth_gb_s: float | None = option(
         None, "KV link bandwidth in GB/s (default: the hardware's)", flag="--kv-bandwidth"
@@ -87,8 +96,11 @@ class SimSettings:
     def __post_init__(self) -> None:
         if self.mode not in ARCHITECTURE_CHOICES:
             raise ValueError(f"mode must be one of {', '.join(ARCHITECTURE_CHOICES)}, got {self.mode!r}")
-        for name in ("tp", "decode_workers"):
+        for name in ("tp", "decode_workers", "prefill_pp"):
             if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("prefill_tp", "decode_tp"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prefill_workers is not None and self.prefill_workers < 1:
             raise ValueError(f"prefill_workers must be >= 1, got {self.prefill_workers}")
@@ -98,6 +110,16 @@ class SimSettings:
         """The architectures a workload runs on."""
         choices: dict[str, list[str]] = {"both": [Mode.COLOCATED, Mode.DISAGGREGATED], "all": list(Mode)}
         return choices.get(self.mode, [self.mode])
+
+    @property
+    def decode_parallelism(self) -> tuple[int, int]:
+        """``(tp, pp)`` of a decode or colocated instance."""
+        return (self.tp if self.decode_tp is None else self.decode_tp), 1
+
+    @property
+    def prefill_parallelism(self) -> tuple[int, int]:
+        """``(tp, pp)`` of a prefill instance."""
+        return (self.tp if self.prefill_tp is None else self.prefill_tp), self.prefill_pp
 
     @property
     def num_prefill(self) -> int:
@@ -134,7 +156,9 @@ class Simulation:
 
         self.settings = settings
         self.slo_ms: dict[str, float] = parse_slo(settings.slo)
-        self.cost_model, link = cost_model_of(settings)
+        self.cost_model_for, link = cost_models_of(settings)
+        self.cost_model = self.cost_model_for(*settings.decode_parallelism)
+        self.prefill_cost_model = self.cost_model_for(*settings.prefill_parallelism)
         if settings.kv_bandwidth_gb_s is not None:
             link["kv_link_bw"] = settings.kv_bandwidth_gb_s * 1e9
         if settings.kv_latency_us is not None:
@@ -189,6 +213,7 @@ class Simulation:
         from pdserve.sim.simulator import simulate
 
         runs = []
+        prefill_tp, prefill_pp = self.settings.prefill_parallelism
         for arch in self._architectures():
             result = simulate(
                 requests,
@@ -198,8 +223,11 @@ class Simulation:
                 num_instances=arch.num_instances,
                 num_prefill=max(arch.num_prefill, 1),  # the counts a mode does not use must still be >= 1
                 num_decode=max(arch.num_decode, 1),
-                tp=self.settings.tp,
+                tp=arch.decode_tp,
                 max_concurrency=max_concurrency,
+                prefill_cost_model=self.prefill_cost_model,
+                prefill_tp=prefill_tp,
+                prefill_pp=prefill_pp if arch.mode != "colocated" else 1,
             )
             runs.append(ArchitectureRun(arch.name, arch.mode, result))
         return runs
@@ -209,15 +237,17 @@ class Simulation:
         from pdserve.sim.experiments import Architecture
 
         s, chunked = self.settings, self.config.enable_chunked_prefill
+        (prefill_tp, prefill_pp), (decode_tp, _) = s.prefill_parallelism, s.decode_parallelism
         archs = []
         for mode in s.modes:
             if mode == "colocated":
                 n = s.colocated_instances(comparing=len(s.modes) > 1)
-                archs.append(Architecture(f"colocated x{n}", mode, 0, 0, n, chunked))
+                archs.append(Architecture(f"colocated x{n}", mode, 0, 0, n, chunked, decode_tp, 1, decode_tp))
             else:
                 name = f"{mode} {s.num_prefill}P:{s.decode_workers}D"
                 n = s.num_prefill + s.decode_workers
-                archs.append(Architecture(name, mode, s.num_prefill, s.decode_workers, n, chunked))
+                arch = Architecture(name, mode, s.num_prefill, s.decode_workers, n, chunked)
+                archs.append(replace(arch, prefill_tp=prefill_tp, prefill_pp=prefill_pp, decode_tp=decode_tp))
         return archs
 
     def chunk_sweep(
@@ -240,25 +270,27 @@ class Simulation:
         spec: WorkloadSpec,
         num_gpus: int,
         attainment: float = 0.9,
-        search_rate: bool = True,
         min_duration_s: float = 0.0,
+        space: SearchSpace | None = None,
         progress: Callable[[str], None] | None = None,
+        jobs: int = 1,
     ) -> list[PDRow]:
-        """Colocated against every P:D split of ``num_gpus``, goodput per GPU under the settings' SLOs;
-        ``progress`` hears one line per configuration."""
+        """Deployments of at most ``num_gpus`` GPUs (``experiments.pd_search``: every instance shape of the
+        search space alone, then the best placements simulated whole with every seed), best goodput per GPU
+        first under the settings' SLOs; ``progress`` hears one line per simulated configuration."""
         from pdserve.sim.experiments import pd_search
 
         return pd_search(
             spec,
-            self.cost_model,
+            self.cost_model_for,
             num_gpus,
             self.slo_ms,
             self.config,
-            tp=self.settings.tp,
             attainment=attainment,
-            search_rate=search_rate,
             min_duration_s=min_duration_s,
+            space=space,
             progress=progress,
+            jobs=jobs,
         )
 
     def replay(self, path: str) -> list[tuple[str, ReplayReport]]:
@@ -305,10 +337,9 @@ class Simulation:
             search_goodput(
                 arch,
                 spec,
-                self.cost_model,
+                self.cost_model_for,
                 self.slo_ms,
                 self.config,
-                tp=self.settings.tp,
                 attainment=attainment,
                 search_rate=search_rate,
                 min_duration_s=min_duration_s,
@@ -318,19 +349,50 @@ class Simulation:
         return rank_rows(rows)
 
 
-def cost_model_of(settings: SimSettings) -> tuple[CostModel, dict[str, Any]]:
-    """``settings.cost_profile`` when given (it sets the model's KV size and the KV link), else
-    ``make_cost_model`` of the named profiles."""
-    if not settings.cost_profile:
-        return make_cost_model(
-            settings.hardware, settings.model_profile, settings.tp, settings.calibration, settings.combine
-        )
-    from pdserve.sim.cost_profile import PolynomialCostModel, load_cost_profile
+CostModelFactory = Callable[[int, int], "CostModel"]
+"""``(tp, pp) -> CostModel``: the cost model of an instance of that parallelism."""
 
-    if settings.model_profile is not None:
-        raise ValueError("--cost-profile gives the model's sizes: drop --model-profile")
-    profile = load_cost_profile(settings.cost_profile)
-    return PolynomialCostModel(profile), profile.sim_settings()
+
+def cost_models_of(settings: SimSettings) -> tuple[CostModelFactory, dict[str, Any]]:
+    """``(a cost model per instance shape, the SimConfig fields they imply)``: ``settings.cost_profile``'s fits
+    when given (it sets the model's KV size and the KV link; a published profile may be named), else the
+    named profiles' (``make_cost_model``). Raises ValueError for what cannot be built (the default shape's
+    model is built at once; others when asked for)."""
+    cache: dict[tuple[int, int], CostModel] = {}
+    if settings.cost_profile:
+        from pdserve.sim.cost_profile import PolynomialCostModel, load_cost_profile
+
+        if settings.model_profile is not None:
+            raise ValueError("--cost-profile gives the model's sizes: drop --model-profile")
+        profile = load_cost_profile(settings.cost_profile)
+        if not profile.kv_capacity_given and settings.engine.num_kv_blocks is None:
+            print(
+                f"pdserve sim: note: {settings.cost_profile} gives neither kv_capacity_tokens nor gpu_memory_gib "
+                f"with weight_gb: each instance's KV pool is {profile.kv_capacity(1):,} tokens (--num-kv-blocks "
+                "sets it)",
+                file=sys.stderr,
+            )
+
+        def build(tp: int, pp: int) -> CostModel:
+            return PolynomialCostModel(profile, tp, pp)
+
+        link = profile.sim_settings()
+    else:
+
+        def build(tp: int, pp: int) -> CostModel:
+            return make_cost_model(
+                settings.hardware, settings.model_profile, tp, settings.calibration, settings.combine, pp
+            )[0]
+
+        link = make_cost_model(settings.hardware, settings.model_profile, 1, settings.calibration, settings.combine)[1]
+
+    def cost_model_for(tp: int, pp: int = 1) -> CostModel:
+        if (tp, pp) not in cache:
+            cache[(tp, pp)] = build(tp, pp)
+        return cache[(tp, pp)]
+
+    cost_model_for(*settings.decode_parallelism)
+    return cost_model_for, link
 
 
 def make_cost_model(
@@ -338,7 +400,8 @@ def make_cost_model(
     model_profile: str | None,
     tp: int = 1,
     calibration: str = DEFAULT_CALIBRATION,
-    combine: str = "max",
+    combine: str = "smooth",
+    pp: int = 1,
 ) -> tuple[CostModel, dict[str, Any]]:
     """``(cost model, SimConfig fields it implies)`` for the named profiles: the KV link of the hardware,
     and for cpu-measured the deployment latencies and the machine's slowdown it measured too."""
@@ -350,9 +413,9 @@ def make_cost_model(
         name = model_profile or prof.model
         if name.lower() != prof.model.lower():
             raise ValueError(f"hardware cpu-measured: {calibration} was measured on model {prof.model!r}, not {name!r}")
-        if tp != 1:
-            raise ValueError("hardware cpu-measured: --tp is not modelled (measured on one process)")
+        if tp != 1 or pp != 1:
+            raise ValueError("hardware cpu-measured: --tp and --prefill-pp are not modelled (measured on one process)")
         return LinearCostModel(prof, get_model(name)), prof.sim_settings()
     hw = get_hardware(hardware)
     link = {"kv_link_bw": hw.kv_link_bw, "kv_link_latency_s": hw.kv_link_latency_s}
-    return RooflineCostModel(hw, get_model(model_profile or "Llama-3-8B"), tp, combine), link
+    return RooflineCostModel(hw, get_model(model_profile or "Llama-3-8B"), tp, combine, pp), link

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.config import DEFAULT_TOKEN_BUDGET, EngineConfig
+from pdserve.engine.scheduler import SCHEDULING_POLICIES
 from pdserve.router.config import RouterConfig
 
 _ENGINE_DEFAULTS = EngineConfig()
@@ -17,6 +18,7 @@ ENGINE_OPTIONS = (
     "max_num_batched_tokens",
     "max_num_seqs",
     "enable_chunked_prefill",
+    "scheduling",
     "max_chunk_tokens",
     "enable_prefix_caching",
 )
@@ -61,6 +63,7 @@ class SimConfig:
     max_num_batched_tokens: int | None = None
     chunk_size: int | None = None  # the engine's max_chunk_tokens
     enable_chunked_prefill: bool = _ENGINE_DEFAULTS.enable_chunked_prefill
+    scheduling: str = _ENGINE_DEFAULTS.scheduling  # the engine scheduler's policy: mixed or prefill-first
     enable_prefix_caching: bool = _ENGINE_DEFAULTS.enable_prefix_caching
     num_kv_blocks: int | None = None
     kv_link_bw: float | None = None  # bytes/s; None = the hardware profile's default
@@ -99,6 +102,9 @@ class SimConfig:
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise ValueError(f"sim: {name} must be None or >= 0, got {v}")
+        if self.scheduling not in SCHEDULING_POLICIES:
+            policies = ", ".join(SCHEDULING_POLICIES)
+            raise ValueError(f"sim: scheduling must be one of {policies}, got {self.scheduling!r}")
         if not self.slowdown_window_s > 0:
             raise ValueError(f"sim: slowdown_window_s must be > 0, got {self.slowdown_window_s}")
 
@@ -116,6 +122,7 @@ class SimConfig:
             max_num_batched_tokens=budget,
             chunk_size=engine.max_chunk_tokens if engine.enable_chunked_prefill else None,
             enable_chunked_prefill=engine.enable_chunked_prefill,
+            scheduling=engine.scheduling,
             enable_prefix_caching=engine.enable_prefix_caching,
             num_kv_blocks=engine.num_kv_blocks,
             **extra,

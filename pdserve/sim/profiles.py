@@ -22,17 +22,26 @@ TFLOPS = 1e12
 
 @dataclass(frozen=True)
 class HardwareProfile:
-    """One accelerator (one tensor-parallel rank). Rates are peak; the fractions say how much is reached."""
+    """One accelerator (one tensor-parallel rank). Rates are peak; the fractions say how much is reached.
+
+    ``mfu`` is what a large matrix product reaches of ``peak_flops``; a small one (a decode step's few
+    rows) is bandwidth-bound, and the roofline blends the two (``RooflineCostModel``), so the achieved
+    fraction grows with the rows. The per-step cost is ``step_overhead_s`` plus ``seq_overhead_s`` per
+    sequence in the step (scheduling, input preparation, sampling and output handling grow with the batch).
+    ``gpu_memory_utilization`` is vLLM's: the share of ``mem_bytes`` for the weights and the KV cache.
+    """
 
     name: str
     peak_flops: float  # dense bf16 FLOP/s
     mem_bw: float  # HBM bytes/s
     mem_bytes: float  # HBM capacity
-    mfu: float = 0.55  # achievable fraction of peak_flops for the model's matmuls
+    mfu: float = 0.7  # fraction of peak_flops a large matrix product reaches
     bw_efficiency: float = 0.8  # achievable fraction of mem_bw
-    step_overhead_s: float = 0.002  # fixed per-step cost: scheduling, input prep, launch, sampling
+    step_overhead_s: float = 0.0015  # fixed per-step cost: scheduling, launches, sampling
+    seq_overhead_s: float = 10e-6  # per sequence in the step: its inputs, its sample, its output
     interconnect_bw: float = 300 * GB  # per-GPU, one direction (NVLink), for tensor-parallel all-reduce
     allreduce_latency_s: float = 10e-6  # per all-reduce call
+    p2p_latency_s: float = 10e-6  # per pipeline-stage hand-off (send/recv of the activations)
     gpu_memory_utilization: float = 0.9  # fraction of mem_bytes for weights + KV cache
     kv_link_bw: float = 25 * GB  # default KV link between a prefill and a decode instance (bytes/s)
     kv_link_latency_s: float = 20e-6
@@ -41,12 +50,26 @@ class HardwareProfile:
         return asdict(self)
 
 
+GIB = 2**30
 # Datasheet numbers: A100 SXM4 80GB (312 TFLOP/s bf16, 2.04 TB/s, NVLink3 600 GB/s both ways),
 # H100 SXM5 80GB (989 TFLOP/s, 3.35 TB/s, NVLink4 900 GB/s), H200 SXM 141GB (989 TFLOP/s, 4.8 TB/s).
 # kv_link_bw: one 200 Gb/s (A100) or 400 Gb/s (H100/H200) RDMA NIC per GPU.
+# A100's fractions are measured: Vidur's published A100 profile of Llama-3-8B's matrix products
+# (microsoft/vidur, data/profiling/compute/a100/meta-llama/Meta-Llama-3-8B/mlp.csv, medians) reaches 74.5 % of
+# peak at 32,768 rows and streams the 436 MB of one layer's weights in 0.276 ms at 1 row (77.5 % of HBM
+# bandwidth). The H100 and H200 fractions are assumptions of the same order (no such profile was at hand).
 HARDWARE: dict[str, HardwareProfile] = {
-    "A100": HardwareProfile("A100", 312 * TFLOPS, 2.039e12, 80 * GB, interconnect_bw=300 * GB, kv_link_bw=25 * GB),
-    "H100": HardwareProfile("H100", 989 * TFLOPS, 3.35e12, 80 * GB, interconnect_bw=450 * GB, kv_link_bw=50 * GB),
+    "A100": HardwareProfile(
+        "A100",
+        312 * TFLOPS,
+        2.039e12,
+        80 * GIB,
+        mfu=0.745,
+        bw_efficiency=0.775,
+        interconnect_bw=300 * GB,
+        kv_link_bw=25 * GB,
+    ),
+    "H100": HardwareProfile("H100", 989 * TFLOPS, 3.35e12, 80 * GIB, interconnect_bw=450 * GB, kv_link_bw=50 * GB),
     "H200": HardwareProfile("H200", 989 * TFLOPS, 4.8e12, 141 * GB, interconnect_bw=450 * GB, kv_link_bw=50 * GB),
 }
 CPU_MEASURED = "cpu-measured"
@@ -93,7 +116,23 @@ class ModelProfile:
 
     @property
     def weight_bytes(self) -> int:
+        """Every weight's bytes (what the GPU holds)."""
         return self.num_params * self.dtype_bytes
+
+    @property
+    def step_weight_bytes(self) -> int:
+        """Weights a step streams when it samples: the decoder layers and the LM head. The embedding table is
+        read a row per token (tied to the LM head or not), not streamed."""
+        return (self.matmul_params + self.lm_head_params) * self.dtype_bytes
+
+    @property
+    def activation_bytes_per_token(self) -> int:
+        """Bytes one token moves through the memory-bound element-wise kernels of all layers: two RMSNorms (read
+        and write the hidden state), RoPE on the queries and keys, the SwiGLU activation (read gate and up, write
+        the product), two residual adds (read two, write one)."""
+        h, d, inter = self.hidden_size, self.head_dim, self.intermediate_size
+        per_layer = 4 * h + 2 * (self.num_heads + self.num_kv_heads) * d + 3 * inter + 6 * h
+        return self.num_layers * per_layer * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -12,7 +12,7 @@ decode worker (the idle worker's next step, or the busy one's ``decode_call_time
 after its recorded handoff, and one whose reservation found both workers idle takes its recorded
 round trip; the other latencies around the steps stay the config's medians. Where the records give each
 worker's step count when it took a request in (its prompt or its remote KV queued, its blocks reserved:
-``decode_queued_step``, ``decode_reserved_step``, ``prefill_queued_step``, against the steps' ``step_index``), an
+``decode_queued_step``, ``decode_reserved_step``, ``prefill_queued_step``: steps of that worker before it), an
 admission the replayed timeline puts within ``tie_window_s`` of the step boundary the run put it behind (by
 default the range of the config's measured control-call latencies, p1 to p99, else 5 ms) joins the step the
 run recorded: a latency measured to a few milliseconds cannot tell which side of
@@ -217,7 +217,7 @@ def replay(
         handoff_latencies=recorded_handoff_latencies(steps, records),
         routes=recorded_routes(records),
         reserve_latencies=recorded_reserve_latencies(steps, records),
-        admission_steps=recorded_admission_steps(records, steps),
+        admission_steps=recorded_admission_steps(records),
         tie_window_s=default_tie_window(config) if tie_window_s is None else tie_window_s,
     )
     result = sim.run(arrivals_from_records(requests, records, time_origin))
@@ -241,24 +241,19 @@ def replay(
     )
 
 
-def recorded_admission_steps(
-    records: Sequence[RequestRecord], steps: Sequence[StepStats]
-) -> dict[tuple[str, str], tuple[str, int]]:
-    """Per request and admission event (``ADMISSION_EVENTS``) whose record gives the worker's step count then,
-    ``(worker, that count from the worker's first recorded step of the run)``: the position of the first step
-    it could join among that worker's steps. Steps without ``step_index`` count from 0 (a simulated run's)."""
-    first: dict[str, int] = {}
-    for step in steps:
-        index = max(step.step_index, 0)
-        first[step.worker] = min(first.get(step.worker, index), index)
+def recorded_admission_steps(records: Sequence[RequestRecord]) -> dict[tuple[str, str], tuple[str, int]]:
+    """Per request and admission event (``ADMISSION_EVENTS``) whose record gives the worker's step count then
+    (the count of that worker's recorded steps that started before it: ``bench.runner.admission_steps``; a
+    simulated run's, counted from its first step), ``(worker, that count)``: the position of the first step it
+    could join among that worker's steps."""
     out: dict[tuple[str, str], tuple[str, int]] = {}
     for r in records:
         for event in ADMISSION_EVENTS:
             count = r.meta.get(f"{event}_step")
             worker = str(r.meta.get("prefill_worker" if event.startswith("prefill") else "decode_worker") or "")
-            if count is None or int(count) < 0 or worker not in first:
+            if count is None or int(count) < 0 or not worker:
                 continue
-            out[(r.request_id, event)] = (worker, int(count) - first[worker])
+            out[(r.request_id, event)] = (worker, int(count))
     return out
 
 

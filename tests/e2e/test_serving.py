@@ -147,27 +147,31 @@ def test_the_decode_worker_says_when_each_call_reached_it(deployment, client):
         assert sent < meta.decode_call_time < meta.second_token_time, (mode, sent, meta)
 
 
-def test_each_worker_says_which_of_its_steps_took_the_request_in(deployment, client):
+def test_each_worker_traces_when_it_took_the_request_in(deployment, client):
     # the replay reads these step counts: the step of that index is the first one the request could join,
     # and on an otherwise idle worker it is the one that starts computing it
+    from pdserve.bench.runner import admission_steps
+
     prompt = [random.Random(8).randrange(256) for _ in range(140)]
     for mode in ("colocated", "disaggregated"):
         since = time.time()
         chunks = list(client.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True), mode=mode))
         meta = chunks[-1].metadata
-        steps = {w.worker_id: {s.step_index: s for s in w.steps} for w in client.stats(steps_since=since)}
+        stats = client.stats(steps_since=since)
+        counts = admission_steps(stats)[meta.request_id]
+        steps = {w.worker_id: sorted(w.steps, key=lambda s: s.started) for w in stats}
         decode_steps = steps[meta.decode_worker]
-        assert meta.decode_queued_step in decode_steps, (mode, meta, sorted(decode_steps))
-        joined = decode_steps[meta.decode_queued_step]
+        assert 0 <= counts["decode_queued_step"] < len(decode_steps), (mode, counts, len(decode_steps))
+        joined = decode_steps[counts["decode_queued_step"]]
         if mode == "colocated":
-            assert meta.prefill_queued_step == -1 and meta.decode_reserved_step == -1
+            assert set(counts) == {"decode_queued_step"}
             assert joined.num_prefill_tokens == ENGINE.max_num_batched_tokens  # the prompt's first chunk
         else:
-            assert 0 <= meta.decode_reserved_step <= meta.decode_queued_step
+            assert 0 <= counts["decode_reserved_step"] <= counts["decode_queued_step"]
             assert joined.num_decode_tokens == 1 and joined.num_prefill_tokens == 0  # the KV came whole
-            first_chunk = steps[meta.prefill_worker][meta.prefill_queued_step]
+            first_chunk = steps[meta.prefill_worker][counts["prefill_queued_step"]]
             assert first_chunk.num_prefill_tokens == ENGINE.max_num_batched_tokens
-        assert meta.decode_queued_step == min(decode_steps)  # the worker's first step since: nothing else ran
+        assert counts["decode_queued_step"] == 0  # the worker's first step since: nothing else ran
 
 
 def test_seeded_sampling_is_the_same_in_every_mode(deployment, client):

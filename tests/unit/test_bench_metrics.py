@@ -274,3 +274,30 @@ def test_bench_repeats_run_each_architecture_on_fresh_deployments(monkeypatch, t
     out = capsys.readouterr().out
     assert "median (min–max) over the repeats" in out and "ITL p50: disaggregated" in out
     assert runner.main(["--repeats", "0"]) == 2
+
+
+def test_bench_baseline_is_colocated_under_prefill_first_with_whole_prompts():
+    from pdserve.bench.runner import ARCHITECTURES, build_parser, deployment_config, engine_config
+    from pdserve.engine import EngineConfig
+
+    assert "baseline" in ARCHITECTURES
+    args = build_parser().parse_args(["--prefill-workers", "1", "--decode-workers", "2", "--max-chunk-tokens", "64"])
+    engine = engine_config(args)
+    base = deployment_config("baseline", args, engine)
+    assert (base.mode, base.num_prefill_workers, base.num_decode_workers) == ("colocated", 0, 3)
+    assert (base.engine.scheduling, base.engine.enable_chunked_prefill, base.engine.max_chunk_tokens) == (
+        "prefill-first",
+        False,
+        None,
+    )
+    colocated = deployment_config("colocated", args, engine)
+    assert (colocated.engine.scheduling, colocated.engine.enable_chunked_prefill) == ("mixed", True)
+    assert colocated.engine.max_chunk_tokens == 64
+    assert isinstance(colocated.engine, EngineConfig)
+
+
+def test_bench_baseline_refuses_a_target(capsys):
+    import pdserve.bench.runner as runner
+
+    assert runner.main(["--architectures", "baseline", "--target", "x:1", "--num-requests", "2"]) == 2
+    assert "not with --target" in capsys.readouterr().err

@@ -57,6 +57,65 @@ def test_continuous_batching_matches_each_request_alone(engine):
     assert batched.block_manager.usage().used == 0
 
 
+def test_prefill_first_scheduling_runs_prompts_in_steps_of_their_own_with_the_same_tokens():
+    prompts = _random_prompts(12, seed=5, lo=20, hi=90)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    tokens, kinds = {}, {}
+    for policy in ("mixed", "prefill-first"):
+        engine = tiny(max_num_batched_tokens=256, max_num_seqs=16, scheduling=policy)
+        got: dict[str, list[int]] = {}
+        ids = []
+        for i, prompt in enumerate(prompts):
+            ids.append(engine.add_request(prompt, params))
+            if i % 3 == 2:  # a few steps between arrivals: the earlier requests are decoding
+                for _ in range(2):
+                    for out in engine.step():
+                        got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        tokens[policy] = [got[i] for i in ids]
+        kinds[policy] = [(s.num_prefill_tokens > 0, s.num_decode_tokens > 0) for s in engine.step_history]
+        assert engine.block_manager.usage().used == 0
+    assert tokens["prefill-first"] == tokens["mixed"]
+    assert (True, True) in kinds["mixed"]  # mixed: new prompts joined the running decodes' steps
+    assert (True, True) not in kinds["prefill-first"]  # prefill-first: never a prompt and a decode in one step
+    assert (True, False) in kinds["prefill-first"] and (False, True) in kinds["prefill-first"]
+
+
+def test_the_engine_traces_when_it_took_each_request_in_between_its_steps():
+    from pdserve.bench.runner import admission_steps
+    from pdserve.messages import WorkerStats
+
+    engine = tiny(max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_request([5] * 100, params, request_id="a")
+    engine.step()  # a's first chunk
+    engine.step()
+    engine.add_request([6] * 20, params, request_id="b")  # before step 2
+    reservation = engine.reserve_remote([7] * 40, params, "r")
+    assert reservation is not None
+    while engine.has_work():
+        engine.step()
+    engine.admit_remote("r", 9)
+    while engine.has_unfinished_requests():
+        engine.step()
+    trace = list(engine.admission_trace)
+    assert [(e.request_id, e.event) for e in trace] == [
+        ("a", "queued"),
+        ("b", "queued"),
+        ("r", "reserved"),
+        ("r", "queued"),
+    ]
+    steps = list(engine.step_history)
+    stats = WorkerStats("w", "decode", 0, 0, 0, 0, 0, 0, 0, 0, len(steps), 0, tuple(steps), admissions=tuple(trace))
+    counts = admission_steps([stats])
+    assert counts["a"] == {"decode_queued_step": 0} and counts["b"] == {"decode_queued_step": 2}
+    assert 2 <= counts["r"]["decode_reserved_step"] < counts["r"]["decode_queued_step"] < len(steps)
+    # the step of that count is the first that could take the request, and on this engine it did
+    assert steps[2].num_seqs == 2 and steps[counts["r"]["decode_queued_step"]].num_decode_tokens >= 1
+
+
 def test_preemption_and_resume_give_the_same_tokens(engine):
     prompts = _random_prompts(6, seed=3, lo=40, hi=60)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

@@ -60,7 +60,7 @@ def test_the_probe_times_the_same_kernel_each_time():
 
 
 def test_the_pace_travels_with_the_step_records_over_grpc():
-    step = StepStats(100.0, 0.05, cpu_s=0.04, step_index=7, pace_s=0.0021, worker="decode-0")
+    step = StepStats(100.0, 0.05, cpu_s=0.04, pace_s=0.0021, worker="decode-0")
     stats = WorkerStats("decode-0", "decode", 64, 60, 0, 4, 1, 0, 0, 12, 8, 0, steps=(step,))
     assert worker_stats_from_proto(worker_stats_to_proto(stats)).steps == (step,)
 

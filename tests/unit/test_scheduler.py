@@ -15,9 +15,11 @@ from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 BS = 16
 
 
-def make(budget=64, seqs=8, blocks=64, chunked=True, cap=None, prefix=True, max_len=4096):
+def make(budget=64, seqs=8, blocks=64, chunked=True, cap=None, prefix=True, max_len=4096, scheduling="mixed"):
     bm = BlockManager(blocks, BS, enable_prefix_caching=prefix)
-    config = SchedulerConfig(budget, seqs, max_len, enable_chunked_prefill=chunked, max_chunk_tokens=cap)
+    config = SchedulerConfig(
+        budget, seqs, max_len, enable_chunked_prefill=chunked, max_chunk_tokens=cap, scheduling=scheduling
+    )
     return Scheduler(config, bm), bm
 
 
@@ -232,31 +234,150 @@ def test_duplicate_request_id_rejected():
     assert s.requests["x"].status == RequestStatus.WAITING
 
 
-def test_each_request_knows_the_step_count_at_which_it_was_queued_and_a_stall_is_not_a_step():
-    from pdserve.engine import remote_kv
-
+def test_a_stalled_schedule_is_not_a_step():
     s, _ = make(budget=64, blocks=8)
-    a = req("a", 100, max_tokens=2)
-    s.add(a)
-    assert a.queued_at_step == 0 and s.num_steps == 0
-    fake_step(s)  # a's first chunk
+    s.add(req("a", 100, max_tokens=2))
     fake_step(s)
-    b = req("b", 16, base=100)
-    s.add(b)
-    assert (s.num_steps, b.queued_at_step) == (2, 2)
-    first_b = next(k for k in range(2, 10) if any(c.request_id == "b" for c in fake_step(s).chunks))
-    assert first_b == b.queued_at_step  # the step of that count is the first that could take it, and did
-    too_long = req("t", 200, base=50)  # 13 blocks of the 8
-    assert remote_kv.reserve_remote_blocks(s, too_long, 0.0) is None and too_long.reserved_at_step == -1
-    remote = req("r", 100, base=50)
+    fake_step(s)
     while s.has_unfinished():
         fake_step(s)
     steps = s.num_steps
     assert not s.schedule().chunks and s.num_steps == steps  # nothing to schedule: not a step
+
+
+def _kinds(out: SchedulerOutput) -> str:
+    if out.num_prefill_tokens and out.num_decode_tokens:
+        return "mixed"
+    return "prefill" if out.num_prefill_tokens else "decode"
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_prefill_first_runs_new_prompts_in_steps_of_their_own_while_decodes_wait(chunked):
+    steps = {}
+    for policy in ("mixed", "prefill-first"):
+        s, bm = make(budget=80, seqs=8, blocks=200, chunked=chunked, scheduling=policy)
+        s.add(req("a", 20, max_tokens=6))
+        s.add(req("b", 20, max_tokens=6, base=30))
+        outs = [fake_step(s), fake_step(s)]  # a and b's prompts, then a decode
+        s.add(req("c", 50, max_tokens=3, base=60))  # arrives while a and b decode
+        s.add(req("d", 25, max_tokens=3, base=90))
+        outs += run_all(s)
+        steps[policy] = outs
+        bm.check_integrity()
+    mixed, first = steps["mixed"], steps["prefill-first"]
+    assert any(_kinds(o) == "mixed" for o in mixed)  # mixed: the new prompts share steps with a and b's decodes
+    assert all(_kinds(o) != "mixed" for o in first)  # prefill-first: never
+    assert [_kinds(o) for o in first[:3]] == ["prefill", "decode", "prefill"]
+    assert {c.request_id for c in first[2].chunks} == {"c", "d"}  # both waiting prompts in one prompt-only step
+    assert {c.request_id for c in first[3].chunks} == {"a", "b", "c", "d"}  # then everyone decodes together
+    # the same work either way: every request computed every token once
+    for policy, outs in steps.items():
+        assert sum(o.num_tokens for o in outs) == 20 + 6 + 20 + 6 + 50 + 3 + 25 + 3 - 4, policy
+
+
+def test_prefill_first_chunks_a_long_prompt_in_prompt_only_steps_and_decodes_when_none_fits():
+    s, bm = make(budget=32, seqs=8, blocks=12, chunked=True, scheduling="prefill-first")
+    s.add(req("a", 10, max_tokens=20))
+    fake_step(s)
+    s.add(req("long", 100, max_tokens=2, base=40))  # 7 blocks: fits beside a's
+    kinds = [_kinds(fake_step(s)) for _ in range(4)]
+    assert kinds == ["prefill"] * 4  # 32 + 32 + 32 + 4 tokens, a waits
+    assert s.requests["long"].num_computed_tokens == 100
+    run_all(s)
+    bm.check_integrity()
+
+    s, bm = make(budget=256, seqs=8, blocks=12, chunked=False, scheduling="prefill-first")
+    s.add(req("a", 10, max_tokens=20))
+    s.add(req("b", 90, max_tokens=20, base=40))
+    fake_step(s)
+    s.add(req("huge", 150, max_tokens=2, base=70))  # 10 blocks whole: not while a and b hold 7 of the 12
+    out = fake_step(s)
+    assert _kinds(out) == "decode" and {c.request_id for c in out.chunks} == {"a", "b"}  # the decodes do not starve
+    run_all(s)
+    bm.check_integrity()
+
+
+def test_prefill_first_puts_remote_kv_admissions_in_decode_steps_not_prompt_steps():
+    from pdserve.engine import remote_kv
+
+    s, _ = make(budget=64, seqs=8, blocks=64, scheduling="prefill-first")
+    remote = req("r", 40, max_tokens=4)
     assert remote_kv.reserve_remote_blocks(s, remote, 0.0) == 0
-    assert remote.reserved_at_step == steps and remote.queued_at_step == -1
-    assert remote_kv.admit_remote(s, remote, 7, 0.0, 4096) is None
-    assert remote.queued_at_step == steps
+    assert remote_kv.admit_remote(s, remote, 7, 0.0, 4096) is None  # queued at the head, decode-ready
+    s.add(req("p", 30, max_tokens=2, base=50))
+    first = fake_step(s)
+    assert [c.request_id for c in first.chunks] == ["p"]  # the prompt steps over the decode-ready request
+    second = fake_step(s)
+    assert _kinds(second) == "decode" and {c.request_id for c in second.chunks} == {"r", "p"}
+
+
+def test_unknown_scheduling_policy_is_refused():
+    with pytest.raises(ValueError, match="scheduling must be one of mixed, prefill-first"):
+        make(scheduling="fcfs")
+
+
+def _decoding(blocks: int, prefix: bool, max_tokens: int = 40) -> tuple[Scheduler, BlockManager, SchedulerOutput]:
+    """Three requests prefilled and decoding, one sharing another's prefix; the first decode step scheduled."""
+    s, bm = make(budget=256, blocks=blocks, prefix=prefix)
+    s.add(req("a", 30, max_tokens=max_tokens))
+    s.add(req("b", 45, max_tokens=max_tokens + 5))
+    s.add(req("c", 30, max_tokens=max_tokens))  # a's prompt: a prefix hit with caching on
+    while True:
+        out = s.schedule()
+        if all(len(c.token_ids) == 1 for c in out.chunks) and len(out.chunks) == 3:
+            return s, bm, out
+        s.update_after_step(out)
+        for c in out.chunks:
+            if c.samples:
+                s.requests[c.request_id].all_token_ids.append(7)
+
+
+def _state(s: Scheduler, bm: BlockManager) -> tuple:
+    requests = {
+        rid: (list(r.all_token_ids), r.num_computed_tokens, list(r.block_ids), r.num_registered_blocks)
+        for rid, r in s.requests.items()
+    }
+    return requests, list(bm.free_blocks), list(bm.cached_free), dict(bm.hash_to_block), list(bm.ref_counts)
+
+
+@pytest.mark.parametrize("prefix", [True, False])
+@pytest.mark.parametrize("blocks", [64, 12])
+def test_a_decode_run_leaves_what_its_steps_one_by_one_leave(prefix, blocks):
+    # the simulator's fast path: decode_run_length steps applied at once by advance_decode_run give the same
+    # tokens, computed counts, blocks and next step as schedule() and update_after_step() step by step
+    s1, bm1, first = _decoding(blocks, prefix)
+    n = s1.decode_run_length(first)
+    assert n >= 2
+    if blocks == 12:
+        assert n < 40  # the free pool ends the run before any request's max_tokens
+    requests = [s1.requests[c.request_id] for c in first.chunks]
+    starts = [c.start for c in first.chunks]
+    j = n  # apply steps 1 .. n-1: step n is the last the run holds blocks for
+    out1 = s1.advance_decode_run(requests, starts, 1, j, 7)
+
+    s2, bm2, out2 = _decoding(blocks, prefix)
+    for _ in range(j - 1):
+        s2.update_after_step(out2)
+        for c in out2.chunks:
+            s2.requests[c.request_id].all_token_ids.append(7)
+        out2 = s2.schedule()
+    assert out1 == out2
+    assert _state(s1, bm1) == _state(s2, bm2)
+    # one step past the run would need a block the pool lacks (or a request ends at its max_tokens)
+    s2.update_after_step(out2)
+    for c in out2.chunks:
+        s2.requests[c.request_id].all_token_ids.append(7)
+    ended = any(r.num_output_tokens >= r.params.max_tokens for r in s2.requests.values())
+    assert ended or s2.schedule().preempted
+
+
+def test_no_decode_run_while_a_prompt_waits_or_a_prefill_runs():
+    s, _, first = _decoding(64, True)
+    s.add(req("d", 20))
+    assert s.decode_run_length(first) == 0
+    s2, _ = make(budget=256)
+    s2.add(req("x", 30))
+    assert s2.decode_run_length(s2.schedule()) == 0  # a prompt's step
 
 
 def test_update_from_output_appends_tokens_applies_the_stop_rule_and_keeps_held_blocks():

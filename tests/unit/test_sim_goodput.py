@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -86,9 +87,14 @@ def test_cli_goodput_and_pd_search_as_json(tmp_path, capsys):
         assert a["goodput_per_gpu"] > 0 and a["goodput_per_gpu"] == pytest.approx(a["goodput"] / a["num_gpus"])
         assert 0 <= a["ttft_attainment"] <= 1 and 0 <= a["tpot_attainment"] <= 1
     assert archs[0]["goodput_per_gpu"] >= archs[1]["goodput_per_gpu"]  # best first
-    doc = _json_out(capsys, ["--pd-search", "2", "--json", "--out", str(tmp_path / "pd"), *common])
+    search = ["--pd-search", "2", "--pd-tp", "1", "--pd-chunks", "512", "--pd-seeds", "2", "--jobs", "1"]
+    doc = _json_out(capsys, [*search, "--json", "--out", str(tmp_path / "pd"), *common])
     names = [a["name"] for a in doc["architectures"]]
-    assert set(names) >= {"colocated x2", "colocated x2 unchunked", "1P:1D"}
+    assert "1P(tp1):1D(tp1) whole prompts" in names and "colocated tp1 chunk 512" in names
+    assert "colocated tp1 prefill-first" in names or "colocated tp1 chunk 512" in names
+    assert all(
+        a["num_seeds"] == 2 and a["goodput_min"] <= a["goodput"] <= a["goodput_max"] for a in doc["architectures"]
+    )
     per_gpu = [a["goodput_per_gpu"] for a in doc["architectures"]]
     assert per_gpu == sorted(per_gpu, reverse=True)
     # a plain run as JSON: its metrics carry the attainments
@@ -109,3 +115,40 @@ def test_published_setups_use_the_papers_models_and_length_distributions():
     mean, sigma = lognormal_from_median_p90(1730, 5696)
     assert math.exp(math.log(mean) - sigma**2 / 2) == pytest.approx(1730)  # the median back
     assert math.exp(math.log(1730) + 1.2815515655446004 * sigma) == pytest.approx(5696)  # and the P90
+
+
+def test_distserves_measured_runs_ship_whole_and_the_published_fits_load():
+    from pdserve.sim.cost_profile import PUBLISHED_PROFILES, load_cost_profile
+    from pdserve.sim.published import DISTSERVE_REFERENCE, load_distserve_reference
+
+    with open(DISTSERVE_REFERENCE, encoding="utf-8") as f:
+        doc = json.load(f)
+    assert "Apache-2.0" in doc["licence"] and "LLMServe/DistServe" in doc["source"]
+    runs = load_distserve_reference()
+    assert [r.name for r in runs] == list(doc["runs"])
+    for run in runs:  # the rounded rows give back the averages the measured file printed
+        summary = doc["runs"][run.name]["summary"]
+        assert len(run.requests) == int(run.name.split("-")[-2])
+        assert statistics.mean(r[3] for r in run.requests) == pytest.approx(summary["avg_ttft_ms"], abs=0.05)
+        assert statistics.mean(r[4] for r in run.requests) == pytest.approx(summary["avg_tpot_ms"], abs=0.05)
+        assert [r[2] for r in run.requests] == sorted(r[2] for r in run.requests) and run.requests[0][2] == 0.0
+    for name in PUBLISHED_PROFILES:
+        profile = load_cost_profile(name)
+        assert profile.tp_degrees == (1, 2, 4) and "Apache-2.0" in profile.licence and profile.kv_capacity_given
+        assert 55_000 < profile.kv_capacity(1) < 70_000  # one A100 holds ~63k tokens of OPT-13B's KV
+
+
+def test_distserve_reproduction_runs_vllm_prefill_first_and_distserve_on_its_placement():
+    from pdserve.sim.published import load_distserve_reference, simulate_system, trace_requests
+
+    run = load_distserve_reference()[0]
+    requests = trace_requests(run)[:40]
+    vllm = simulate_system("vllm", requests)
+    assert vllm.num_gpus == 1 and vllm.config["sim"]["scheduling"] == "prefill-first"
+    assert not any(s.num_prefill_tokens and s.num_decode_tokens for s in vllm.steps)  # decodes wait
+    assert all(r.ok for r in vllm.records)
+    distserve = simulate_system("distserve", requests)
+    assert distserve.num_gpus == 3 and distserve.config["prefill_gpus"] == 2  # prefill TP 2, decode TP 1
+    assert distserve.config["prefill_cost_model"].endswith("tp2") and distserve.kv_bytes_moved > 0
+    # DistServe's own engine prefills faster than vLLM's (its fit): the same prompts reach their first token sooner
+    assert statistics.median(r.ttft for r in distserve.records) < statistics.median(r.ttft for r in vllm.records)

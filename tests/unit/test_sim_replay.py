@@ -172,19 +172,18 @@ def test_a_request_that_found_its_worker_busy_reaches_it_when_the_worker_says_it
 
 
 def _boundary_trace(b_sent: float, b_queued_at: int):
-    """A worker's recorded steps (its step counts 40..42: the run began after earlier ones): a's prefill, a's
-    first decode, then a's decode with b's prompt. a's prefill runs from 0.001 to 0.051 on the replay's clock;
-    b's call reaches the worker 1 ms after b is sent (the config's latency); the run recorded the step count at
-    which b was queued."""
+    """A worker's recorded steps: a's prefill, a's first decode, then a's decode with b's prompt. a's prefill
+    runs from 0.001 to 0.051 on the replay's clock; b's call reaches the worker 1 ms after b is sent (the
+    config's latency); the run recorded the step count at which b was queued."""
     from pdserve.messages import StepStats
     from pdserve.workload.metrics import RequestRecord
 
-    steps = [StepStats(100.0, 0.05, num_prefill_tokens=300, num_seqs=1, worker="decode-0", step_index=40)]
-    steps.append(StepStats(100.05, 0.01, num_decode_tokens=1, num_seqs=1, worker="decode-0", step_index=41))
+    steps = [StepStats(100.0, 0.05, num_prefill_tokens=300, num_seqs=1, worker="decode-0")]
+    steps.append(StepStats(100.05, 0.01, num_decode_tokens=1, num_seqs=1, worker="decode-0"))
     both = {"num_prefill_tokens": 64, "num_decode_tokens": 1, "num_seqs": 2}
-    steps.append(StepStats(100.06, 0.02, **both, worker="decode-0", step_index=42))
+    steps.append(StepStats(100.06, 0.02, **both, worker="decode-0"))
     meta = {"decode_worker": "decode-0", "prefill_worker": ""}
-    a = RequestRecord("a", 99.999, (100.051, 100.061, 100.081), 300, meta={**meta, "decode_queued_step": 40})
+    a = RequestRecord("a", 99.999, (100.051, 100.061, 100.081), 300, meta={**meta, "decode_queued_step": 0})
     b = RequestRecord("b", 100 + b_sent, (100.081,), 64, meta={**meta, "decode_queued_step": b_queued_at})
     requests = [_req("a", 300, 3, 0.0), _req("b", 64, 1, b_sent + 0.001)]
     return requests, [a, b], steps
@@ -193,8 +192,8 @@ def _boundary_trace(b_sent: float, b_queued_at: int):
 @pytest.mark.parametrize(("window_s", "aligned"), [(0.005, True), (0.002, False), (0.0, False)])
 def test_an_admission_just_before_a_step_boundary_joins_the_step_the_run_recorded(window_s, aligned):
     # b's call reaches the worker at 0.048 in the replay, 3 ms before a's prefill ends: the replayed timeline
-    # puts it in step 41, the run recorded it queued at 42 (its call took a few ms longer there)
-    requests, records, steps = _boundary_trace(0.046, 42)
+    # puts it in step 1, the run recorded it queued at 2 (its call took a few ms longer there)
+    requests, records, steps = _boundary_trace(0.046, 2)
     cfg = SimConfig(control_latency_s=1e-3, kv_link_bw=5e9, kv_link_latency_s=0)
     report = replay(requests, records, steps, H100_8B, cfg, time_origin=99.999, tie_window_s=window_s)
     b_step = next(k for k, s in enumerate(report.result.steps) if s.num_prefill_tokens == 64)
@@ -208,9 +207,9 @@ def test_an_admission_just_before_a_step_boundary_joins_the_step_the_run_recorde
 
 @pytest.mark.parametrize(("window_s", "aligned"), [(0.005, True), (0.0, False)])
 def test_a_step_waits_for_an_admission_the_run_recorded_for_it_that_comes_just_after_it_would_start(window_s, aligned):
-    # b's call reaches the worker at 0.052 in the replay, 1 ms after step 41 would start; the run had b queued
-    # before it (at 41): within the window the step waits for b, and starts 1 ms late
-    requests, records, steps = _boundary_trace(0.050, 41)
+    # b's call reaches the worker at 0.052 in the replay, 1 ms after step 1 would start; the run had b queued
+    # before it (at 1): within the window the step waits for b, and starts 1 ms late
+    requests, records, steps = _boundary_trace(0.050, 1)
     cfg = SimConfig(control_latency_s=1e-3, kv_link_bw=5e9, kv_link_latency_s=0)
     report = replay(requests, records, steps, H100_8B, cfg, time_origin=99.999, tie_window_s=window_s)
     second = report.result.steps[1]

@@ -12,7 +12,7 @@ import pytest
 import pdserve.engine.scheduler as engine_scheduler
 from pdserve.cli.sim import main
 from pdserve.sim.cost_model import LinearCostModel, RooflineCostModel
-from pdserve.sim.cost_profile import CostProfile, PolynomialCostModel
+from pdserve.sim.cost_profile import CostProfile, PhaseFit, PolynomialCostModel
 from pdserve.sim.profiles import LinearProfile, RoleFit, get_hardware, get_model
 from pdserve.sim.simulator import SimConfig, Simulator, simulate
 from pdserve.workload.generator import WorkloadRequest, interference_workload, random_workload, shared_prefix_workload
@@ -55,8 +55,7 @@ def _polynomial() -> PolynomialCostModel:
     return PolynomialCostModel(
         CostProfile(
             name="poly",
-            prefill_ms=(10.0, 0.05, 1e-6),
-            decode_ms=(12.0, 2.5e-4, 0.07),
+            fits={(1, "all"): PhaseFit((10.0, 0.05, 1e-6), (12.0, 2.5e-4, 0.07), (9.0, 2.7e-4, 0.09), 24)},
             kv_bytes_per_token=131072,
             kv_link_gb_per_s=25.0,
             kv_capacity_tokens=200_000,

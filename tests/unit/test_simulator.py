@@ -11,7 +11,7 @@ import pdserve.engine.scheduler as engine_scheduler
 from pdserve.cli.sim import main
 from pdserve.sim.cost_model import RooflineCostModel, StepShape, chunk_context_tokens
 from pdserve.sim.demo import compare_chunking, run_chunked_prefill_demo
-from pdserve.sim.experiments import best_row, chunk_sweep, find_knee, max_rate_meeting_slo, pd_search, rank_rows
+from pdserve.sim.experiments import chunk_sweep, find_knee, max_rate_meeting_slo, pd_search
 from pdserve.sim.profiles import (
     MODELS,
     get_hardware,
@@ -276,14 +276,11 @@ def test_the_paths_between_the_workers_take_their_own_latencies():
 def test_roofline_cost_model():
     m, hw = get_model("Llama-3-8B"), get_hardware("H100")
     assert abs(m.num_params / 8.03e9 - 1) < 0.01 and m.kv_bytes_per_token == 131072
-    decode = StepShape.from_chunks([(100, 1, True)])
-    cost = H100_8B.breakdown(decode)
-    assert cost.memory > cost.compute  # decode is bandwidth-bound
-    expected_mem = (m.weight_bytes + 101 * m.kv_bytes_per_token) / (hw.mem_bw * hw.bw_efficiency)
-    assert cost.total == pytest.approx(hw.step_overhead_s + expected_mem)
+    decode = H100_8B.breakdown(StepShape.from_chunks([(100, 1, True)]))
+    assert decode.gemm > 0.9 * m.step_weight_bytes / (hw.mem_bw * hw.bw_efficiency)  # decode streams the weights
     prefill = StepShape.from_chunks([(0, 4096, True)])
     pc = H100_8B.breakdown(prefill)
-    assert pc.compute > pc.memory  # prefill is compute-bound
+    assert pc.gemm > 0.9 * 2 * m.matmul_params * 4096 / (hw.peak_flops * hw.mfu)  # prefill computes
     tp2 = RooflineCostModel(hw, m, tp=2)
     t2 = tp2.breakdown(prefill)
     assert t2.all_reduce > 0 and pc.total / 2 < t2.total < pc.total
@@ -368,22 +365,63 @@ def test_chunk_sweep_knee_and_rate_search():
     )
 
 
-def test_pd_search_small():
-    spec = WorkloadSpec(num_requests=30, rate=8.0, prompt_len_mean=1500, output_len_mean=60, seed=2)
-    rows = pd_search(spec, H100_8B, 3, {"ttft": 300, "tpot": 25}, SimConfig(chunk_size=1024), iterations=2)
-    names = ["colocated x3", "colocated x3 unchunked", "1P:2D", "2P:1D", "auto 1P:2D", "auto 2P:1D"]
-    assert [r.name for r in rows] == names
-    assert [r.chunked for r in rows] == [True, False, True, True, True, True]
-    assert all(r.num_gpus == 3 and r.goodput is not None and r.goodput > 0 for r in rows)
-    assert all(r.goodput_per_gpu == pytest.approx(r.goodput / 3) for r in rows)
-    assert rows[0].kv_bytes_moved == 0 < rows[2].kv_bytes_moved
-    # prompts average 1500 tokens, above the auto threshold (512): auto sends most, not all, remote
-    assert 0 < rows[4].kv_bytes_moved < rows[2].kv_bytes_moved
-    ranked = rank_rows(rows)
-    assert sorted(r.name for r in ranked) == sorted(names) and ranked[0] == best_row(rows)
-    assert [r.goodput_per_gpu for r in ranked] == sorted((r.goodput_per_gpu for r in rows), reverse=True)
-    with pytest.raises(ValueError):
-        pd_search(spec, H100_8B, 3, {})
+def test_pd_search_over_shapes_parallelism_gpu_counts_and_seeds():
+    from pdserve.sim.experiments import SearchSpace, shape_goodputs
+
+    spec = WorkloadSpec(num_requests=24, rate=8.0, prompt_len_mean=1200, output_len_mean=30, seed=2)
+    slo = {"ttft": 300, "tpot": 25}
+
+    def costs(tp: int, pp: int) -> RooflineCostModel:
+        return RooflineCostModel(get_hardware("H100"), get_model("Llama-3-8B"), tp, "smooth", pp)
+
+    space = SearchSpace(tps=(1, 2), prefill_pps=(1, 2), budgets=(512,), seeds=(0, 1, 2), verify_disaggregated=2)
+    config = SimConfig(max_num_batched_tokens=512)
+    shapes = shape_goodputs(spec, costs, 3, slo, config, space, 0.9, 3, 0.0)
+    kinds = {(s.role, s.tp, s.pp, s.label) for s in shapes}
+    assert ("prefill", 1, 1, "whole prompts") in kinds and ("prefill", 1, 2, "chunk 512") in kinds
+    assert ("decode", 1, 1, "") in kinds and ("colocated", 1, 1, "prefill-first") in kinds
+    assert all(s.num_gpus <= 2 for s in shapes if s.role != "colocated")  # one GPU is left for the other role
+    assert all(s.goodput > 0 for s in shapes)
+    rows = pd_search(spec, costs, 3, slo, config, iterations=3, space=space)
+    assert len(rows) == 2 + 2 + 1  # two placements, two colocated shapes, the best placement under auto
+    assert all(r.num_seeds == 3 and r.goodput_min <= r.goodput <= r.goodput_max for r in rows)
+    assert all(r.goodput_per_gpu == pytest.approx(r.goodput / r.num_gpus) and r.num_gpus <= 3 for r in rows)
+    assert [r.goodput_per_gpu for r in rows] == sorted((r.goodput_per_gpu for r in rows), reverse=True)
+    disaggregated = [r for r in rows if r.mode == "disaggregated"]
+    assert all(r.predicted_goodput and r.kv_bytes_moved > 0 for r in disaggregated)
+    assert any(r.mode == "auto" for r in rows) and any(r.mode == "colocated" for r in rows)
+    with pytest.raises(ValueError, match="give SLOs"):
+        pd_search(spec, costs, 3, {})
+
+
+def test_placements_cover_every_gpu_count_up_to_n_and_predict_the_slower_side():
+    from pdserve.sim.experiments import Architecture, ShapeGoodput, placements
+
+    arch = Architecture("x", "disaggregated", 1, 1, 2, True)
+    prefill = ShapeGoodput("prefill", 2, 1, "whole prompts", 10.0, arch)  # 2 GPUs, 10 req/s
+    decode = ShapeGoodput("decode", 1, 1, "", 6.0, arch)  # 1 GPU, 6 req/s
+    found = placements([prefill, decode], 5)
+    counts = {(p.num_prefill, p.num_decode) for p in found}
+    assert counts == {(1, 1), (1, 2), (1, 3), (2, 1)}  # every fit of at most 5 GPUs, 3-GPU 1P:1D included
+    by = {(p.num_prefill, p.num_decode): p for p in found}
+    assert by[(1, 1)].predicted == 6.0 and by[(1, 2)].predicted == 10.0 and by[(2, 1)].predicted == 6.0
+    assert by[(1, 2)].num_gpus == 4 and found[0] is by[(1, 2)]  # 2.5 req/s per GPU: the best
+    assert [p.predicted / p.num_gpus for p in found] == sorted((p.predicted / p.num_gpus for p in found), reverse=True)
+
+
+def test_later_seeds_refine_near_the_first_answer():
+    from pdserve.sim.experiments import refine_rate
+
+    calls: list[float] = []
+
+    def attain(rate: float) -> float:
+        calls.append(rate)
+        return 1.0 if rate <= 11.0 else 0.5
+
+    assert refine_rate(attain, 0.9, 10.0, 5) == pytest.approx(11.0, rel=0.03)
+    assert len(calls) == 7 and min(calls) >= 8.0 and max(calls) <= 12.5  # inside [0.8, 1.25] x the guess
+    calls.clear()
+    assert refine_rate(attain, 0.9, 30.0, 4) <= 11.0  # a guess far off: searched from the bracket's end
 
 
 def test_cli_run_writes_every_file(tmp_path):

@@ -675,7 +675,7 @@ function assumptions(data) {
   let text =
     `Cost model: a roofline of ${a.model} (${fmt(a.params_b, 1)} B parameters, ${8 * a.dtype_bytes}-bit weights) on ${a.tp} × ${a.hardware}. ` +
     `Matmuls run at ${fmt(a.peak_tflops, 0)} TFLOP/s × ${fmt(100 * a.mfu, 0)}% MFU; weights and KV are read at ${fmt(a.mem_bw_tb_s, 2)} TB/s × ${fmt(100 * a.bw_efficiency, 0)}%; ` +
-    `a step takes the ${a.combine === "max" ? "larger" : "sum"} of the two plus a fixed ${fmt(a.step_overhead_ms, 1)} ms (scheduling, launch, sampling). ` +
+    `each kernel takes ${a.combine === "max" ? "the larger of the two" : a.combine === "sum" ? "the sum of the two" : "√(compute² + memory²) of the two (a roofline with a soft knee)"}, plus ${fmt(a.step_overhead_ms, 1)} ms a step and ${fmt(a.seq_overhead_us, 0)} µs a sequence (scheduling, launch, sampling). ` +
     `In this run the steps with a chunk of the long prompt are compute-bound (${computeBound} of ${prefill.length}) and the decode-only steps memory-bound (${memoryBound} of ${decodeOnly.length}).`;
   if (prefill.length && computeBound === prefill.length) {
     text +=
