@@ -436,3 +436,55 @@ def test_grpc_receiver_refuses_pushes_without_the_secret_or_outside_a_reservatio
     finally:
         for t in (receiver, strangers, insiders):
             t.close()
+
+
+def _landed(pool: torch.Tensor) -> int:
+    return int((pool_bytes_view(pool)[:, :64] == 7).all(dim=1).sum())
+
+
+@pytest.fixture
+def tcp_nixl_pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[KVTransport, KVTransport, torch.Tensor]]:
+    """Two real NIXL agents over UCX TCP: 64 blocks of 1 MiB, the sender's all 7s, the receiver's zeros. With
+    TCP a WRITE lands only while the receiver's agent makes progress (``poll_notifications``)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read when each agent's UCX context is created
+    sender, receiver = make_transport("nixl"), make_transport("nixl")
+    dst = torch.zeros((64, 1 << 20), dtype=torch.uint8)
+    try:
+        sender.register_pool(torch.full((64, 1 << 20), 7, dtype=torch.uint8))
+        receiver.register_pool(dst)
+        target = receiver.describe()
+        warm = sender.push(target, [0], [0], _notif(rid="warm"))  # connect before the test's push
+        deadline = time.monotonic() + 10
+        while not warm.done():
+            receiver.poll_notifications()
+            assert time.monotonic() < deadline, "the warm-up push did not land"
+        dst.zero_()
+        yield sender, receiver, dst
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_nixl_cancel_is_confirmed_only_once_no_byte_of_the_push_can_land(tcp_nixl_pair) -> None:
+    """NIXL cannot stop a posted WRITE (releasing it does not stop the bytes already queued): a cancel reports
+    success only once NIXL says the transfer is over, and after that success no byte of it lands."""
+    sender, receiver, dst = tcp_nixl_pair
+    target = receiver.describe()
+    h = sender.push(target, list(range(1, 64)), list(range(1, 64)), _notif(last=True, rid="cancelled"))
+    for _ in range(20):  # the sender drives its side; the receiver makes no progress
+        assert not h.done()
+    assert _landed(dst) == 0
+    for _ in range(50):  # the receiver stays silent (a stopped process): the cancel cannot be confirmed
+        assert not h.cancel(), "a cancel confirmed while the WRITE may still land"
+        time.sleep(0.002)
+    confirmed: tuple[int, float] | None = None  # (blocks landed, time) when the cancel was confirmed
+    deadline = time.monotonic() + 20
+    while confirmed is None or time.monotonic() < confirmed[1] + 0.5:
+        receiver.poll_notifications()  # the receiver runs again: the WRITE's bytes land as it progresses
+        landed = _landed(dst)
+        if confirmed is None:
+            assert time.monotonic() < deadline, "the cancel was never confirmed while the receiver progressed"
+            if h.cancel():
+                confirmed = (landed, time.monotonic())
+        else:
+            assert landed == confirmed[0], f"{landed - confirmed[0]} blocks landed after the cancel was confirmed"
