@@ -34,6 +34,7 @@ import ray
 from pdserve.bench.drain import wait_drained
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.faults import NO_FAULTS, FaultPlan
 from pdserve.kv_transfer.nixl_transport import NixlConfig
 from pdserve.router.client import AsyncClient
 
@@ -105,7 +106,7 @@ HUNG = {"engine": HUNG_ENGINE, "push_timeout_s": 3.0, "reservation_ttl_s": 30.0}
 async def decode_killed_mid_push(d: Deployment, expected: list[int]) -> Timing:
     """A 900-token prompt is being prefilled (slowed to 200 ms a chunk) and pushed when its decode worker dies."""
     async with AsyncClient(d.address) as client:
-        ray.get(d.prefill_workers[0].actor.inject_fault.remote("slow_steps"))
+        ray.get(d.prefill_workers[0].actor.set_fault_plan.remote(FaultPlan(step_delay_s=0.2)))
         task = asyncio.create_task(stream_prompt(client, LONG_PROMPT, GREEDY))
         await until(lambda: _any_stats(client, lambda w: w.role == "prefill" and w.num_steps >= 3))
         killed = time.monotonic()
@@ -113,7 +114,7 @@ async def decode_killed_mid_push(d: Deployment, expected: list[int]) -> Timing:
         outcome, _ = await task
         outcome_s = time.monotonic() - killed
         freed_s = await freed_after(d.address, killed)
-        ray.get(d.prefill_workers[0].actor.inject_fault.remote(None))
+        ray.get(d.prefill_workers[0].actor.set_fault_plan.remote(NO_FAULTS))
         await until(lambda: _health_is(client, "serving"))
         for mode in ("disaggregated", "colocated"):
             done, tokens = await stream_prompt(client, PROMPT, GREEDY, mode)
@@ -128,7 +129,7 @@ async def decode_hung_mid_push(d: Deployment, expected: list[int], label: str) -
     blocks."""
     [pid] = [info["pid"] for info in d.worker_info if info["worker_id"] == "decode-0"]
     async with AsyncClient(d.address) as client:
-        ray.get(d.prefill_workers[0].actor.inject_fault.remote("slow_steps"))
+        ray.get(d.prefill_workers[0].actor.set_fault_plan.remote(FaultPlan(step_delay_s=0.2)))
         task = asyncio.create_task(stream_prompt(client, HUNG_PROMPT, GREEDY, "disaggregated"))
         await until(lambda: _any_stats(client, lambda w: w.role == "prefill" and w.num_steps >= 3))
 
@@ -148,7 +149,7 @@ async def decode_hung_mid_push(d: Deployment, expected: list[int], label: str) -
             freed_s = await freed - stopped
         finally:
             os.kill(pid, signal.SIGCONT)
-        ray.get(d.prefill_workers[0].actor.inject_fault.remote(None))
+        ray.get(d.prefill_workers[0].actor.set_fault_plan.remote(NO_FAULTS))
         await until(lambda: _health_is(client, "serving"))
         for mode in ("disaggregated", "colocated"):
             done, tokens = await stream_prompt(client, PROMPT, GREEDY, mode)
@@ -176,7 +177,7 @@ async def stream_prompt(
 
 async def prefill_killed(d: Deployment, expected: list[int]) -> Timing:
     async with AsyncClient(d.address) as client:
-        ray.get(d.prefill_workers[0].actor.inject_fault.remote("slow_steps"))
+        ray.get(d.prefill_workers[0].actor.set_fault_plan.remote(FaultPlan(step_delay_s=0.2)))
         task = asyncio.create_task(stream(client, GREEDY))
         await until(lambda: _any_stats(client, lambda w: w.role == "prefill" and w.num_steps >= 2))
         killed = time.monotonic()
@@ -242,14 +243,14 @@ async def decode_hung_mid_stream(d: Deployment) -> Timing:
 
 async def engine_crashed(d: Deployment) -> Timing:
     async def crash(client: AsyncClient) -> None:
-        ray.get(d.decode_workers[0].actor.inject_fault.remote("step"))
+        ray.get(d.decode_workers[0].actor.set_fault_plan.remote(FaultPlan(crash_step=True)))
 
     return await mid_stream(d, "engine loop crash", crash)
 
 
 async def kv_stalled(d: Deployment) -> Timing:
     async with AsyncClient(d.address) as client:
-        ray.get(d.prefill_workers[0].actor.inject_fault.remote("stall_pushes"))
+        ray.get(d.prefill_workers[0].actor.set_fault_plan.remote(FaultPlan(stall_pushes=True)))
         sent = time.monotonic()
         outcome, _ = await stream(client, GREEDY)
         outcome_s = time.monotonic() - sent

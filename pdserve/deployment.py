@@ -118,16 +118,17 @@ class Deployment:
             decode_cls, prefill_cls = ray.remote(DecodeWorker), ray.remote(PrefillWorker)
             decode_options = {**placement.actor_options(DECODE), **common}
             prefill_options = {**placement.actor_options(PREFILL), **common}
+            live = {"engine_stall_timeout_s": cfg.engine_stall_timeout_s}
             for i in range(cfg.num_decode_workers):
                 wid = f"decode-{i}"
                 actor: Any = decode_cls.options(**decode_options, **self._identity(wid)).remote(
-                    wid, engine_config, cfg.transport, transport_config, cfg.reservation_ttl_s, cfg.verify_kv
+                    wid, engine_config, cfg.transport, transport_config, cfg.reservation_ttl_s, cfg.verify_kv, **live
                 )
                 self.decode_workers.append(WorkerHandle(wid, "decode", actor))
             for i in range(cfg.prefill_worker_count):
                 wid = f"prefill-{i}"
                 actor = prefill_cls.options(**prefill_options, **self._identity(wid)).remote(
-                    wid, engine_config, cfg.transport, transport_config, cfg.push_timeout_s, cfg.verify_kv
+                    wid, engine_config, cfg.transport, transport_config, cfg.push_timeout_s, cfg.verify_kv, **live
                 )
                 self.prefill_workers.append(WorkerHandle(wid, "prefill", actor))
             self._stage(started, f"workers placed: {', '.join(w.worker_id for w in self.workers)}")

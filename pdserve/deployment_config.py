@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve.engine.async_engine import DEFAULT_ENGINE_STALL_TIMEOUT_S
 from pdserve.engine.config import EngineConfig
 from pdserve.options import option
 from pdserve.router.policy import MODES, RouterConfig
@@ -64,6 +65,11 @@ class DeploymentConfig(TransportConfig):
     address: str | None = option(None, "Ray cluster to join ('auto' or host:port; default: start one here)")
     router: RouterConfig | None = None  # None = defaults with `mode` as default_mode
     worker_max_restarts: int = option(3, "Ray restarts a worker whose process died this many times")
+    engine_stall_timeout_s: float = option(
+        DEFAULT_ENGINE_STALL_TIMEOUT_S,
+        "a worker whose engine loop has not stepped for this many seconds counts as hung: its requests fail with "
+        "UNAVAILABLE naming it, nothing is routed to it and health says so, until it steps again",
+    )
     omp_spin_count: int = option(
         DEFAULT_OMP_SPIN_COUNT,
         "GOMP_SPINCOUNT of the engine workers: how long their OpenMP threads wait for the next parallel kernel "
@@ -96,6 +102,8 @@ class DeploymentConfig(TransportConfig):
         check_gpus_per_worker(self.gpus_per_worker)
         if self.num_routers < 1:
             raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
+        if not self.engine_stall_timeout_s > 0:
+            raise ValueError(f"engine_stall_timeout_s must be > 0, got {self.engine_stall_timeout_s!r}")
         if self.omp_spin_count < 0:
             raise ValueError(f"omp_spin_count must be >= 0, got {self.omp_spin_count}")
         tls = self.tls_cert_file is not None and self.tls_key_file is not None

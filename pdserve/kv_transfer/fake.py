@@ -5,7 +5,8 @@ into the receiver's pool and delivers its notification, either at once (the defa
 says: ``fail`` (nothing written, the handle raises), ``hang`` (never lands), ``late`` (lands after a
 delay, from a timer thread, like a one-sided write the sender has lost track of), ``corrupt`` (lands
 with one byte of each block flipped). A push can be
-made uncancellable (``cancellable=False``), as a NIXL WRITE that UCX will not abort.
+made uncancellable (``cancellable=False``), as a NIXL WRITE that UCX will not abort, or a liar
+(``lands_after_cancel=True``): its cancel reports success while its data still lands, as a NIXL release did.
 
 Writes are one-sided (``checks_pushes`` is False, like NIXL): the receiver's push filter is not
 obeyed, only consulted. Every write the filter would have refused is recorded in
@@ -44,11 +45,13 @@ class Fault:
         kind: ``fail``, ``hang``, ``late`` or ``corrupt``.
         delay_s: ``late`` only: the push lands this long after it started.
         cancellable: False: ``cancel()`` refuses (returns False) until ``FakeTransport.allow_cancel``.
+        lands_after_cancel: ``late`` only: ``cancel()`` reports success, and the push lands all the same.
     """
 
     kind: str
     delay_s: float = 0.0
     cancellable: bool = True
+    lands_after_cancel: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
@@ -82,6 +85,7 @@ class FakePushHandle(PushHandle):
         self._cancel_allowed = fault is None or fault.cancellable
         self._timer: threading.Timer | None = None
         self.cancel_calls = 0
+        self.landed_at: float | None = None
 
     def done(self) -> bool:
         with self._lock:
@@ -96,6 +100,8 @@ class FakePushHandle(PushHandle):
                 return True
             if not self._cancel_allowed:
                 return False
+            if self.fault is not None and self.fault.lands_after_cancel:
+                return True  # a lie: the timer still lands it
             self._error = KVTransferError(f"push {self.notification} cancelled")
             timer = self._timer
         if timer is not None:
@@ -112,6 +118,7 @@ class FakePushHandle(PushHandle):
                 return
             write()
             self._landed = True
+            self.landed_at = time.monotonic()
 
 
 class FakeTransport(KVTransport):

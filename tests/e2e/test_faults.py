@@ -18,6 +18,7 @@ from support.checks import assert_no_leaks, wait_until
 
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.faults import NO_FAULTS, FaultPlan
 from pdserve.kv_transfer.nixl_transport import NixlConfig
 from pdserve.router.client import Client
 from pdserve.router.policy import RouterConfig
@@ -61,7 +62,7 @@ def tokens_of(chunks) -> list[int]:
 def test_a_prefill_worker_dying_mid_prefill_falls_back_to_local_prefill_and_rejoins(ray_cluster, expected, transport):
     with deployment(transport=transport) as d, Client(d.address) as client:
         prefill = d.prefill_workers[0].actor
-        ray.get(prefill.inject_fault.remote("slow_steps"))  # 10 chunks of 32 tokens, 200 ms each
+        ray.get(prefill.set_fault_plan.remote(FaultPlan(step_delay_s=0.2)))  # 10 chunks of 32 tokens, 200 ms each
         result: dict = {}
         thread = threading.Thread(target=lambda: result.update(chunks=list(client.generate(PROMPT, GREEDY))))
         thread.start()
@@ -112,7 +113,7 @@ def test_a_crashed_engine_loop_fails_its_requests_at_once_and_its_worker_is_repl
         stream = client.generate(PROMPT, LONG)
         next(stream)
         crashed = time.monotonic()
-        ray.get(d.decode_workers[0].actor.inject_fault.remote("step"))
+        ray.get(d.decode_workers[0].actor.set_fault_plan.remote(FaultPlan(crash_step=True)))
         with pytest.raises(grpc.RpcError) as err:
             list(stream)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "injected engine fault" in err.value.details()
@@ -125,7 +126,7 @@ def test_a_crashed_engine_loop_fails_its_requests_at_once_and_its_worker_is_repl
 
 def test_kv_that_stops_arriving_ends_the_request_clearly_and_frees_both_sides(ray_cluster, expected):
     with deployment() as d, Client(d.address) as client:
-        ray.get(d.prefill_workers[0].actor.inject_fault.remote("stall_pushes"))
+        ray.get(d.prefill_workers[0].actor.set_fault_plan.remote(FaultPlan(stall_pushes=True)))
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
             list(client.generate(PROMPT, GREEDY))
@@ -134,7 +135,7 @@ def test_kv_that_stops_arriving_ends_the_request_clearly_and_frees_both_sides(ra
         assert "KV was not all pushed" in err.value.details() or "KV transfer deadline" in err.value.details()
         assert time.monotonic() - started < 4.0 + 5  # the reservation TTL, plus slack
         assert_no_leaks(d, integrity=False)
-        ray.get(d.prefill_workers[0].actor.inject_fault.remote(None))
+        ray.get(d.prefill_workers[0].actor.set_fault_plan.remote(NO_FAULTS))
         assert tokens_of(client.generate(PROMPT, GREEDY)) == expected
 
 
@@ -196,7 +197,8 @@ def test_a_decode_worker_dying_while_a_long_prefill_pushes_fails_fast_and_frees_
 ):
     with deployment(transport=transport) as d, Client(d.address) as client:
         prefill = d.prefill_workers[0].actor
-        ray.get(prefill.inject_fault.remote("slow_steps"))  # 29 chunks of 32 tokens, 200 ms each: pushing for ~6 s
+        # 29 chunks of 32 tokens, 200 ms each: pushing for ~6 s
+        ray.get(prefill.set_fault_plan.remote(FaultPlan(step_delay_s=0.2)))
         thread, outcome = disaggregated_in_background(client, LONG_PROMPT)
         with Client(d.address) as probe:
             wait_until(lambda: any(w.role == "prefill" and w.num_steps >= 3 for w in probe.stats()), 20, "pushes")
@@ -209,7 +211,7 @@ def test_a_decode_worker_dying_while_a_long_prefill_pushes_fails_fast_and_frees_
         assert outcome["code"] == grpc.StatusCode.UNAVAILABLE, outcome
         assert outcome["at"] - killed < 10, outcome["at"] - killed
         assert prefill_blocks_back_at(d, 10) - killed < 10
-        ray.get(prefill.inject_fault.remote(None))
+        ray.get(prefill.set_fault_plan.remote(NO_FAULTS))
         wait_until(lambda: client.health().status == "serving", 60, "the decode worker to rejoin", interval_s=0.5)
         for mode in ("disaggregated", "colocated"):  # the next requests in every mode succeed
             chunks = list(client.generate(PROMPT, GREEDY, mode=mode))
@@ -232,7 +234,7 @@ def test_a_hung_decode_worker_while_a_long_prefill_pushes_fails_fast_and_frees_t
     with deployment(**config) as d, Client(d.address) as client:
         prefill = d.prefill_workers[0].actor
         [decode_pid] = [info["pid"] for info in d.worker_info if info["worker_id"] == "decode-0"]
-        ray.get(prefill.inject_fault.remote("slow_steps"))  # 24 chunks of 128 tokens, 200 ms more each
+        ray.get(prefill.set_fault_plan.remote(FaultPlan(step_delay_s=0.2)))  # 24 chunks of 128 tokens, 200 ms more each
         thread, outcome = disaggregated_in_background(client, HUNG_PROMPT)
         try:
             with Client(d.address) as probe:
@@ -249,7 +251,7 @@ def test_a_hung_decode_worker_while_a_long_prefill_pushes_fails_fast_and_frees_t
         assert outcome["code"] in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), outcome
         assert outcome["at"] - stopped < 10, outcome["at"] - stopped
         assert blocks_back_s < 10, blocks_back_s
-        ray.get(prefill.inject_fault.remote(None))
+        ray.get(prefill.set_fault_plan.remote(NO_FAULTS))
         wait_until(lambda: client.health().status == "serving", 60, "the decode worker to serve again", interval_s=0.5)
         for mode in ("disaggregated", "colocated", "auto"):  # the next requests in every mode succeed
             chunks = list(client.generate(PROMPT, GREEDY, mode=mode))

@@ -16,6 +16,7 @@ from support.checks import assert_no_leaks
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.model_runner import gather_kv
+from pdserve.faults import NO_FAULTS, FaultPlan
 from pdserve.router.client import AsyncClient, Client
 from pdserve.router.policy import RouterConfig
 
@@ -188,11 +189,12 @@ def test_prompts_that_arrive_together_are_prefilled_together(deployment, client)
     prompts = [[rng.randrange(256) for _ in range(10)] for _ in range(4)]
     prefill = deployment.prefill_workers[0].actor
     since = time.time()
-    ray.get(prefill.inject_fault.remote("slow_steps"))  # 200 ms a step: the others queue during the first
+    # 200 ms a step: the others queue during the first
+    ray.get(prefill.set_fault_plan.remote(FaultPlan(step_delay_s=0.2)))
     try:
         results = _run_concurrently(deployment.address, prompts, "disaggregated")
     finally:
-        ray.get(prefill.inject_fault.remote(None))
+        ray.get(prefill.set_fault_plan.remote(NO_FAULTS))
     assert all(meta.prefill_worker == "prefill-0" for _, meta in results)
     (stats,) = [w for w in deployment.stats(steps_since=since) if w.role == "prefill"]
     steps = [s.num_prefill_tokens for s in stats.steps if s.num_prefill_tokens]
