@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.async_engine import DEFAULT_ENGINE_STALL_TIMEOUT_S
 from pdserve.engine.config import EngineConfig
+from pdserve.net import is_loopback
 from pdserve.options import option
 from pdserve.router.policy import MODES, RouterConfig
 from pdserve.transport_config import TransportConfig
@@ -107,11 +108,15 @@ class DeploymentConfig(TransportConfig):
         if self.omp_spin_count < 0:
             raise ValueError(f"omp_spin_count must be >= 0, got {self.omp_spin_count}")
         tls = self.tls_cert_file is not None and self.tls_key_file is not None
-        http_servers = (("http", self.http_port, self.host), ("explorer", self.explorer_port, self.explorer_host))
-        for name, port, host in http_servers:
-            if port is not None and self.auth_token and not tls and not _is_loopback(host):
+        servers = (
+            ("gRPC server (port)", self.port, self.host),
+            ("http_port", self.http_port, self.host),
+            ("explorer_port", self.explorer_port, self.explorer_host),
+        )
+        for name, port, host in servers:
+            if port is not None and self.auth_token and not tls and not is_loopback(host):
                 raise ValueError(
-                    f"{name}_port on {host!r}: a token-protected HTTP server off loopback needs TLS "
+                    f"{name} on {host!r}: a token-protected server off loopback needs TLS "
                     "(tls_cert_file and tls_key_file), or the token crosses the network in the clear"
                 )
 
@@ -156,14 +161,3 @@ def check_gpus_per_worker(gpus: float) -> None:
         )
     if gpus < MIN_GPU_FRACTION:
         raise ValueError(f"gpus_per_worker must be at least {MIN_GPU_FRACTION} (Ray's precision), got {gpus!r}")
-
-
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -92,6 +92,8 @@ class _Pending:
     block_ids: frozenset[int]  # the blocks a push may write: the reservation's own (never its cached prefix)
     prefill: Any = None  # the prefill worker's actor handle (None: nobody pushes, e.g. a test)
     block_list: tuple[int, ...] = ()  # the reserved blocks in prompt order (the cached prefix included)
+    sender: str = ""  # the pushing transport's sender id: notifications from anyone else are refused
+    written: set[int] = field(default_factory=set)  # blocks written so far (transports that see every write)
     checksums: dict[int, tuple[int, ...]] = field(default_factory=dict)  # first block index -> CRC-32s
     first_token: int | None = None
     first_token_time: float | None = None
@@ -160,6 +162,7 @@ class DecodeWorker:
         # with verify_kv: blocks freed out of quarantine -> their CRC-32 then, checked when they are reused
         self._freed_checksums: dict[int, int] = {}
         self.num_late_writes = 0  # freed blocks found changed before their reuse (a write landed after the free)
+        self.num_notifications_refused = 0  # from a sender other than the reservation's
         if verify_kv:
             engine.block_manager.on_reuse = self._check_freed_block
         self.aengine = AsyncEngine(
@@ -212,6 +215,7 @@ class DecodeWorker:
         params: SamplingParams,
         prefill: Any = None,
         router_id: str = "",
+        sender: str = "",
     ) -> ReserveResult | None:
         """Set aside blocks for the prompt's KV. None when this worker has no room now.
 
@@ -219,7 +223,9 @@ class DecodeWorker:
         are over); None when nobody pushes into these blocks. ``router_id``: the router serving the request:
         the reservation is claimed for its event stream at once, so that what becomes of it (a passed
         deadline) reaches the router before the first token does, and the router's going away withdraws it.
-        Raises ``ValueError`` when that router is not subscribed here (gone: nobody would read the request).
+        ``sender``: the pushing transport's ``sender_id``; notifications of the request from any other sender
+        are refused. Raises ``NotSubscribed`` when that router is not subscribed here (gone: nobody would read
+        the request).
         """
         if router_id:
             self.aengine.claim(request_id, router_id)
@@ -231,7 +237,7 @@ class DecodeWorker:
             now = self._clock()
             blocks = tuple(reservation.block_ids)
             own = frozenset(blocks[reservation.num_cached_tokens // engine.config.block_size :])
-            self._pending[request_id] = _Pending(now + self.reservation_ttl_s, now, own, prefill, blocks)
+            self._pending[request_id] = _Pending(now + self.reservation_ttl_s, now, own, prefill, blocks, sender)
             return ReserveResult(
                 self.worker_id,
                 self.target,
@@ -272,17 +278,34 @@ class DecodeWorker:
             self.aengine.unclaim(request_id)
             raise
 
-    def _accepts_push(self, request_id: str, block_ids: list[int]) -> bool:
-        """The transport's receiver threads ask (under its ``write_lock``): are these blocks the request's own
-        reserved blocks (not its shared cached prefix, which other requests read)?"""
+    def _accepts_push(self, request_id: str, block_ids: list[int], sender: str) -> bool:
+        """The transport's receiver threads ask (under its ``write_lock``, which it holds on through the write):
+        are these blocks the request's own reserved blocks (not its shared cached prefix, which other requests
+        read), and is ``sender`` the one its reservation was made for? An empty list asks whether the request
+        has a reservation here at all."""
         pending = self._pending.get(request_id) or self._quarantine.get(request_id)
-        return pending is not None and pending.block_ids.issuperset(block_ids)
+        if pending is None or not pending.block_ids.issuperset(block_ids):
+            return False
+        if pending.sender and sender != pending.sender:
+            return False
+        pending.written.update(block_ids)
+        return True
 
     def _on_tick(self, engine: LLMEngine) -> None:
         for note in self.transport.poll_notifications():
             pending = self._pending.get(note.request_id)
             if pending is None:
                 continue  # a late push for a request that is gone
+            if pending.sender and note.sender != pending.sender:
+                self.num_notifications_refused += 1
+                log.warning(
+                    "%s: refused a notification of %s from %r: its reservation was made for %r",
+                    self.worker_id,
+                    note.request_id,
+                    note.sender,
+                    pending.sender,
+                )
+                continue
             pending.pushes_seen.add(note.chunk_index)
             if note.block_checksums:
                 pending.checksums[note.first_block] = note.block_checksums
@@ -411,6 +434,12 @@ class DecodeWorker:
             pending.kv_done_at = time.time()
         if pending.first_token is None:
             return
+        if self.transport.checks_pushes and pending.written != pending.block_ids:
+            missing = len(pending.block_ids - pending.written)
+            error = f"KV incomplete: its last push arrived with {missing} of {len(pending.block_ids)} blocks unwritten"
+            log.error("%s: %s: %s", self.worker_id, request_id, error)
+            self._withdraw(engine, request_id, error=error, pushes_over=True)
+            return
         if self.verify_kv:
             mismatch = self._verify(engine, request_id, pending)
             if mismatch is not None:  # every push has landed: nothing can write these blocks any more
@@ -535,7 +564,7 @@ class DecodeWorker:
         return stats._replace(
             node=self.node,
             device=str(self.aengine.engine.device),
-            kv_pushes_refused=self.transport.num_pushes_refused,
+            kv_pushes_refused=self.transport.num_pushes_refused + self.num_notifications_refused,
             kv_blocks_quarantined=sum(len(q.block_ids) for q in list(self._quarantine.values())),
             kv_late_writes=self.num_late_writes,
         )

@@ -16,6 +16,7 @@ obeyed, only consulted. Every write the filter would have refused is recorded in
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -164,8 +165,10 @@ class FakeTransport(KVTransport):
         handle = FakePushHandle(notification, len(src), len(src) * self._layout.block_bytes, fault)
         self.handles.append(handle)
 
+        sent = dataclasses.replace(notification, sender=self.sender_id)
+
         def write() -> None:
-            receiver._write(notification, dst, data)
+            receiver._write(sent, dst, data)
 
         if fault is not None and fault.kind == "corrupt" and data is not None:
             data[:, 0] ^= 0xFF
@@ -186,7 +189,7 @@ class FakeTransport(KVTransport):
             pool, accepts = self._pool, self._push_filter
             if self._closed or pool is None:
                 return
-            if dst and accepts is not None and not accepts(notification.request_id, dst):
+            if dst and accepts is not None and not accepts(notification.request_id, dst, notification.sender):
                 self.stray_writes.append(StrayWrite(notification.request_id, tuple(dst), time.monotonic()))
             if data is not None:
                 view = pool_bytes_view(pool)

@@ -20,6 +20,7 @@ required for ``UCX_TLS=sm,self``). An empty ``UCX_TLS`` breaks UCX.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -207,6 +208,10 @@ class NixlTransport(KVTransport):
             self._pool = None
             self._agent = None
 
+    @property
+    def sender_id(self) -> str:
+        return self.agent_name
+
     # -------------------------------------------------------------- receiver
     def _receiver_address(self, pool: torch.Tensor) -> dict[str, Any]:
         return {"agent_name": self.agent_name, "agent_metadata": self._metadata, "base_address": pool.data_ptr()}
@@ -217,9 +222,10 @@ class NixlTransport(KVTransport):
             notifs = self._agent.get_new_notifs()
         out: list[ChunkNotification] = []
         for agent, messages in notifs.items():
+            sender = agent.decode() if isinstance(agent, bytes) else str(agent)
             for msg in messages:
                 try:
-                    out.append(ChunkNotification.from_bytes(msg))
+                    out.append(dataclasses.replace(ChunkNotification.from_bytes(msg), sender=sender))
                 except ValueError as e:
                     logger.warning("ignoring a NIXL notification from %s that is not ours: %s", agent, e)
         return out

@@ -362,7 +362,8 @@ class PrefillWorker:
         cancelled). A call out for ``SLOW_RESERVE_S`` stops holding back the admission of other prefills;
         one that gets no answer within ``RESERVE_CALL_TIMEOUT_S`` raises ``DecodeUnavailable``. A reservation
         that arrives for a job that no longer wants it is given back."""
-        ref = decode.reserve.remote(job.request_id, prompt, params, self._own_handle(), router_id)
+        sender = self.transport.sender_id
+        ref = decode.reserve.remote(job.request_id, prompt, params, self._own_handle(), router_id, sender)
         call = asyncio.ensure_future(_awaited(ref))
         call.add_done_callback(lambda f: _read_failure(f))
         cancelled = asyncio.ensure_future(job.cancel_requested.wait())

@@ -234,13 +234,15 @@ def test_bad_sampling_parameters_get_invalid_argument(deployment, client):
 
 def test_abort_and_client_cancel_free_every_block(deployment, client):
     long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-    # abort by id, from a second connection, while the stream runs
+    # abort by id, from a second connection of the same client, while the stream runs
     stream = client.generate(_prompts()[3], long, mode="disaggregated", request_id="to-abort")
     first = next(stream)
     assert first.token_ids
 
     def abort_from_elsewhere():
-        with Client(deployment.address) as other:
+        with Client(deployment.address) as stranger:  # another client cannot stop it
+            assert not stranger.abort("to-abort")
+        with Client(deployment.address, client_id=client.client_id) as other:
             assert other.abort("to-abort")
 
     threading.Timer(0.05, abort_from_elsewhere).start()

@@ -23,9 +23,12 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from pdserve.decode_node.worker import DecodeWorker
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.faults import FaultPlan
+from pdserve.kv_transfer.base import ChunkNotification
 from pdserve.kv_transfer.fake import FakeTransport, Fault
+from pdserve.kv_transfer.grpc_transport import GrpcTransport
 from pdserve.messages import TokenUpdate
 from pdserve.prefill_node.worker import PrefillWorker
+from pdserve.transport_config import GrpcConfig
 
 ENGINE = EngineConfig(
     model="tiny", device="cpu", num_kv_blocks=64, max_num_batched_tokens=32, torch_threads=1, max_model_len=512
@@ -33,6 +36,7 @@ ENGINE = EngineConfig(
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPT = [random.Random(5).randrange(256) for _ in range(100)]  # 4 chunks of 32 tokens, 7 blocks of 16
 ROUTER = "router-t"
+KV_SECRET = "kv-secret-of-this-deployment"
 
 
 class LocalActor:
@@ -110,9 +114,18 @@ class Pair:
     Each worker has its own clock (``prefill_clock``, ``decode_clock``)."""
 
     def __init__(
-        self, ttl_s: float = 6.0, push_timeout_s: float = 1.0, verify_kv: bool = True, stall_timeout_s: float = 30.0
+        self,
+        ttl_s: float = 6.0,
+        push_timeout_s: float = 1.0,
+        verify_kv: bool = True,
+        stall_timeout_s: float = 30.0,
+        transport: str = "fake",
     ) -> None:
-        self.sender, self.receiver = FakeTransport(), FakeTransport()
+        if transport == "grpc":  # a real gRPC KV service in this process, with a deployment's secret
+            config = GrpcConfig(host="127.0.0.1", secret=KV_SECRET)
+            self.sender, self.receiver = GrpcTransport(config), GrpcTransport(config)
+        else:
+            self.sender, self.receiver = FakeTransport(), FakeTransport()
         self.prefill_clock, self.decode_clock = Clock(), Clock()
         self.decode = DecodeWorker(
             "decode-t",
@@ -199,8 +212,8 @@ class Pair:
                 break
             assert time.monotonic() - start < timeout_s, f"still held: blocks {held}, jobs {jobs}, pending {pending}"
             await asyncio.sleep(0.02)
-        assert not self.receiver.stray_writes, (
-            f"writes landed in blocks not held for them: {self.receiver.stray_writes}"
+        assert not getattr(self.receiver, "stray_writes", ()), (
+            f"writes landed in blocks not held for them: {self.receiver.stray_writes}"  # type: ignore[attr-defined]
         )
         return time.monotonic() - start
 
@@ -882,5 +895,131 @@ def test_repeated_fences_of_an_unconfirmed_push_do_not_pile_up_calls(monkeypatch
             handle.allow_cancel()
         await p.settled(timeout_s=3.0)
         assert (await p.decode.stats()).kv_blocks_quarantined == 0
+
+    run(case)
+
+
+# ---- a KV peer that holds the deployment's secret but lies -----------------------------------------------------
+
+
+class RoguePeer:
+    """Speaks the KV service's wire protocol with the deployment's secret (the generated stub, as any program
+    could), sending whatever a test asks: what a buggy or compromised peer inside the deployment could do."""
+
+    def __init__(self, target: Any, block_bytes: int, sender: str = "rogue") -> None:
+        import grpc
+
+        from pdserve.proto import kv_transfer_pb2_grpc as pb_grpc
+
+        self.target, self.block_bytes, self.sender = target, block_bytes, sender
+        self.channel = grpc.insecure_channel(target.address)
+        self.stub = pb_grpc.KVTransferStub(self.channel)
+
+    def push(self, request_id: str, blocks: dict[int, bytes], notice: ChunkNotification | None) -> Any:
+        """One stream: the blocks (pool block -> bytes), then the notification (on a block-less message if the
+        blocks are none). Returns the gRPC status code."""
+        import grpc
+
+        from pdserve.kv_transfer.grpc_transport import push_proof
+        from pdserve.proto import kv_transfer_pb2 as pb
+
+        header = {"target_id": self.target.target_id, "block_bytes": self.block_bytes}
+        messages = [pb.BlockPayload(**header, dst_block_ids=[b], data=data) for b, data in blocks.items()]
+        if not messages:
+            messages = [pb.BlockPayload(**header)]
+        if notice is not None:
+            messages[-1].notification.CopyFrom(
+                pb.ChunkNotice(
+                    request_id=notice.request_id,
+                    chunk_index=notice.chunk_index,
+                    tokens_done=notice.tokens_done,
+                    is_last=notice.is_last,
+                )
+            )
+        proof = push_proof(KV_SECRET, self.target.target_id, request_id, self.sender)
+        metadata = [
+            ("x-pdserve-request-id", request_id),
+            ("x-pdserve-kv-sender", self.sender),
+            ("x-pdserve-kv-auth", proof),
+        ]
+        try:
+            self.stub.PushBlocks(iter(messages), timeout=10, metadata=metadata)
+        except grpc.RpcError as e:
+            return e.code()
+        return grpc.StatusCode.OK
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+async def push_from(rogue: RoguePeer, *args: Any) -> Any:
+    return await asyncio.to_thread(rogue.push, *args)
+
+
+def test_a_peer_with_the_secret_cannot_write_a_cached_prefix_forge_a_last_push_or_speak_for_another(expected):
+    import grpc
+
+    async def case(p: Pair) -> None:
+        tokens, _ = await p.serve("first")  # its prompt's leading blocks are now in the decode worker's cache
+        assert tokens == expected
+        await p.settled()
+        target = p.decode.target
+        block_bytes = target.block_bytes
+        rogue = RoguePeer(target, block_bytes)
+        try:
+            reservation = await p.decode.reserve("again", PROMPT, GREEDY, None, ROUTER, "rogue")
+            assert reservation is not None and reservation.num_cached_tokens == 96  # 6 blocks shared
+            cached, own = reservation.block_ids[0], reservation.block_ids[-1]
+            before = await p.decode.aengine.run(lambda e: e.kv_cache[cached].clone())
+            refused = (await p.decode.stats()).kv_pushes_refused
+            last = ChunkNotification("again", 0, len(PROMPT), True)
+            # a write into the reservation's shared prefix (other requests read those blocks)
+            code = await push_from(rogue, "again", {cached: b"\xff" * block_bytes}, last)
+            assert code == grpc.StatusCode.PERMISSION_DENIED
+            after = await p.decode.aengine.run(lambda e: e.kv_cache[cached].clone())
+            assert after.equal(before), "a push changed a cached prefix block"
+            # a block-less stream for a request that has no reservation here
+            ghost = ChunkNotification("ghost", 0, 1, True)
+            assert await push_from(rogue, "ghost", {}, ghost) == grpc.StatusCode.PERMISSION_DENIED
+            # a notification for another request than the stream's
+            assert await push_from(rogue, "again", {}, ghost) == grpc.StatusCode.PERMISSION_DENIED
+            assert (await p.decode.stats()).kv_pushes_refused == refused + 3
+            # "is_last" with none of its own block written: never admitted
+            assert await push_from(rogue, "again", {}, last) == grpc.StatusCode.OK
+            p.finished["again"] = asyncio.get_running_loop().create_future()
+            await p.decode_actor.decode.remote("again", 1, time.time(), ROUTER)
+            end = await asyncio.wait_for(p.finished["again"], 5)
+            assert end.error is not None and end.error.startswith("KV incomplete"), end
+            assert not p.updates["again"][:-1], "it decoded without its KV"
+            # a reservation made for another sender: the rogue's notification does not count
+            reservation = await p.decode.reserve("theirs", PROMPT, GREEDY, None, ROUTER, "prefill-x")
+            assert reservation is not None
+            own = reservation.block_ids[-1]
+            mine = ChunkNotification("theirs", 0, len(PROMPT), True)
+            code = await push_from(rogue, "theirs", {own: b"\x01" * block_bytes}, mine)
+            assert code == grpc.StatusCode.PERMISSION_DENIED  # its blocks are for prefill-x's pushes only
+            assert await push_from(rogue, "theirs", {}, mine) == grpc.StatusCode.PERMISSION_DENIED
+            assert p.decode._pending["theirs"].pushes_seen == set(), "a push from another sender counted"
+            await p.decode.abort("theirs", True)
+        finally:
+            rogue.close()
+        await p.settled()
+
+    run(case, transport="grpc")
+
+
+def test_a_notification_from_another_sender_is_refused_and_the_real_one_completes_the_request(expected):
+    async def case(p: Pair) -> None:
+        stranger = FakeTransport()
+        stranger.register_pool(p.sender._pool.clone())  # type: ignore[union-attr]
+        p.sender.fault_for = lambda n: Fault("late", delay_s=0.5) if n.is_last else None
+        first = await p.prefill_call("real")
+        stranger.push(p.decode.target, [], [], ChunkNotification("real", 99, len(PROMPT), True))
+        last = await asyncio.wait_for(await p.decode_call("real", first), 5)
+        assert last.error is None and last.finish_reason == "length"
+        assert [first.first_token, *(t for u in p.updates["real"] for t in u.token_ids)] == expected
+        assert p.decode.num_notifications_refused == 1
+        stranger.close()
+        await p.settled()
 
     run(case)
