@@ -1,4 +1,4 @@
-"""How long each fault of ``tests/test_faults.py`` takes to reach its clear outcome (the tests only bound it).
+"""How long each fault of ``tests/e2e/test_faults.py`` takes to reach its clear outcome (the tests only bound it).
 
 One fresh deployment per fault, configured as in those tests (``tiny`` preset, gRPC KV transport unless
 the row names one, ``verify_kv`` on, one prefill and one decode worker unless said otherwise, reservation

@@ -45,8 +45,9 @@ import grpc
 from pdserve.bench.drain import Probe, wait_drained
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.messages import Mode
 from pdserve.router.client import AsyncClient, GenerateChunk
-from pdserve.router.policy import MODES, RouterConfig
+from pdserve.router.config import RouterConfig
 from pdserve.transport_config import TRANSPORTS
 from pdserve.workload.metrics import percentile
 
@@ -81,7 +82,7 @@ def random_prompt(rng: random.Random, n: int) -> list[int]:
 
 
 def draw_spec(rng: random.Random, request_id: str, canaries: Canaries) -> Spec:
-    mode = rng.choice(MODES)
+    mode = rng.choice(list(Mode))
     behaviour = rng.choices(BEHAVIOURS, BEHAVIOUR_WEIGHTS)[0]
     if behaviour == "complete" and rng.random() < CANARY_SHARE:
         prompt, expected = rng.choice(canaries)

@@ -60,12 +60,12 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
-from pdserve.messages import StepStats
+from pdserve.messages import Mode, StepStats
 from pdserve.transport_config import TRANSPORTS
 from pdserve.workload.generator import TOKEN_ID_HIGH, WorkloadRequest, WorkloadSpec, build_workload
 from pdserve.workload.metrics import RequestRecord, compute_metrics
 
-ARCHITECTURES = ("colocated", "disaggregated", "auto")
+ARCHITECTURES = tuple(Mode)
 FIGURES = ("TTFT p50", "TTFT p99", "ITL p50", "ITL p99")
 TOLERANCE = 0.10  # check 3: p50 figures
 P99_TOLERANCE = 0.20  # check 3: p99 figures

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.async_engine import DEFAULT_ENGINE_STALL_TIMEOUT_S
 from pdserve.engine.config import EngineConfig
+from pdserve.messages import Mode
 from pdserve.net import is_loopback
 from pdserve.options import option
-from pdserve.router.policy import MODES, RouterConfig
+from pdserve.router.config import RouterConfig
 from pdserve.transport_config import TransportConfig
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ class DeploymentConfig(TransportConfig):
     1 otherwise. Raises ``ValueError`` for settings no deployment can take."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
-    mode: str = option("colocated", "the mode of requests that ask for none", choices=MODES)
+    mode: str = option("colocated", "the mode of requests that ask for none", choices=list(Mode))
     num_prefill_workers: int | None = option(
         None, "prefill workers (default: 0 in colocated mode, else 1)", flag="--prefill-workers"
     )
@@ -96,8 +97,7 @@ class DeploymentConfig(TransportConfig):
             raise ValueError(f"num_decode_workers must be >= 1, got {self.num_decode_workers}")
         if self.prefill_worker_count < 0:
             raise ValueError(f"num_prefill_workers must be >= 0, got {self.num_prefill_workers}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        Mode.parse(self.mode)
         if self.mode != "colocated" and self.prefill_worker_count < 1:
             raise ValueError(f"mode {self.mode!r} needs num_prefill_workers >= 1")
         check_gpus_per_worker(self.gpus_per_worker)

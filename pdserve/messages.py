@@ -10,7 +10,26 @@ This module imports nothing from pdserve, so every layer (and a client with neit
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import NamedTuple
+
+
+class Mode(StrEnum):
+    """How a request is served: prefilled and decoded on one worker (``colocated``), prefilled on a prefill worker
+    that pushes its KV to a decode worker (``disaggregated``), or either, the router choosing per request
+    (``auto``). A ``str``: it compares equal to its value and serialises as it."""
+
+    COLOCATED = "colocated"
+    DISAGGREGATED = "disaggregated"
+    AUTO = "auto"
+
+    @classmethod
+    def parse(cls, value: str, what: str = "mode") -> Mode:
+        """``value`` as a Mode; a ValueError naming ``what`` and the choices otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"{what} must be one of {', '.join(cls)}, got {value!r}") from None
 
 
 class StepStats(NamedTuple):

@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
-PDSERVE_SCREENSHOTS="$PWD/docs/explorer" python -m pytest -q tests/test_explorer.py -k in_the_browser "$@"
+PDSERVE_SCREENSHOTS="$PWD/docs/explorer" python -m pytest -q tests/e2e/test_explorer.py -k in_the_browser "$@"
 git status --short docs/explorer

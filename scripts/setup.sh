@@ -4,7 +4,7 @@
 # missing. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The two-node `ray up` on loopback (cluster/local.yaml, tests/test_ray_up.py) needs sshd and rsync.
+# The two-node `ray up` on loopback (cluster/local.yaml, tests/e2e/test_ray_up.py) needs sshd and rsync.
 if ! [ -x /usr/sbin/sshd ] || ! command -v rsync >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "setup.sh: installing openssh-server and rsync (Debian packages) for cluster/local.yaml" >&2
@@ -21,7 +21,7 @@ if ! [ -x "${PDSERVE_CHROMIUM:-/usr/bin/chromium}" ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null ||
       { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }
   else
-    echo "setup.sh: note: install chromium (or set PDSERVE_CHROMIUM) to run tests/test_explorer.py" >&2
+    echo "setup.sh: note: install chromium (or set PDSERVE_CHROMIUM) to run tests/e2e/test_explorer.py" >&2
   fi
 fi
 PY=${PYTHON:-python3}

@@ -8,6 +8,8 @@ import json
 import pytest
 from soak import main
 
+from pdserve.messages import Mode
+
 pytestmark = pytest.mark.cluster
 
 
@@ -25,6 +27,6 @@ def test_a_short_soak_has_no_unexpected_error_and_leaks_no_block(tmp_path):
     assert (mixed["kind"], overload["kind"]) == ("mixed", "overload")
     assert mixed["rejected"] == 0 and overload["rejected"] > 0  # refused only when deliberately overloaded
     assert total["completed"] > 0 and total["walked_away"] > 0 and total["deadline"] > 0 and total["aborted"] > 0
-    assert set(total["asked_modes"]) == {"colocated", "disaggregated", "auto"}
+    assert set(total["asked_modes"]) == set(Mode)
     assert {"auto->colocated", "auto->disaggregated"} <= set(total["served_modes"])
     assert total["ttft_p99_ms"] > 0 and total["itl_p99_ms"] > 0

@@ -36,8 +36,7 @@ from tqdm import tqdm
 
 from pdserve.deployment_config import DeploymentConfig
 from pdserve.engine import EngineConfig, SamplingParams
-from pdserve.engine.options import add_engine_arguments, engine_config_from_args
-from pdserve.messages import StepStats
+from pdserve.messages import Mode, StepStats
 from pdserve.options import (
     RawDescriptionHelpFormatter,
     add_config_arguments,
@@ -46,7 +45,7 @@ from pdserve.options import (
     option_fields,
     plain_text,
 )
-from pdserve.router.policy import RouterConfig
+from pdserve.router.config import RouterConfig
 from pdserve.transport_config import TransportConfig
 from pdserve.workload.generator import (
     WorkloadRequest,
@@ -59,7 +58,7 @@ from pdserve.workload.metrics import RequestRecord, SweepPoint, find_knee, parse
 from pdserve.workload.report import RunData, markdown_table, write_report
 from pdserve.workload.spread import differences, spread_table, summarize
 
-ARCHITECTURES = ("colocated", "disaggregated", "auto")
+ARCHITECTURES = tuple(Mode)
 
 
 @dataclass(frozen=True)
@@ -356,9 +355,13 @@ def engine_config(args: argparse.Namespace, chunk: int | None = None) -> EngineC
     decodes never squeeze the chunk."""
     threads = args.torch_threads or max(1, (os.cpu_count() or 2) // max(1, sum(worker_counts(args))))
     if chunk is None:
-        return engine_config_from_args(args, torch_threads=threads)
-    return engine_config_from_args(
-        args, torch_threads=threads, max_chunk_tokens=chunk, max_num_batched_tokens=chunk + args.max_num_seqs
+        return config_from_args(EngineConfig, args, torch_threads=threads)
+    return config_from_args(
+        EngineConfig,
+        args,
+        torch_threads=threads,
+        max_chunk_tokens=chunk,
+        max_num_batched_tokens=chunk + args.max_num_seqs,
     )
 
 
@@ -434,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
         "spread (min–max) and calls out only differences beyond the spread",
     )
     add_config_arguments(p, RouterConfig, title="router")
-    add_engine_arguments(p, exclude=("seed",))  # --seed seeds the workload
+    add_config_arguments(p, EngineConfig, title="engine", exclude=("seed",))  # --seed seeds the workload
     add_workload_arguments(p)
     p.add_argument("--max-output", type=int, default=None, help="shortcut: cap every output length")
     g = p.add_argument_group("targets and output")

@@ -48,7 +48,7 @@ def ask_questions(args: argparse.Namespace) -> None:
     from pdserve.cli.output import format_metadata
     from pdserve.deployment import Deployment, DeploymentConfig
     from pdserve.router.client import Client
-    from pdserve.router.policy import RouterConfig
+    from pdserve.router.config import RouterConfig
 
     engine = EngineConfig(
         model=args.model,

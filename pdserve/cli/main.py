@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdserve.deployment_config import AUTH_TOKEN_ENV, DEFAULT_PORT, DeploymentConfig
-from pdserve.engine.options import add_engine_arguments, engine_config_from_args
+from pdserve.engine.config import EngineConfig
+from pdserve.messages import Mode
 from pdserve.options import (
     HelpFormatter,
     RawDescriptionHelpFormatter,
@@ -24,7 +25,7 @@ from pdserve.options import (
     option_fields,
     plain_text,
 )
-from pdserve.router.policy import MODES, RouterConfig
+from pdserve.router.config import RouterConfig
 from pdserve.transport_config import TransportConfig
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ def _generate_offline(args: argparse.Namespace, params: Any) -> int:
     from pdserve.cli.output import format_fields
     from pdserve.engine import LLMEngine
 
-    engine = LLMEngine(engine_config_from_args(args))
+    engine = LLMEngine(config_from_args(EngineConfig, args))
     if engine.tokenizer is None:
         print("error: this model has no tokenizer.json; offline text generation needs one", file=sys.stderr)
         return 2
@@ -151,7 +152,7 @@ def deployment_config_from_args(args: argparse.Namespace) -> DeploymentConfig:
     values = config_values(DeploymentConfig, args)
     return DeploymentConfig(
         **values,
-        engine=engine_config_from_args(args),
+        engine=config_from_args(EngineConfig, args),
         router=config_from_args(RouterConfig, args),
         detached_workers=values["address"] is not None,  # on a cluster, a restarted `serve` finds its workers
     )
@@ -264,13 +265,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="send the prompt as is (default: as the user's turn through the model's chat template, when it has one)",
     )
-    g.add_argument("--mode", default=None, choices=MODES, help="this request's mode (default: the deployment's)")
+    g.add_argument("--mode", default=None, choices=list(Mode), help="this request's mode (default: the deployment's)")
     _add_client_args(g)
     _add_sampling_args(g)
-    add_engine_arguments(g, exclude=("seed",), title="engine (with --offline)")  # --seed: the sampling seed
+    add_config_arguments(
+        g, EngineConfig, exclude=("seed",), title="engine (with --offline)"
+    )  # --seed: the sampling seed
 
     s = _subcommand(sub, "serve", "start (or join) a Ray cluster, place the workers, serve gRPC", cmd_serve)
-    add_engine_arguments(s)
+    add_config_arguments(s, EngineConfig, title="engine")
     add_deployment_arguments(s)
 
     st = _subcommand(sub, "status", "per-worker table of a running router: role, node, device, KV, load", cmd_status)

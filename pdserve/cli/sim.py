@@ -34,9 +34,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from pdserve.deployment_config import DeploymentConfig
-from pdserve.engine.options import add_engine_arguments, engine_config_from_args
-from pdserve.options import HelpFormatter, add_config_arguments, config_values, plain_text
-from pdserve.router.policy import RouterConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.options import HelpFormatter, add_config_arguments, config_from_args, config_values, plain_text
+from pdserve.router.config import RouterConfig
 from pdserve.sim.api import DEFAULT_CALIBRATION, SimSettings, Simulation
 from pdserve.sim.config import ENGINE_OPTIONS
 from pdserve.workload.generator import add_workload_arguments, workload_spec_from_args
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         "with the others, else decode instances",
     )
     add_config_arguments(p, RouterConfig, only=("auto_min_remote_tokens",), title="router")
-    add_engine_arguments(p, only=ENGINE_OPTIONS)
+    add_config_arguments(p, EngineConfig, title="engine", only=ENGINE_OPTIONS)
     add_workload_arguments(p)
     g = p.add_argument_group("output")
     g.add_argument("--out", default=DEFAULT_OUT, help="results directory")
@@ -95,7 +95,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         **config_values(SimSettings, args),
         prefill_workers=args.num_prefill_workers,
         decode_workers=args.num_decode_workers,
-        engine=engine_config_from_args(args),
+        engine=config_from_args(EngineConfig, args),
         auto_min_remote_tokens=args.auto_min_remote_tokens,
         seed=args.seed,
     )

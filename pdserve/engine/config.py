@@ -6,8 +6,10 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
+
+from pdserve.options import option
 
 PRESETS = ("tiny", "bench")  # seeded random weights, byte tokenizer
 # Trained checkpoints that ship in a Python package: name -> (package, file inside it, install hint)
@@ -223,27 +225,22 @@ def resolve_checkpoint(model: str) -> str:
     )
 
 
-def _option(default: Any, description: str, **extra: Any) -> Any:
-    """A field that is also a command-line option (``engine.options``), described once, here."""
-    return field(default=default, metadata={"help": description, **extra})
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine needs. Unset sizes are derived from the model when the engine starts.
 
     Every field is a command-line option of every ``pdserve`` command that builds an engine, with the
-    default and help given here (``engine.options``).
+    default and help given here (``pdserve.options``).
     """
 
-    model: str = _option("tiny", "a preset (tiny, bench, smollm2), a GGUF file or a Hugging Face checkpoint directory")
-    dtype: str = _option(
+    model: str = option("tiny", "a preset (tiny, bench, smollm2), a GGUF file or a Hugging Face checkpoint directory")
+    dtype: str = option(
         "auto",
         "compute dtype; auto = bfloat16 on CUDA, float32 on CPU (where --quantization native's int4/int8 GEMMs "
         "take bfloat16 inputs)",
         choices=DTYPES,
     )
-    quantization: str = _option(
+    quantization: str = option(
         "auto",
         "native: keep a GGUF file's Q4_0/Q4_1/Q8_0 weights as they ship (int4/int8 weight-only GEMM); float16: "
         "store every weight in float16 and compute in float32 (half the bytes per decode step); none: "
@@ -251,29 +248,29 @@ class EngineConfig:
         "(torch's FBGEMM kernel), native on CUDA and on other AVX-512 CPUs, else none",
         choices=QUANTIZATION_MODES,
     )
-    kv_cache_dtype: str = _option(
+    kv_cache_dtype: str = option(
         "auto",
         "dtype of the KV cache; auto = the compute dtype, float16 under --quantization float16, and under native "
         "on CPU with --dtype auto (bfloat16 or float16 halve float32's bytes)",
         choices=DTYPES,
     )
-    device: str = _option("auto", "auto, cpu, cuda or cuda:N; auto = cuda when present, else cpu")
-    seed: int = _option(0, "seeds the preset weights and the requests that come without a seed")
-    block_size: int = _option(16, "tokens per KV block")
-    num_kv_blocks: int | None = _option(None, "KV blocks per engine; default: as many as --kv-cache-memory-gb holds")
-    kv_cache_memory_gb: float = _option(0.5, "KV cache size per engine when --num-kv-blocks is not given")
-    max_num_batched_tokens: int | None = _option(
+    device: str = option("auto", "auto, cpu, cuda or cuda:N; auto = cuda when present, else cpu")
+    seed: int = option(0, "seeds the preset weights and the requests that come without a seed")
+    block_size: int = option(16, "tokens per KV block")
+    num_kv_blocks: int | None = option(None, "KV blocks per engine; default: as many as --kv-cache-memory-gb holds")
+    kv_cache_memory_gb: float = option(0.5, "KV cache size per engine when --num-kv-blocks is not given")
+    max_num_batched_tokens: int | None = option(
         None,
         f"token budget per step: one per running decode plus prompt chunks; default: {DEFAULT_TOKEN_BUDGET}, "
         "and with chunked prefill off max_model_len (a whole prompt per step)",
     )
-    max_num_seqs: int = _option(128, "requests per step at most")
-    max_model_len: int | None = _option(None, "longest prompt + output; default: the model's max_position_embeddings")
-    enable_chunked_prefill: bool = _option(True, "split long prompts into chunks across steps")
-    max_chunk_tokens: int | None = _option(None, "per-request cap on a prompt chunk within a step; default: the budget")
-    enable_prefix_caching: bool = _option(True, "reuse the KV blocks of prompt prefixes seen before")
-    torch_threads: int | None = _option(None, "torch threads per engine; default: torch's own")
-    pace_probe_interval_s: float = _option(
+    max_num_seqs: int = option(128, "requests per step at most")
+    max_model_len: int | None = option(None, "longest prompt + output; default: the model's max_position_embeddings")
+    enable_chunked_prefill: bool = option(True, "split long prompts into chunks across steps")
+    max_chunk_tokens: int | None = option(None, "per-request cap on a prompt chunk within a step; default: the budget")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes seen before")
+    torch_threads: int | None = option(None, "torch threads per engine; default: torch's own")
+    pace_probe_interval_s: float = option(
         0.0,
         "time a fixed kernel on the engine's thread this often (seconds, between steps) and record it with each "
         "step (pace_s), so that a benchmark can tell the machine's pace from a step's cost; 0 = off",

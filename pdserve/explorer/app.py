@@ -34,7 +34,8 @@ from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
 from pdserve.explorer.live import BurstBusy, Bursts, BurstSpec, LiveView
-from pdserve.explorer.playground import MAX_CHUNKS, MAX_DECODES, MAX_INSTANCES, MODES, PlaygroundSettings, SettingError
+from pdserve.explorer.playground import MAX_CHUNKS, MAX_DECODES, MAX_INSTANCES, PlaygroundSettings, SettingError
+from pdserve.messages import Mode
 from pdserve.router.router import Router
 
 STATIC = Path(__file__).parent / "static"
@@ -97,7 +98,7 @@ class ExplorerApi:
         return {
             "hardware": hardware,
             "models": {name: {"max_context": m.max_context} for name, m in MODELS.items()},
-            "modes": list(MODES),
+            "modes": list(Mode),
             "defaults": asdict(PlaygroundSettings()),
             "limits": {"max_chunks": MAX_CHUNKS, "max_decodes": MAX_DECODES, "max_instances": MAX_INSTANCES},
             "live": self.router is not None,

@@ -20,7 +20,7 @@ from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.explorer.timeline import step_row
-from pdserve.messages import StepStats, WorkerStats
+from pdserve.messages import Mode, StepStats, WorkerStats
 from pdserve.router.router import GenerateInput, Router
 
 MAX_STEPS_PER_WORKER = 1000  # the newest; a busy worker here makes up to ~100 steps a second
@@ -101,7 +101,7 @@ class BurstSpec:
 
     def check(self, max_model_len: int) -> None:
         """Raise ValueError (naming the field) for a burst the model or the page should not send."""
-        if self.mode not in (None, "colocated", "disaggregated", "auto"):
+        if self.mode is not None and self.mode not in list(Mode):
             raise ValueError(f"mode: must be colocated, disaggregated or auto, got {self.mode!r}")
         for name, low, high in (
             ("streams", 0, 64),

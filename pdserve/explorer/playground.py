@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from pdserve.explorer.timeline import step_row
+from pdserve.messages import Mode
 
 if TYPE_CHECKING:  # the simulator is imported when a run is asked for, not with the router
     from pdserve.messages import StepStats
@@ -29,7 +30,6 @@ if TYPE_CHECKING:  # the simulator is imported when a run is asked for, not with
     from pdserve.sim.cost_model import CostModel
     from pdserve.sim.demo import DemoResult
 
-MODES = ("colocated", "disaggregated", "auto")
 MAX_CHUNKS = 1024  # prompt_len / chunk_size: more steps than this would keep the page waiting
 MAX_WORK = 150_000  # estimated_work's request-steps: at most about 1-3 s per change on a 2-core VM
 STEP_WORK = 50  # one simulated step costs about as much as placing 50 requests in a step
@@ -86,8 +86,8 @@ class PlaygroundSettings:
             raise SettingError("hardware", f"unknown profile {self.hardware!r} (known: {', '.join(HARDWARE_NAMES)})")
         if self.model.lower() not in {m.lower() for m in MODELS}:
             raise SettingError("model", f"unknown model profile {self.model!r} (known: {', '.join(MODELS)})")
-        if self.mode not in MODES:
-            raise SettingError("mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode not in list(Mode):
+            raise SettingError("mode", f"must be one of {', '.join(Mode)}, got {self.mode!r}")
         _in_range("tp", self.tp, 1, 8)
         for name in ("instances", "prefill", "decode"):
             _in_range(name, getattr(self, name), 1, MAX_INSTANCES)

@@ -52,7 +52,6 @@ from pdserve.router.metrics import CONTENT_TYPE_LATEST
 from pdserve.router.openai_protocol import (
     CHAT,
     COMPLETION,
-    MODES,
     Answer,
     ApiError,
     ChatCompletionRequest,
@@ -363,7 +362,6 @@ async def _disconnected(request: Request) -> None:
 
 
 __all__ = [
-    "MODES",
     "ApiError",
     "ChatCompletionRequest",
     "CompletionRequest",

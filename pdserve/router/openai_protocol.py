@@ -20,10 +20,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from pdserve.messages import RequestMetrics
+from pdserve.messages import Mode, RequestMetrics
 from pdserve.router.router import GenerateInput, Logprob, RequestError, Router, RouterEvent
 
-MODES = ("colocated", "disaggregated", "auto")
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 64  # prompts x n in one request
 _INT64 = 1 << 63
@@ -127,7 +126,7 @@ class _Sampling(BaseModel):
     return_token_ids: StrictBool = False
     # pdserve's extensions
     stream_interval: StrictInt | None = Field(None, ge=1)  # tokens per streamed chunk after the first
-    pdserve_mode: Literal["colocated", "disaggregated", "auto"] | None = None
+    pdserve_mode: Mode | None = None
 
     def check_common(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -693,7 +692,6 @@ __all__ = [
     "COMPLETION",
     "MAX_CHOICES",
     "MAX_STOP_STRINGS",
-    "MODES",
     "Answer",
     "ApiError",
     "ChatCompletionRequest",

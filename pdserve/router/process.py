@@ -28,8 +28,8 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.net import HttpServer, server_tls_context
 from pdserve.priority import restore_normal_priority
+from pdserve.router.config import RouterConfig
 from pdserve.router.http_api import build_app, metrics_app
-from pdserve.router.policy import RouterConfig
 from pdserve.router.router import ModelLimits, Router, WorkerHandle
 from pdserve.router.server import GrpcServer, ServerSecurity, start_server
 

@@ -27,8 +27,9 @@ from pdserve.engine.async_engine import EngineStalled, NotSubscribed
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.messages import RequestMetrics, WorkerRequestStats, WorkerStats
+from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policy import NoWorkerAvailable, Route, RouterConfig, RoutingPolicy
+from pdserve.router.policy import NoWorkerAvailable, Route, RoutingPolicy
 from pdserve.router.worker_events import InFlight, WorkerEvents
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 from pdserve.engine.async_engine import EngineStalled
 from pdserve.engine.tokenizer import IncrementalDetokenizer
 from pdserve.messages import TokenUpdate
-from pdserve.router.policy import Route, RouterConfig, RoutingPolicy
+from pdserve.router.config import RouterConfig
+from pdserve.router.policy import Route, RoutingPolicy
 
 if TYPE_CHECKING:
     from pdserve.router.router import WorkerHandle

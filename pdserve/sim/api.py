@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.config import EngineConfig
+from pdserve.messages import Mode
 from pdserve.options import option
-from pdserve.router.policy import RouterConfig
+from pdserve.router.config import RouterConfig
 from pdserve.sim.config import SimConfig
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from pdserve.workload.metrics import SweepPoint
 
 DEFAULT_CALIBRATION = os.path.join("results", "cpu-profile.json")
-ARCHITECTURE_CHOICES = ("colocated", "disaggregated", "auto", "both", "all")  # both: colocated, disaggregated
+ARCHITECTURE_CHOICES = (*Mode, "both", "all")  # both: colocated, disaggregated
 
 
 @dataclass(frozen=True)
@@ -95,9 +96,8 @@ class SimSettings:
     @property
     def modes(self) -> list[str]:
         """The architectures a workload runs on."""
-        from pdserve.sim.simulator import MODES
-
-        return {"both": ["colocated", "disaggregated"], "all": list(MODES)}.get(self.mode, [self.mode])
+        choices: dict[str, list[str]] = {"both": [Mode.COLOCATED, Mode.DISAGGREGATED], "all": list(Mode)}
+        return choices.get(self.mode, [self.mode])
 
     @property
     def num_prefill(self) -> int:

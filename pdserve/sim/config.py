@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.config import DEFAULT_TOKEN_BUDGET, EngineConfig
-from pdserve.router.policy import RouterConfig
+from pdserve.router.config import RouterConfig
 
 _ENGINE_DEFAULTS = EngineConfig()
 _ROUTER_DEFAULTS = RouterConfig()

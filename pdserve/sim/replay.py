@@ -30,7 +30,7 @@ reported, ``routing_agreement``. Then:
   composition compared is exactly which request computed how many tokens;
 - **latency figures**: TTFT and ITL p50 and p99 of the replay against the run's.
 
-Replaying a simulated run reproduces it exactly (``tests/test_sim_replay.py``).
+Replaying a simulated run reproduces it exactly (``tests/unit/test_sim_replay.py``).
 """
 
 from __future__ import annotations

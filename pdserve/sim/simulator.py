@@ -79,15 +79,15 @@ from pdserve.engine.block_manager import BlockManager, compute_block_hashes
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
-from pdserve.messages import StepStats
-from pdserve.router.policy import Route, RouterConfig, RoutingPolicy
+from pdserve.messages import Mode, StepStats
+from pdserve.router.config import RouterConfig
+from pdserve.router.policy import Route, RoutingPolicy
 from pdserve.sim.config import SimConfig
 from pdserve.sim.cost_model import DECODE_GROUP_SIZE, CostModel, DecodePricer, StepShape, decode_pricer
 from pdserve.sim.profiles import quantile_at
 from pdserve.workload.generator import WorkloadRequest
 from pdserve.workload.metrics import BenchmarkMetrics, RequestRecord, compute_metrics
 
-MODES = ("colocated", "disaggregated", "auto")
 _DECODE_GROUP = DECODE_GROUP_SIZE  # the engine's decode attention groups (the keys a decode step reads)
 _RUN_PLAN_STEPS = 8  # a coalesced run plans this many steps ahead at first, then doubles
 DUMMY_TOKEN = 0  # what a simulated step "samples"; never EOS (requests run to max_tokens)
@@ -332,8 +332,7 @@ class Simulator:
         admission_steps: Mapping[tuple[str, str], tuple[str, int]] | None = None,
         tie_window_s: float = 0.0,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"sim: mode must be one of {', '.join(MODES)}, got {mode!r}")
+        Mode.parse(mode, "sim: mode")
         if min(num_instances, num_prefill, num_decode) < 1:
             raise ValueError("sim: instance counts must be >= 1")
         if config.kv_link_bw is None or config.kv_link_latency_s is None:

@@ -21,7 +21,7 @@ from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.faults import NO_FAULTS, FaultPlan
 from pdserve.kv_transfer.nixl_transport import NixlConfig
 from pdserve.router.client import Client
-from pdserve.router.policy import RouterConfig
+from pdserve.router.config import RouterConfig
 
 pytestmark = pytest.mark.cluster
 

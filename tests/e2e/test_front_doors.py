@@ -38,8 +38,8 @@ from pdserve.explorer.playground import PlaygroundSettings, SettingError
 from pdserve.net import HttpServer, server_tls_context
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.router.client import Client
+from pdserve.router.config import RouterConfig
 from pdserve.router.http_api import FrontDoor, _unless_disconnected
-from pdserve.router.policy import RouterConfig
 from pdserve.router.router import GenerateInput, ModelLimits, RequestError, Router, WorkerHandle
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli.main"]

@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.engine.tokenizer import ByteTokenizer
-from pdserve.router.policy import RouterConfig
+from pdserve.router.config import RouterConfig
 from pdserve.router.router import GenerateInput, ModelLimits, RequestError, Router
 
 pytestmark = pytest.mark.cluster

@@ -16,8 +16,8 @@ from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.engine.tokenizer import ByteTokenizer
 from pdserve.router.client import Client
+from pdserve.router.config import RouterConfig
 from pdserve.router.http_api import StopMatcher, render_chat
-from pdserve.router.policy import RouterConfig
 
 pytestmark = pytest.mark.cluster
 

@@ -13,7 +13,7 @@ from support.checks import assert_no_leaks
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.router.client import Client
-from pdserve.router.policy import RouterConfig
+from pdserve.router.config import RouterConfig
 
 pytestmark = pytest.mark.cluster
 

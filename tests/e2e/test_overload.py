@@ -24,8 +24,9 @@ import pytest
 from pdserve.bench.drain import Probe, wait_drained
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.messages import Mode
 from pdserve.router.client import AsyncClient
-from pdserve.router.policy import MODES, RouterConfig
+from pdserve.router.config import RouterConfig
 
 pytestmark = pytest.mark.cluster
 
@@ -152,7 +153,7 @@ TIGHT = EngineConfig(
 # 24 blocks of 16 tokens hold 384 tokens. Each request needs up to 15 blocks (prompt 40-75 + 150 tokens):
 # one fits alone, six together need 80.
 # Each mode gets prompts of its own: the router's prefix view would send auto's to the decode worker otherwise.
-KV_PROMPTS = {mode: [random_prompt(random.Random(f"{mode}{i}"), 40 + 7 * i) for i in range(6)] for mode in MODES}
+KV_PROMPTS = {mode: [random_prompt(random.Random(f"{mode}{i}"), 40 + 7 * i) for i in range(6)] for mode in Mode}
 KV_PARAMS = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
 
 
@@ -177,7 +178,7 @@ def kv_expected() -> dict[str, list[list[int]]]:
     return {mode: [c.token_ids for c in engine.generate(prompts, KV_PARAMS)] for mode, prompts in KV_PROMPTS.items()}
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", list(Mode))
 def test_a_decode_worker_out_of_kv_preempts_and_completes_every_request(tight, kv_expected, mode):
     async def served(client: AsyncClient, prompt: list[int]) -> tuple[list[int], str]:
         chunks = [chunk async for chunk in client.generate(prompt, KV_PARAMS, mode=mode)]

@@ -18,7 +18,7 @@ from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.model_runner import gather_kv
 from pdserve.faults import NO_FAULTS, FaultPlan
 from pdserve.router.client import AsyncClient, Client
-from pdserve.router.policy import RouterConfig
+from pdserve.router.config import RouterConfig
 
 pytestmark = pytest.mark.cluster
 

@@ -1,4 +1,4 @@
-"""Run on the head of the loopback cluster (``ray exec``) by tests/test_ray_up.py: prints, as one JSON line,
+"""Run on the head of the loopback cluster (``ray exec``) by tests/e2e/test_ray_up.py: prints, as one JSON line,
 the KV transfer target each named decode worker of the running ``pdserve serve`` advertises and the address
 of every alive node as the GCS records it (``NodeManagerAddress``).
 

@@ -469,7 +469,7 @@ def test_a_step_that_samples_nothing_waits_for_the_device_before_its_kv_is_pushe
 
 def test_the_router_starts_the_decode_before_the_client_reads_the_first_token(expected):
     from pdserve.engine.config import ModelConfig
-    from pdserve.router.policy import RouterConfig
+    from pdserve.router.config import RouterConfig
     from pdserve.router.router import GenerateInput, ModelLimits, Router, WorkerHandle
 
     async def case(p: Pair) -> None:
@@ -515,7 +515,7 @@ def test_a_push_that_cannot_be_cancelled_ends_when_its_decode_worker_is_dead():
 
 def test_a_hung_decode_worker_fails_its_request_at_the_silence_timeout_and_runs_the_abort_when_it_resumes():
     from pdserve.engine.config import ModelConfig
-    from pdserve.router.policy import RouterConfig
+    from pdserve.router.config import RouterConfig
     from pdserve.router.router import GenerateInput, ModelLimits, RequestError, Router, WorkerHandle
 
     async def case(p: Pair) -> None:
@@ -556,7 +556,7 @@ def test_a_hung_decode_worker_fails_its_request_at_the_silence_timeout_and_runs_
 
 def test_an_idle_decode_worker_is_not_taken_for_a_hung_one(expected):
     from pdserve.engine.config import ModelConfig
-    from pdserve.router.policy import RouterConfig
+    from pdserve.router.config import RouterConfig
     from pdserve.router.router import GenerateInput, ModelLimits, Router, WorkerHandle
 
     async def case(p: Pair) -> None:

@@ -25,8 +25,8 @@ import pytest
 from pdserve.engine.tokenizer import ByteTokenizer
 from pdserve.messages import RequestMetrics
 from pdserve.net import HttpServer
+from pdserve.router.config import RouterConfig
 from pdserve.router.http_api import build_app
-from pdserve.router.policy import RouterConfig
 from pdserve.router.router import GenerateInput, ModelLimits, RequestError, RouterEvent
 
 TOKEN = "tok-123"

@@ -13,7 +13,8 @@ from pdserve.bench.runner import build_parser as bench_parser
 from pdserve.cli.main import build_parser as pdserve_parser
 from pdserve.cli.sim import build_parser as sim_parser
 from pdserve.engine.config import DEFAULT_TOKEN_BUDGET, EngineConfig, ModelConfig
-from pdserve.engine.options import add_engine_arguments, engine_config_from_args, engine_fields, option_flag
+from pdserve.options import add_config_arguments, config_from_args, option_fields
+from pdserve.options import option_flag as config_option_flag
 from pdserve.sim.config import SimConfig
 
 CHANGED = ["--max-num-batched-tokens", "4096", "--max-num-seqs", "8", "--no-chunked-prefill", "--block-size", "32"]
@@ -21,8 +22,16 @@ CHANGED = ["--max-num-batched-tokens", "4096", "--max-num-seqs", "8", "--no-chun
 
 def _parser(**kwargs) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
-    add_engine_arguments(parser, **kwargs)
+    add_config_arguments(parser, EngineConfig, **kwargs)
     return parser
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    return config_from_args(EngineConfig, args, **overrides)
+
+
+def option_flag(name: str) -> str:
+    return config_option_flag(EngineConfig, name)
 
 
 def test_every_field_is_an_option_with_its_default_and_help():
@@ -54,7 +63,7 @@ def test_parsed_values_reach_the_config():
 def test_excluded_and_unselected_fields_keep_their_defaults_even_if_args_has_the_name():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=7)  # e.g. the workload's seed
-    add_engine_arguments(parser, exclude=("seed",))
+    add_config_arguments(parser, EngineConfig, exclude=("seed",))
     assert engine_config_from_args(parser.parse_args(["--seed", "9"])).seed == EngineConfig().seed
     only = _parser(only=("model", "block_size"))
     assert {a.dest for a in only._actions} == {"help", "model", "block_size"}
@@ -62,9 +71,9 @@ def test_excluded_and_unselected_fields_keep_their_defaults_even_if_args_has_the
 
 
 def test_bad_input():
-    with pytest.raises(ValueError, match="not EngineConfig fields: nonsense"):
+    with pytest.raises(ValueError, match="not EngineConfig options: nonsense"):
         _parser(only=("nonsense",))
-    with pytest.raises(ValueError, match="no engine options"):
+    with pytest.raises(ValueError, match="no EngineConfig options"):
         engine_config_from_args(argparse.Namespace(model="tiny"))
     with pytest.raises(ValueError, match="max_num_seqs"):
         engine_config_from_args(_parser().parse_args(["--max-num-seqs", "0"]))
@@ -114,10 +123,10 @@ def test_default_budget_is_one_number_and_holds_a_whole_prompt_without_chunking(
 
 
 def test_options_load_without_torch():
-    code = "import sys, pdserve.engine.options; assert 'torch' not in sys.modules, 'torch loaded'"
+    code = "import sys, pdserve.engine.config; assert 'torch' not in sys.modules, 'torch loaded'"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert set(engine_fields()) == {f.name for f in fields(EngineConfig)}
+    assert set(option_fields(EngineConfig)) == {f.name for f in fields(EngineConfig)}  # every field an option
 
 
 # ---- one declaration per setting, in every command --------------------------------------------------------
@@ -136,7 +145,7 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
 def _declared() -> list[tuple[type, str]]:
     from pdserve.deployment_config import DeploymentConfig
     from pdserve.options import option_fields
-    from pdserve.router.policy import RouterConfig
+    from pdserve.router.config import RouterConfig
     from pdserve.sim.api import SimSettings
 
     return [
@@ -165,7 +174,7 @@ def test_every_command_takes_a_setting_by_its_one_declared_flag_and_default():
             assert tuple(action.choices or ()) == tuple(f.metadata.get("choices", ())), (command, name)
     assert seen[(EngineConfig, "block_size")] >= {"generate", "serve", "bench", "sim"}
     from pdserve.deployment_config import DeploymentConfig
-    from pdserve.router.policy import RouterConfig
+    from pdserve.router.config import RouterConfig
 
     assert seen[(DeploymentConfig, "num_prefill_workers")] == {"serve", "bench", "sim"}
     assert seen[(DeploymentConfig, "num_decode_workers")] == {"serve", "bench", "sim"}
@@ -187,7 +196,7 @@ def test_the_hand_off_deadlines_have_one_default_everywhere():
     from pdserve.decode_node.worker import DecodeWorker
     from pdserve.deployment_config import DeploymentConfig
     from pdserve.prefill_node.worker import PrefillWorker
-    from pdserve.router.policy import RouterConfig
+    from pdserve.router.config import RouterConfig
     from pdserve.transport_config import GrpcConfig
 
     config = DeploymentConfig()

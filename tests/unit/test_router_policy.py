@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.router.policy import RouterConfig, RoutingPolicy
+from pdserve.router.config import RouterConfig
+from pdserve.router.policy import RoutingPolicy
 
 
 def policy(prefill=("p0",), decode=("d0", "d1"), **cfg) -> RoutingPolicy:

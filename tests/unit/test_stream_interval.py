@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.cli.main import build_parser, deployment_config_from_args
 from pdserve.router.client import _request
-from pdserve.router.policy import RouterConfig
+from pdserve.router.config import RouterConfig
 
 
 def test_serve_passes_the_stream_interval_to_every_router():
