@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import pytest
-from ray.exceptions import ActorDiedError, ActorUnavailableError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
 from pdserve.decode_node.worker import DecodeWorker
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
@@ -40,7 +40,8 @@ KV_SECRET = "kv-secret-of-this-deployment"
 
 
 class LocalActor:
-    """Stands in for a Ray actor handle: ``actor.method.remote(...)`` runs the method on this event loop.
+    """Stands in for a Ray actor handle: ``actor.method.remote(...)`` runs the method on this event loop; what it
+    raises arrives as Ray delivers it (a ``RayTaskError`` that is also an instance of the cause's type).
 
     ``dead``: calls raise ``ActorDiedError``; ``unavailable``: they raise ``ActorUnavailableError``;
     ``running`` cleared: the process hangs (SIGSTOP): calls and stream items wait until it is set again.
@@ -87,7 +88,10 @@ class LocalActor:
                             raise ActorDiedError()
                         if actor.unavailable:
                             raise ActorUnavailableError("unavailable (test)", None)
-                        return await getattr(actor.obj, name)(*args, **kwargs)
+                        try:
+                            return await getattr(actor.obj, name)(*args, **kwargs)
+                        except Exception as e:  # as Ray raises it: a RayTaskError that is also the cause's type
+                            raise RayTaskError(name, f"{type(e).__name__}: {e}", e).as_instanceof_cause() from e
                     finally:
                         actor.in_flight[name] -= 1
 
