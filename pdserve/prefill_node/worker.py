@@ -111,6 +111,7 @@ class _Job:
     last_pushed: bool = False
     push_started: dict[int, float] = field(default_factory=dict)  # id(handle) -> worker clock at its start
     aborted: asyncio.Future | None = None  # set by the first abort: resolved once the job is torn down
+    released: bool = False  # its blocks went back to the engine while a cancelled push was not confirmed over
     cancelled: bool = False  # stopped before it reached the engine (nothing in it, nothing to push)
     cancel_error: BaseException | None = None  # what its prefill call raises then
     cancel_requested: asyncio.Event = field(default_factory=asyncio.Event)  # set with `cancelled`
@@ -514,6 +515,8 @@ class PrefillWorker:
                 self._fail(engine, job, failure)
             else:
                 self._cancel_pushes(job)
+                if job.cancelling:
+                    self._release_blocks(engine, job)
 
     def _cancel_pushes(self, job: _Job) -> None:
         """Cancel every push of the job still in flight; those the transport cannot stop yet are retried."""
@@ -564,13 +567,24 @@ class PrefillWorker:
             self._teardown(engine, job)
             if job.aborted is not None:
                 job.resolve(job.aborted, True)
+        else:
+            self._release_blocks(engine, job)
+
+    def _release_blocks(self, engine: LLMEngine, job: _Job) -> None:
+        """A failed or aborted job whose cancelled pushes the transport has not confirmed over: its blocks go back
+        to this worker's pool now, so a decode worker that hangs does not hold them. A push still reading them
+        may carry other bytes from then on, into blocks its decode worker keeps in quarantine until this worker
+        confirms the push over (``abort``), which only the transport's word allows; the job stays until then."""
+        if not job.released:
+            job.released = True
+            if not engine.release(job.request_id):
+                engine.abort(job.request_id)
 
     def _teardown(self, engine: LLMEngine, job: _Job) -> None:
         """Release the job's blocks (its pushes are all over). A failed job also tells its decode worker,
         which then gives up on the reservation at once instead of at its deadline."""
         self._jobs.pop(job.request_id, None)
-        if not engine.release(job.request_id):
-            engine.abort(job.request_id)
+        self._release_blocks(engine, job)
         if job.error is not None and job.aborted is None and job.decode is not None:
             error = f"prefill worker {self.worker_id}: {job.error}"
             job.aio.call_soon_threadsafe(self._tell_decode, job.decode, job.request_id, error)
@@ -632,6 +646,7 @@ class PrefillWorker:
             if not job.cancelling:
                 self._teardown(engine, job)
                 return True
+            self._release_blocks(engine, job)
             return torn_down
 
         result = await self.aengine.run(do)

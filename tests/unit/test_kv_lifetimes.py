@@ -305,7 +305,10 @@ def test_an_uncancellable_push_keeps_the_blocks_past_the_deadline_until_it_is_ov
         await asyncio.sleep(1.5)  # ... and the prefill worker has failed the push (1 s) but cannot cancel it
         prefill_held, decode_held = await p.blocks_in_use()
         assert decode_held > 0, "the deadline freed blocks that a one-sided write may still reach"
-        assert prefill_held > 0 and "stuck" in p.prefill._jobs
+        assert (await p.decode.stats()).kv_blocks_quarantined == decode_held
+        # the prefill worker's own blocks are back (a stale read lands only in quarantined blocks), the push tracked
+        assert prefill_held == 0 and "stuck" in p.prefill._jobs
+        assert not await p.prefill.abort("stuck", wait_s=0.2), "confirmed while the push may still land"
         for handle in p.sender.handles:
             handle.allow_cancel()
         await p.settled(timeout_s=2.0)
