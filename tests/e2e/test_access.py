@@ -57,13 +57,20 @@ def test_tls_serves_clients_that_trust_its_ca_and_nobody_else(ray_cluster, tmp_p
     other_ca, _, _ = make_ca_and_server_cert()
     (tmp_path / "cert.pem").write_bytes(cert)
     (tmp_path / "key.pem").write_bytes(key)
-    config = DeploymentConfig(
-        engine=ENGINE, tls_cert_file=str(tmp_path / "cert.pem"), tls_key_file=str(tmp_path / "key.pem")
+    config = DeploymentConfig(  # disaggregated over gRPC: the KV service speaks TLS with the same certificate
+        engine=ENGINE,
+        mode="disaggregated",
+        transport="grpc",
+        verify_kv=True,
+        tls_cert_file=str(tmp_path / "cert.pem"),
+        tls_key_file=str(tmp_path / "key.pem"),
     )
     with Deployment(config) as d:
         target = d.address.replace("127.0.0.1", "localhost")
         with Client(target, root_certificates=ca) as c:
-            assert len([t for chunk in c.generate([1, 2, 3], PARAMS) for t in chunk.token_ids]) == 4
+            chunks = list(c.generate([1, 2, 3], PARAMS))
+            assert len([t for chunk in chunks for t in chunk.token_ids]) == 4
+            assert chunks[-1].metadata.mode == "disaggregated" and chunks[-1].metadata.kv_transfer_bytes > 0
         for client in (Client(target, timeout_s=5), Client(target, timeout_s=5, root_certificates=other_ca)):
             with client, pytest.raises(grpc.RpcError) as err:
                 list(client.generate([1, 2, 3], PARAMS))
