@@ -109,7 +109,7 @@ class DeploymentConfig(TransportConfig):
             raise ValueError(f"omp_spin_count must be >= 0, got {self.omp_spin_count}")
         tls = self.tls_cert_file is not None and self.tls_key_file is not None
         servers = (
-            ("gRPC server (port)", self.port, self.host),
+            ("port (gRPC)", self.port, self.host),
             ("http_port", self.http_port, self.host),
             ("explorer_port", self.explorer_port, self.explorer_host),
         )

@@ -264,7 +264,7 @@ def test_a_token_protected_http_server_off_loopback_needs_tls():
 
 
 def test_a_token_protected_grpc_server_off_loopback_needs_tls():
-    with pytest.raises(ValueError, match=r"gRPC server .* needs TLS"):
+    with pytest.raises(ValueError, match=r"port \(gRPC\) on .* needs TLS"):
         DeploymentConfig(host="0.0.0.0", auth_token=TOKEN)
     DeploymentConfig(host="0.0.0.0", auth_token=TOKEN, tls_cert_file="c.pem", tls_key_file="k.pem")
     DeploymentConfig(host="0.0.0.0")  # without a token there is nothing to leak
