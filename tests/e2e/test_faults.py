@@ -282,3 +282,118 @@ def test_a_hung_decode_worker_mid_stream_fails_its_stream_and_the_other_keeps_se
         assert status_s < 10, status_s
         wait_until(lambda: client.health().status == "serving", 30, f"{victim} to serve again", interval_s=0.5)
         assert_no_leaks(d)
+
+
+# ---- hangs: a worker that stops answering, an engine that stops stepping, a router that goes away --------------
+
+
+def test_a_decode_worker_hung_before_its_reservation_fails_the_request_at_the_silence_timeout(ray_cluster, expected):
+    """The prefill worker's reservation call gets no answer: the client hears at the router's silence timeout
+    (5 s), not after the reservation calls' and the abort fences' bounds."""
+    with deployment() as d, Client(d.address) as client:
+        [pid] = [info["pid"] for info in d.worker_info if info["worker_id"] == "decode-0"]
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            thread, outcome = disaggregated_in_background(client, PROMPT)
+            thread.join(20)
+            assert not thread.is_alive(), "the client got no answer"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert outcome["code"] == grpc.StatusCode.UNAVAILABLE and "decode-0" in outcome["details"], outcome
+        assert outcome["at"] - stopped < 9, outcome["at"] - stopped
+        wait_until(lambda: client.health().status == "serving", 30, "decode-0 to serve again", interval_s=0.5)
+        assert tokens_of(client.generate(PROMPT, GREEDY, mode="disaggregated")) == expected
+        assert_no_leaks(d)
+
+
+def test_a_hung_prefill_worker_fails_its_prefill_naming_it_and_serves_again_once_resumed(ray_cluster, expected):
+    with deployment() as d, Client(d.address) as client:
+        prefill = d.prefill_workers[0].actor
+        [pid] = [info["pid"] for info in d.worker_info if info["worker_id"] == "prefill-0"]
+        ray.get(prefill.set_fault_plan.remote(FaultPlan(step_delay_s=0.2)))  # 29 chunks: about 6 s
+        thread, outcome = disaggregated_in_background(client, LONG_PROMPT)
+        with Client(d.address) as probe:
+            wait_until(lambda: any(w.role == "prefill" and w.num_steps >= 3 for w in probe.stats()), 20, "prefill")
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            thread.join(15)
+            assert not thread.is_alive(), "the client got no answer"
+            assert "prefill-0" in client.health().status  # named down
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert (
+            outcome["code"] == grpc.StatusCode.UNAVAILABLE and "prefill worker prefill-0 is hung" in outcome["details"]
+        ), outcome
+        assert outcome["at"] - stopped < 9, outcome["at"] - stopped
+        ray.get(prefill.set_fault_plan.remote(NO_FAULTS))
+
+        def disaggregated_again():
+            chunks = list(client.generate(PROMPT, GREEDY, mode="disaggregated"))
+            assert tokens_of(chunks) == expected
+            return chunks[-1].metadata.prefill_worker == "prefill-0"
+
+        wait_until(disaggregated_again, 30, "the resumed prefill worker to serve again", interval_s=0.5)
+        assert_no_leaks(d)
+
+
+def test_a_stalled_decode_engine_fails_its_stream_naming_it_and_the_other_serves(ray_cluster, expected):
+    """The engine thread blocks (a device hang) while the process, its event loop and its heartbeats run on."""
+    config = dict(mode="colocated", num_prefill_workers=0, num_decode_workers=2, engine_stall_timeout_s=2.0)
+    with deployment(**config) as d, Client(d.address) as client:
+        stream = client.generate(PROMPT, LONG, request_id="stalls")
+        next(stream)
+        [victim] = wait_until(
+            lambda: [w.worker_id for w in client.stats() if w.num_running > 0], 10, "the stream's decode worker"
+        )
+        actor = next(w.actor for w in d.decode_workers if w.worker_id == victim)
+        ray.get(actor.set_fault_plan.remote(FaultPlan(engine_hang_s=10.0)))
+        struck = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            list(stream)
+        status_s = time.monotonic() - struck
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert f"decode worker {victim} is hung" in err.value.details(), err.value.details()
+        assert status_s < 6, status_s
+        assert victim in client.health().status
+        for _ in range(2):  # the other worker serves meanwhile
+            assert tokens_of(client.generate(PROMPT, GREEDY)) == expected
+        wait_until(lambda: client.health().status == "serving", 30, f"{victim} to step again", interval_s=0.5)
+        assert_no_leaks(d)
+
+
+def test_a_dead_routers_queued_prefills_are_withdrawn_long_before_their_deadline(ray_cluster):
+    with deployment(reservation_ttl_s=30.0) as d:
+        ray.get(d.prefill_workers[0].actor.set_fault_plan.remote(FaultPlan(step_delay_s=0.3)))
+        clients = [Client(d.address, timeout_s=60) for _ in range(5)]
+        threads = []
+        for i, c in enumerate(clients):
+            prompt = [random.Random(100 + i).randrange(256) for _ in range(300)]
+            threads.append(threading.Thread(target=lambda c=c, p=prompt: list(_quietly(c.generate(p, GREEDY)))))
+            threads[-1].start()
+        wait_until(lambda: any(w.num_remote_pending for w in d.stats() if w.role == "decode"), 20, "reservations")
+        for router in d.routers:
+            ray.kill(router)
+        killed = time.monotonic()
+        d.routers = []
+
+        def all_back() -> bool:
+            return all(
+                w.blocks_free + w.blocks_cached == w.blocks_total and w.num_running + w.num_waiting == 0
+                for w in d.stats()
+            )
+
+        wait_until(all_back, 20, "every block back on both workers")
+        assert time.monotonic() - killed < 15  # the reservations' deadline is 30 s
+        for t in threads:
+            t.join(30)
+        for c in clients:
+            c.close()
+
+
+def _quietly(chunks):
+    try:
+        yield from chunks
+    except grpc.RpcError:
+        return
