@@ -12,11 +12,15 @@ router's requests on this worker, and on a request's last update how it ended an
 Blocks reserved for remote KV belong to this worker until the request ends, and return to the pool
 only when no write to them can still land: after the final push has landed; or, once the reservation
 is withdrawn (aborted, its router gone, or its deadline passed), after the prefill worker confirmed
-that its pushes for the request are over (its ``abort`` returned) or Ray reported its process dead
-(``ActorDiedError``). A deadline only starts that: the stream ends with an error at once, the blocks
-follow the confirmation. A transport that checks every push on arrival (gRPC) needs no confirmation:
-a withdrawn reservation refuses all later writes (the check and the copy hold the transport's
-``write_lock``), so its blocks are freed at once. Nothing waits forever; no block leaks.
+that its pushes for the request are over (its ``abort`` answered True: the transport reported every
+push done or failed) or Ray reported its process dead (``ActorDiedError``) and this worker's receiver
+drained for ``RECEIVER_DRAIN_S``. Meanwhile they wait in a quarantine that ``stats`` counts. A deadline
+only starts that: the stream ends with an error at once, the blocks follow the confirmation. A transport
+that checks every push on arrival (gRPC) needs no confirmation: a withdrawn reservation refuses all later
+writes (the check and the copy hold the transport's ``write_lock``), so its blocks are freed at once.
+A reservation is claimed for its router's event stream when it is made, and takes pushes and
+notifications from the sender it was made for, into its own blocks only (never its shared cached prefix).
+Nothing waits forever; no block leaks.
 
 This module loads without torch: every process that holds a handle to the actor loads its class (Ray
 does, to deserialise the handle), the router and the process that built the deployment among them, and

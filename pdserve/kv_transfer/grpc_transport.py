@@ -9,6 +9,12 @@ the pool's device; after the stream's last message the notification is queued fo
 transport's ``write_lock``, so a receiver that withdraws a reservation under that lock knows that no
 later byte of it is written.
 
+Access: with a ``secret`` every push carries an HMAC of its target, request and sender ids under it (the
+secret itself never travels) and the receiver refuses any other (UNAUTHENTICATED). A stream names its
+request and sender in its metadata; the push filter must accept the request before the first message and
+every message's blocks, and the notification must be the stream's request (PERMISSION_DENIED otherwise).
+With ``tls_cert_chain`` and ``tls_private_key`` the receiver serves TLS only and senders trust that chain.
+
 Sender: one cached channel and a single-thread executor per target (pushes to one target run in
 order, each in the background). A push streams ``BlockPayload`` messages of whole blocks, packed
 up to ``message_bytes`` (2 MiB by default) each, with the notification on the last message. Payloads are raw
