@@ -302,7 +302,9 @@ def test_an_uncancellable_push_keeps_the_blocks_past_the_deadline_until_it_is_ov
         expire(p)
         last = await asyncio.wait_for(finished, 2)
         assert last.error == "KV transfer deadline passed"  # the client hears at once ...
-        await asyncio.sleep(1.5)  # ... and the prefill worker has failed the push (1 s) but cannot cancel it
+        p.prefill_clock.advance(1.1)  # ... and the prefill worker fails the push (1 s) but cannot cancel it
+        while p.prefill._jobs["stuck"].error is None or (await p.blocks_in_use())[0]:
+            await asyncio.sleep(0.01)
         prefill_held, decode_held = await p.blocks_in_use()
         assert decode_held > 0, "the deadline freed blocks that a one-sided write may still reach"
         assert (await p.decode.stats()).kv_blocks_quarantined == decode_held
