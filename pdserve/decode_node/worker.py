@@ -67,6 +67,8 @@ FENCE_RETRY_MAX_S = 1.0  # the longest pause between two calls
 # After Ray reports the pushing process dead, bytes of its one-sided writes already on their way (queued in
 # sockets) still land while this worker's receiver makes progress: its blocks wait this long more.
 RECEIVER_DRAIN_S = 1.0
+ROUTER_PROBE_S = 1.0  # how often a subscribed router is asked whether it lives
+ROUTER_PROBE_TIMEOUT_S = 10.0
 
 
 class ReserveResult(NamedTuple):
@@ -185,12 +187,34 @@ class DecodeWorker:
         stalled (``EngineStalled``)."""
         return self.aengine.describe(self.worker_id, "decode", self.target.kind, self.node)
 
-    async def events(self, router_id: str) -> AsyncIterator[StepEvents]:
+    async def events(self, router_id: str, router: Any = None) -> AsyncIterator[StepEvents]:
         """The router's event stream: an empty item once subscribed, then one item per step with news, and a
         heartbeat while idle. Every item says whether the engine loop is stalled (the router then counts this
-        worker as hung)."""
-        async for updates in self.aengine.events(router_id):
-            yield StepEvents(self.worker_id, updates, self.aengine.stalled() or "")
+        worker as hung).
+
+        ``router``: the router's actor handle. Ray does not end a stream whose reader's process died, so this
+        worker asks the router ``alive()`` every ``ROUTER_PROBE_S``; once Ray reports it dead, the stream ends
+        and the router's requests (its reservations included) are stopped.
+        """
+        watch = asyncio.ensure_future(self._watch_router(router_id, router)) if router is not None else None
+        try:
+            async for updates in self.aengine.events(router_id):
+                yield StepEvents(self.worker_id, updates, self.aengine.stalled() or "")
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    async def _watch_router(self, router_id: str, router: Any) -> None:
+        while True:
+            await asyncio.sleep(ROUTER_PROBE_S)
+            try:
+                await asyncio.wait_for(_awaited(router.alive.remote()), ROUTER_PROBE_TIMEOUT_S)
+            except ActorDiedError:
+                log.warning("%s: router %s is dead; ending its event stream", self.worker_id, router_id)
+                self.aengine.unsubscribe(router_id)
+                return
+            except Exception:  # slow, or unreachable for now: only Ray's word that it died ends the stream
+                continue
 
     # ---- colocated: prefill and decode here ----------------------------------------------------
     async def generate(

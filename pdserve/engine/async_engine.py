@@ -205,6 +205,13 @@ class AsyncEngine:
                 sub.pending.append(update)
                 sub.wake.set()
 
+    def unsubscribe(self, subscriber_id: str) -> None:
+        """Event loop: end ``subscriber_id``'s event stream (its reader is gone); its requests go to ``on_orphans``."""
+        sub = self._subscribers.get(subscriber_id)
+        if sub is not None:
+            sub.closed = True
+            sub.wake.set()
+
     async def events(self, subscriber_id: str) -> AsyncIterator[list[TokenUpdate]]:
         """Yield ``[]`` once subscribed, then each batch of the subscriber's updates as steps produce them,
         and ``[]`` after every ``EVENT_HEARTBEAT_S`` without one (so a reader notices a process that hangs).

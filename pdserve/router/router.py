@@ -121,7 +121,8 @@ class Router:
         self._serial = itertools.count()
         self.num_queued = 0  # requests waiting for their first token
         self.queued_prompt_tokens = 0
-        self._events = WorkerEvents(router_id, config, self.policy, self.workers, self.active, self._by_key)
+        self.handle: Any = None  # this router's actor handle (set by its RouterProcess): workers watch it
+        self._events = WorkerEvents(router_id, config, self.policy, self.workers, self.active, self._by_key, self)
         self._ids = itertools.count()
         self._seeds = random.Random()
         self.metrics = RouterMetrics(router_id)

@@ -93,6 +93,7 @@ class WorkerEvents:
         workers: dict[str, WorkerHandle],
         active: dict[str, InFlight],
         by_key: dict[str, InFlight],
+        owner: Any = None,
     ) -> None:
         self.router_id = router_id
         self.config = config
@@ -100,6 +101,7 @@ class WorkerEvents:
         self.workers = workers
         self.active = active
         self._by_key = by_key
+        self._owner = owner  # the Router: its ``handle`` (when it runs in an actor) goes with each subscription
         self.num_items = 0  # event-stream items with updates received from the workers
         self._tasks: list[asyncio.Task] = []
         self._last_heard: dict[str, float] = {}  # decode worker -> monotonic time of its stream's last item
@@ -132,7 +134,8 @@ class WorkerEvents:
         delay = 0.1
         while True:
             try:
-                stream = worker.actor.events.options(num_returns="streaming").remote(self.router_id)
+                handle = getattr(self._owner, "handle", None)
+                stream = worker.actor.events.options(num_returns="streaming").remote(self.router_id, handle)
                 async for ref in stream:
                     item = await ref
                     self._last_heard[worker.worker_id] = time.monotonic()

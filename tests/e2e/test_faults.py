@@ -308,7 +308,8 @@ def test_a_decode_worker_hung_before_its_reservation_fails_the_request_at_the_si
 
 
 def test_a_hung_prefill_worker_fails_its_prefill_naming_it_and_serves_again_once_resumed(ray_cluster, expected):
-    with deployment() as d, Client(d.address) as client:
+    # a reservation deadline past the silence timeout: the router's probe, not the deadline, notices the hang
+    with deployment(reservation_ttl_s=30.0) as d, Client(d.address) as client:
         prefill = d.prefill_workers[0].actor
         [pid] = [info["pid"] for info in d.worker_info if info["worker_id"] == "prefill-0"]
         ray.get(prefill.set_fault_plan.remote(FaultPlan(step_delay_s=0.2)))  # 29 chunks: about 6 s

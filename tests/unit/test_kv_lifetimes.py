@@ -155,11 +155,11 @@ class Pair:
         self.finished: dict[str, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
 
-    async def subscribe(self) -> None:
+    async def subscribe(self, router: Any = None) -> None:
         subscribed = asyncio.get_running_loop().create_future()
 
         async def read() -> None:
-            async for item in self.decode.events(ROUTER):
+            async for item in self.decode.events(ROUTER, router):
                 if not subscribed.done():
                     subscribed.set_result(None)
                 for update in item.updates:
@@ -1030,5 +1030,37 @@ def test_a_notification_from_another_sender_is_refused_and_the_real_one_complete
         assert p.decode.num_notifications_refused == 1
         stranger.close()
         await p.settled()
+
+    run(case)
+
+
+class RouterStandIn:
+    async def alive(self) -> bool:
+        return True
+
+
+def test_a_router_whose_process_died_has_its_stream_ended_and_its_reservations_withdrawn(monkeypatch):
+    """Ray does not end a stream whose reader's process died: the decode worker asks the router itself."""
+    from pdserve.decode_node import worker as decode_module
+
+    monkeypatch.setattr(decode_module, "ROUTER_PROBE_S", 0.1)
+    router = LocalActor(RouterStandIn())
+
+    async def case(p: Pair) -> None:
+        assert p._reader is not None
+        p._reader.cancel()  # the pair's own subscription: replaced by one that names its router
+        await asyncio.sleep(0.05)
+        await p.subscribe(router)
+        await p.prefill.set_fault_plan(FaultPlan(step_delay_s=0.3))
+        calls = [asyncio.ensure_future(p.prefill_call(f"orphan-{i}", random_prompt(i, 100))) for i in range(3)]
+        while not p.decode._pending:
+            await asyncio.sleep(0.01)
+        router.dead = True  # Ray now says the router's process died; the stream's reader task stays (a zombie)
+        await p.settled(timeout_s=3.0)
+        assert p._reader is not None and p._reader.done()  # the stream ended
+        for call in calls:
+            with pytest.raises(Exception):  # noqa: B017 - aborted, or refused for a router that is gone
+                await asyncio.wait_for(call, 2)
+        await p.prefill.set_fault_plan(FaultPlan())
 
     run(case)
