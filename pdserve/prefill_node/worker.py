@@ -17,7 +17,9 @@ into the decode worker's pool (every push finished, failed, or cancelled as the 
 is the confirmation the decode worker waits for before it frees the reserved blocks.
 The last chunk also samples the first token, which goes back to the router at once — that is the
 TTFT the client sees — while the last push is still in flight. The request's blocks stay held here
-until its pushes have completed; then they are released into this worker's prefix cache.
+until its pushes have completed; then they are released into this worker's prefix cache. A failed or
+aborted request whose cancelled pushes the transport has not confirmed over gives its blocks back at once
+and is tracked until the transport confirms.
 
 Only prompts run here (every request stops after its first token), so this engine never decodes and
 therefore never preempts: a block that a push reads cannot be taken away under it.
