@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.decode_node.worker import DecodeWorker
 from pdserve.deployment_config import DeploymentConfig
-from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.config import EngineConfig, ModelConfig, shared_gpu_memory_utilization
 from pdserve.explorer.app import add_explorer
 from pdserve.messages import WorkerStats
 from pdserve.net import certificate_name
@@ -97,6 +97,10 @@ class Deployment:
         use_gpu = engine_config.device.startswith("cuda") or (
             engine_config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
         )
+        if use_gpu and engine_config.gpu_memory_utilization is None and cfg.gpus_per_worker < 1:
+            # workers sharing a GPU split its memory: each sizes its KV cache from its own share
+            share = shared_gpu_memory_utilization(cfg.gpus_per_worker)
+            engine_config = replace(engine_config, gpu_memory_utilization=share)
         if not use_gpu and engine_config.torch_threads is None and cfg.address is None:
             # CPU workers on this machine share its cores: oversubscribed OpenMP threads collapse
             workers = cfg.num_decode_workers + cfg.prefill_worker_count

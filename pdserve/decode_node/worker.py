@@ -139,6 +139,7 @@ class DecodeWorker:
         engine loop stuck this long counts as hung (see ``AsyncEngine``). ``faults``: faults to inject (tests).
         ``clock``: the monotonic clock of reservation deadlines."""
         from pdserve.engine.llm_engine import LLMEngine
+        from pdserve.engine.model_runner import use_device
         from pdserve.kv_transfer import KVTransport, make_transport
 
         restore_normal_priority()  # Ray starts workers at niceness 15
@@ -150,10 +151,11 @@ class DecodeWorker:
         device = device_in_this_worker(engine_config.device)
         # the loop thread is then the only one with OpenMP threads (see build_in_passing_thread)
         engine = build_in_passing_thread(lambda: LLMEngine(replace(engine_config, device=device)))
+        use_device(engine.device)  # a CUDA context on this thread before the NIXL agent brings up UCX
         self.transport = (
             transport if isinstance(transport, KVTransport) else make_transport(transport, transport_config)
         )
-        self.transport.register_pool(engine.kv_cache)
+        self.transport.register_pool(engine.kv_cache, engine.kv_compatibility)
         self.target = self.transport.describe()
         # written on the loop thread only; the transport's receiver threads read it: pushes outside a
         # live reservation are refused (gRPC; NIXL's one-sided writes cannot be checked on arrival)

@@ -24,6 +24,13 @@ QUANTIZATION_MODES = ("auto", "native", "float16", "none")  # see engine.quantiz
 # about 1.4 s, a stall every running decode waits out; the serving figures in the README are measured at 512.
 # On a GPU, 2048 or more is the usual choice.
 DEFAULT_TOKEN_BUDGET = 512
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of a GPU for one engine
+
+
+def shared_gpu_memory_utilization(gpus_per_worker: float) -> float:
+    """The default ``gpu_memory_utilization`` of workers that take ``gpus_per_worker`` (at most 1) of a GPU
+    each: the default share, split evenly among the ``floor(1 / gpus_per_worker)`` workers on one GPU."""
+    return DEFAULT_GPU_MEMORY_UTILIZATION / max(1, math.floor(1 / gpus_per_worker + 1e-9))
 
 
 @dataclass(frozen=True)
@@ -258,7 +265,18 @@ class EngineConfig:
     seed: int = option(0, "seeds the preset weights and the requests that come without a seed")
     block_size: int = option(16, "tokens per KV block")
     num_kv_blocks: int | None = option(None, "KV blocks per engine; default: as many as --kv-cache-memory-gb holds")
-    kv_cache_memory_gb: float = option(0.5, "KV cache size per engine when --num-kv-blocks is not given")
+    kv_cache_memory_gb: float | None = option(
+        None,
+        "KV cache size per engine when --num-kv-blocks is not given; default: 0.5 on a CPU, on CUDA what "
+        "--gpu-memory-utilization leaves",
+    )
+    gpu_memory_utilization: float | None = option(
+        None,
+        "on CUDA, the fraction of the GPU's memory the engine may use for its weights, a step's activations "
+        "(profiled at start) and its KV cache, which takes the rest unless --num-kv-blocks or "
+        f"--kv-cache-memory-gb sizes it; default {DEFAULT_GPU_MEMORY_UTILIZATION}, split evenly among workers "
+        "that share a GPU (--gpus-per-worker below 1)",
+    )
     max_num_batched_tokens: int | None = option(
         None,
         f"token budget per step: one per running decode plus prompt chunks; default: {DEFAULT_TOKEN_BUDGET}, "
@@ -297,8 +315,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
         if not (self.pace_probe_interval_s >= 0 and math.isfinite(self.pace_probe_interval_s)):
             raise ValueError(f"pace_probe_interval_s must be >= 0, got {self.pace_probe_interval_s!r}")
-        if not self.kv_cache_memory_gb > 0:
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None

@@ -111,6 +111,7 @@ class EngineLoop:
         stalled = False  # the last step scheduled nothing (e.g. waiting for blocks): don't spin
         last_work: float | None = None  # when the engine last had work, until the heap is trimmed after it
         try:
+            self._use_engine_device()
             while not self._stop.is_set():
                 self.last_turn = time.monotonic()
                 self._drain_commands(block=stalled or not engine.has_work())
@@ -137,6 +138,14 @@ class EngineLoop:
                 self._on_crash(e)
         finally:
             self._fail_pending()
+
+    def _use_engine_device(self) -> None:
+        """Make the engine's GPU this thread's current CUDA device (``model_runner.use_device``)."""
+        device = getattr(self.engine, "device", None)
+        if device is not None and device.type == "cuda":
+            from pdserve.engine.model_runner import use_device  # torch: not for the loop's importers
+
+            use_device(device)
 
     def _idle_long_enough(self, last_work: float) -> bool:
         return self._trim_after_idle_s is not None and time.monotonic() - last_work >= self._trim_after_idle_s

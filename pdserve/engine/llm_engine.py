@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from collections import deque
@@ -13,20 +14,23 @@ import torch
 
 from pdserve.engine import remote_kv
 from pdserve.engine.block_manager import BlockManager, BlockUsage
-from pdserve.engine.config import EngineConfig, ModelConfig, gguf_file
+from pdserve.engine.config import PRESETS, EngineConfig, ModelConfig, gguf_file
 from pdserve.engine.gguf import GGUFCheckpoint, open_gguf
+from pdserve.engine.kv_capacity import plan_kv_capacity
 from pdserve.engine.model_runner import (
     ModelRunner,
     allocate_kv_cache,
-    kv_block_bytes,
+    kv_compatibility_key,
     openmp_threads_spin,
     step_threads,
+    use_device,
 )
 from pdserve.engine.pace_probe import PaceProbe
 from pdserve.engine.quantization import (
     INT4_KINDS,
     INT8_KINDS,
     auto_weight_format,
+    native_weight_kinds,
     quantized_compute_dtype,
     release_freed_memory,
     store_weights_in_float16,
@@ -39,6 +43,8 @@ from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from pdserve.engine.weights import build_model
 from pdserve.messages import StepStats
+
+log = logging.getLogger(__name__)
 
 
 class RequestOutput(NamedTuple):
@@ -81,9 +87,14 @@ class EngineStats(NamedTuple):
 
 
 def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when present, else the CPU. A bare ``cuda`` names the current GPU by its index, so that
+    the engine's threads all bind to that one (``model_runner.use_device``) and it reports which it is."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_quantization(
@@ -91,7 +102,9 @@ def resolve_quantization(
 ) -> tuple[str, GGUFCheckpoint | None]:
     """The weight format to serve ``model`` in (``native``, ``float16`` or ``none``), with the GGUF file whose
     blocks ``native`` keeps (None otherwise). See ``engine.quantization.auto_weight_format`` for what ``auto``
-    picks with ``dtype`` and why.
+    picks with ``dtype`` and why. ``native`` keeps only the kinds ``native_weight_kinds`` allows on ``device``
+    (on CUDA, Q4 alone) and dequantises the others to the compute dtype, saying so in a warning; with none
+    left to keep it is ``none``.
 
     ``native`` on a model that is not a GGUF file with Q4_0/Q4_1/Q8_0 weights, and ``float16`` off the CPU,
     raise ValueError.
@@ -104,11 +117,27 @@ def resolve_quantization(
         return "float16", None
     path = gguf_file(model)
     checkpoint = open_gguf(path) if path is not None else None
-    if checkpoint is None or not any(t.kind in INT4_KINDS | INT8_KINDS for t in checkpoint.tensors):
+    quantized = {t.kind for t in checkpoint.tensors} & (INT4_KINDS | INT8_KINDS) if checkpoint is not None else set()
+    if not quantized:
         if mode == "auto":
             return "none", None
         raise ValueError(f"quantization native: model {model!r} is not a GGUF file with Q4_0, Q4_1 or Q8_0 weights")
     picked = "native" if mode == "native" else auto_weight_format(device, dtype)
+    if picked == "native":  # only the kinds a good kernel takes here stay quantized
+        compute_dtype = resolve_dtype(dtype, device)
+        kept = native_weight_kinds(device, compute_dtype)
+        dequantised = sorted(quantized - kept.kinds)
+        if dequantised:
+            log.warning(
+                "quantization %s on %s: %s weights dequantised to %s (%s)",
+                mode,
+                device,
+                ", ".join(dequantised),
+                str(compute_dtype).removeprefix("torch."),
+                kept.why_not,
+            )
+        if not quantized & kept.kinds:
+            return "none", None
     return picked, checkpoint if picked == "native" else None
 
 
@@ -131,6 +160,7 @@ class LLMEngine:
             torch.set_num_threads(self.config.torch_threads)
         self.threads_spin = openmp_threads_spin()  # small CPU steps then run on every thread
         self.device = resolve_device(self.config.device)
+        use_device(self.device)
         self.quantization, quantized = resolve_quantization(
             self.config.quantization, self.config.model, self.device, self.config.dtype
         )
@@ -161,6 +191,7 @@ class LLMEngine:
             self.config.seed,
             quantized=quantized,
             kernel_dtype=kernel_dtype,
+            native_kinds=native_weight_kinds(self.device, kernel_dtype).kinds,
         )
         model.fuse_projections()
         if self.quantization == "float16":
@@ -168,8 +199,8 @@ class LLMEngine:
         release_freed_memory()
 
         block_size = self.config.block_size
-        block_bytes = kv_block_bytes(self.model_config, block_size, self.kv_cache_dtype)
-        num_blocks = self.config.num_kv_blocks or max(1, int(self.config.kv_cache_memory_gb * 2**30) // block_bytes)
+        self.kv_capacity = plan_kv_capacity(self.config, model, self.model_config, self.kv_cache_dtype, self.device)
+        num_blocks = self.kv_capacity.num_blocks
         self.kv_cache = allocate_kv_cache(self.model_config, num_blocks, block_size, self.kv_cache_dtype, self.device)
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
         budget, max_model_len = self.config.max_num_batched_tokens, self.config.max_model_len
@@ -378,6 +409,13 @@ class LLMEngine:
         return EngineStats(
             self.block_manager.usage(), len(s.running), len(s.waiting), remote, len(self.held), in_flight
         )
+
+    @property
+    def kv_compatibility(self) -> str:
+        """The key of what this engine's KV blocks mean (``model_runner.kv_compatibility_key``): a transfer
+        peer's pool must carry the same one."""
+        seed = self.config.seed if self.config.model in PRESETS else None
+        return kv_compatibility_key(self.config.model, seed, self.model_config, self.dtype, self.kv_cache)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.scheduler.requests.get(request_id) or self.held.get(request_id)

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from pdserve.engine.attention_width import attend
 from pdserve.engine.config import ModelConfig
@@ -29,8 +30,9 @@ class PrefillSpan:
     start: int  # tokens of this request already in the cache
     block_ids: torch.Tensor  # the request's blocks, covering start + (hi - lo) slots, padded (attention_width)
     # [group * (hi - lo), blocks * block_size], True = a key the query row sees; row g * n + i = query head g of
-    # a KV head's group, token i (absolute position start + i), which sees keys 0 .. start + i
-    mask: torch.Tensor
+    # a KV head's group, token i (absolute position start + i), which sees keys 0 .. start + i. None: the
+    # blocks are not padded, and the kernel applies the causal mask itself (``_causal_prefill_attention``)
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -286,7 +288,10 @@ class Attention(nn.Module):
         for group in meta.decode_groups:
             out.index_copy_(0, group.index, self._decode_attention(q, k_rows, v_rows, group, meta.workspace))
         for span in meta.prefills:
-            out[span.lo : span.hi] = self._prefill_attention(q, k_rows, v_rows, span)
+            if span.mask is None:
+                out[span.lo : span.hi] = self._causal_prefill_attention(q, k_rows, v_rows, span)
+            else:
+                out[span.lo : span.hi] = self._prefill_attention(q, k_rows, v_rows, span)
         return self.o_proj(out.view(T, -1))
 
     def _decode_attention(self, q, k_rows, v_rows, group: DecodeGroup, workspace: Workspace) -> torch.Tensor:
@@ -319,8 +324,29 @@ class Attention(nn.Module):
         # as in decode attention, the query heads that share a KV head are its query rows: [1, KV, group * n, D],
         # row g * n + i = its head g, token i
         query = q[span.lo : span.hi].view(n, KV, group, D).permute(1, 2, 0, 3).reshape(1, KV, group * n, D)
+        assert span.mask is not None
         out = attend(query, keys, values, span.mask)
         return out.view(KV, group, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
+
+    def _causal_prefill_attention(self, q, k_rows, v_rows, span: PrefillSpan) -> torch.Tensor:
+        """A chunk's queries over exactly the ``start + n`` keys of its request so far, under the causal mask
+        aligned to the last key that SDPA's kernels build themselves (no boolean mask, no padded keys): on
+        CUDA the flash kernel takes it. Each query head gets its KV head's keys, so every kernel accepts the
+        layout, on every torch the project admits. The GPU path; on a CPU for tests only."""
+        n, H, KV, D = span.hi - span.lo, self.num_heads, self.num_kv_heads, self.head_dim
+        length = span.start + n
+        keys = torch.index_select(k_rows, 0, span.block_ids).view(-1, KV, D)[:length]
+        values = torch.index_select(v_rows, 0, span.block_ids).view(-1, KV, D)[:length]
+        keys, values = (
+            t.transpose(0, 1).unsqueeze(1).expand(KV, H // KV, length, D).reshape(1, H, length, D).to(q.dtype)
+            for t in (keys, values)
+        )
+        query = q[span.lo : span.hi].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if span.start == 0:
+            out = F.scaled_dot_product_attention(query, keys, values, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=causal_lower_right(n, length))
+        return out[0].transpose(0, 1)
 
 
 class MLP(nn.Module):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
+import json
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -38,6 +41,25 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> 
     for d in kv_block_shape(config, block_size):
         n *= d
     return n * torch.empty(0, dtype=dtype).element_size()
+
+
+def kv_compatibility_key(
+    model: str, seed: int | None, config: ModelConfig, dtype: torch.dtype, kv_cache: torch.Tensor
+) -> str:
+    """A key of what a KV pool's blocks mean: 16 hex digits of a SHA-256 over the model (its name, and
+    ``seed`` for random weights), its architecture, the compute dtype, the pool's dtype and block layout.
+    Two engines can take each other's KV blocks only under equal keys: equal block bytes alone would let a
+    bfloat16 pool fill a float16 one, or one model's KV another's. The weight format is left out: machines
+    that serve one GGUF file in formats of their own (``--quantization auto``) hold the same KV, to rounding."""
+    fields = {
+        "model": model,
+        "seed": seed,
+        "architecture": dataclasses.asdict(config),
+        "dtype": str(dtype),
+        "kv_dtype": str(kv_cache.dtype),
+        "block_shape": list(kv_cache.shape[1:]),
+    }
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def allocate_kv_cache(
@@ -82,6 +104,16 @@ def step_threads(num_tokens: int, device: torch.device, threads_spin: bool = Fal
         torch.set_num_threads(threads)
 
 
+def use_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device; a no-op off CUDA (and for a bare ``cuda``).
+
+    CUDA's current device is per thread and starts as GPU 0: anything that takes it implicitly (a pinned host
+    allocation, an event, a UCX context probing for GPU memory) would otherwise act on GPU 0, or on no context
+    at all, from a thread that has not used the engine's GPU yet (the engine loop's, a Ray actor's)."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued kernels (CUDA); a no-op on the CPU, whose kernels are synchronous."""
     if device.type == "cuda":
@@ -93,6 +125,7 @@ class DeviceTimer:
     clock would time the kernel launches, not the kernels), the host's clock on a CPU (synchronous kernels)."""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.cuda = device.type == "cuda"
         self._t0 = 0.0
         if self.cuda:
@@ -100,8 +133,8 @@ class DeviceTimer:
             self._end = torch.cuda.Event(enable_timing=True)
 
     def start(self) -> None:
-        if self.cuda:
-            self._start.record()
+        if self.cuda:  # on the device's own stream, whichever device is current on this thread
+            self._start.record(torch.cuda.current_stream(self.device))
         else:
             self._t0 = time.perf_counter()
 
@@ -109,7 +142,7 @@ class DeviceTimer:
         """Seconds since ``start()``; on CUDA waits for the queued kernels to finish."""
         if not self.cuda:
             return time.perf_counter() - self._t0
-        self._end.record()
+        self._end.record(torch.cuda.current_stream(self.device))
         self._end.synchronize()
         return self._start.elapsed_time(self._end) / 1e3
 
@@ -141,6 +174,9 @@ class ModelRunner:
         self.inputs = InputBuffer(device)
         self.timer = DeviceTimer(device)
         self.last_device_s = 0.0  # the device time of the last ``run``
+        # CPU only: spans rounded as ``attention_width`` says, under boolean masks, for bitwise invariance.
+        # Elsewhere a chunk attends over exactly its keys under the kernel's own causal mask (flash on CUDA).
+        self.pad_attention_spans = device.type == "cpu"
 
     @torch.inference_mode()
     def run(
@@ -200,11 +236,13 @@ class ModelRunner:
             if n == 1 and chunk.start > 0:
                 decodes.append((lo, end, blocks))
             else:  # attended over whole spans (attention_width): the padding, block 0, stays masked
-                padding = attended_blocks(len(blocks), bs) - len(blocks)
+                padding = attended_blocks(len(blocks), bs) - len(blocks) if self.pad_attention_spans else 0
                 prefills.append((lo, lo + n, chunk.start, blocks + [0] * padding))
         decodes.sort(key=lambda d: d[1])
         groups = [decodes[g : g + DECODE_GROUP_SIZE] for g in range(0, len(decodes), DECODE_GROUP_SIZE)]
-        widths = [attended_blocks(max(len(blocks) for _, _, blocks in part), bs) for part in groups]
+        widths = [max(len(blocks) for _, _, blocks in part) for part in groups]
+        if self.pad_attention_spans:
+            widths = [attended_blocks(width, bs) for width in widths]
 
         lists = [ids, pos, slot_rows]
         lists += [blocks for *_, blocks in prefills]
@@ -217,9 +255,13 @@ class ModelRunner:
         spans = []
         group = self.model.config.num_attention_heads // self.model.config.num_key_value_heads
         for lo, hi, start, blocks in prefills:  # one mask per chunk, for every layer: the padding stays hidden
+            block_ids = next(tensors)
+            if not self.pad_attention_spans:
+                spans.append(PrefillSpan(lo, hi, start, block_ids, None))
+                continue
             key_pos = torch.arange(len(blocks) * self.block_size, device=self.device)
             visible = key_pos <= torch.arange(start, start + hi - lo, device=self.device)[:, None]
-            spans.append(PrefillSpan(lo, hi, start, next(tensors), visible.repeat(group, 1)))
+            spans.append(PrefillSpan(lo, hi, start, block_ids, visible.repeat(group, 1)))
         decode_groups = []
         for part, width in zip(groups, widths, strict=True):
             index, flat, lens = next(tensors), next(tensors), next(tensors)
@@ -232,23 +274,32 @@ class ModelRunner:
 
 class InputBuffer:
     """A step's integer inputs (token ids, positions, slots, block tables) as one tensor, ``upload`` returning
-    a view per list. On CUDA they pass through one persistent pinned host buffer in one asynchronous copy;
-    the next step rewrites the buffer only after this one's tokens came back (a synchronisation)."""
+    a view per list. On CUDA they pass through one persistent pinned host buffer (on the engine's device) in
+    one asynchronous copy; the next upload rewrites the buffer only once that copy has been read (an event
+    recorded after it), whether or not the caller waited for the step's results (``prompt_logits`` does not)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._host = torch.empty(0, dtype=torch.long)
+        self._copied: torch.cuda.Event | None = None  # recorded after the last copy out of ``_host``
 
     def upload(self, lists: list[list[int]]) -> list[torch.Tensor]:
         sizes = [len(values) for values in lists]
         flat = torch.tensor([v for values in lists for v in values], dtype=torch.long)
         if self.device.type == "cpu":  # the tensor itself: one allocation for the step's inputs
             return list(flat.split(sizes))
+        if self._copied is not None:
+            self._copied.synchronize()
         if self._host.numel() < flat.numel():
-            self._host = torch.empty(max(flat.numel(), 2 * self._host.numel()), dtype=torch.long).pin_memory()
+            with torch.cuda.device(self.device):  # pinned through this device's context, not GPU 0's
+                self._host = torch.empty(max(flat.numel(), 2 * self._host.numel()), dtype=torch.long, pin_memory=True)
         host = self._host[: flat.numel()]
         host.copy_(flat)
-        return list(host.to(self.device, non_blocking=True).split(sizes))
+        uploaded = host.to(self.device, non_blocking=True)
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
+        self._copied.record(torch.cuda.current_stream(self.device))
+        return list(uploaded.split(sizes))
 
 
 def _logprobs(

@@ -28,15 +28,19 @@
   slower than a float32 GEMM over the dequantised weights). A checkpoint that is not such a GGUF file is
   served as it is (``none``).
 
-The compute dtype of the ``native`` path (``--dtype auto``) is bfloat16 on CUDA, float32 on a CPU. The CUDA
-kernels (``_convert_weight_to_int4pack``,
-``_weight_int4pack_mm``) are called the same way as the CPU ones but have not been run on a GPU yet.
+The compute dtype of the ``native`` path (``--dtype auto``) is bfloat16 on CUDA, float32 on a CPU. On CUDA
+``native`` keeps only Q4_0/Q4_1 weights, and only where torch's int4 GEMM (``_weight_int4pack_mm``) takes
+them: bfloat16 activations, torch 2.5 or later (uint8-packed codes), an Ampere or later GPU
+(``native_weight_kinds``). Q8_0 weights are dequantised to the compute dtype there: torch's CUDA int8
+weight-only GEMM is a plain kernel (one thread per output element), slower than a bfloat16 GEMM over the
+dequantised weights, and exists only in recent torch. The CUDA int4 kernel has not been run on a GPU yet.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from typing import NamedTuple
 
 import numpy as np
@@ -59,6 +63,54 @@ __all__ = [
 ]
 INT4_KINDS = frozenset({"Q4_0", "Q4_1"})
 INT8_KINDS = frozenset({"Q8_0"})
+CUDA_INT4_TORCH = (2, 5)  # from this torch on, _convert_weight_to_int4pack takes uint8 pairs of codes (pack_int4)
+CUDA_INT4_CAPABILITY = (8, 0)  # torch's int4 CUDA GEMM (tinygemm) runs on bfloat16 tensor cores: Ampere on
+log = logging.getLogger(__name__)
+
+
+class NativeKinds(NamedTuple):
+    """The GGUF block kinds ``--quantization native`` keeps as they ship on a device, and why the other
+    quantized kinds are dequantised to the compute dtype there ("" when none is)."""
+
+    kinds: frozenset[str]
+    why_not: str
+
+
+def native_weight_kinds(
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    capability: tuple[int, int] | None = None,
+    torch_version: str | None = None,
+) -> NativeKinds:
+    """What the ``native`` path keeps on ``device`` with activations in ``compute_dtype``: on a CPU the kinds
+    whose kernels this torch has (``_weight_int4pack_mm_for_cpu`` and ``_weight_int8pack_mm``, both in recent
+    torch only); on CUDA Q4_0/Q4_1 alone, and only with bfloat16 activations, torch >= 2.5 and a GPU of
+    compute capability 8.0 or more. ``capability`` and ``torch_version`` default to the GPU's and torch's
+    own (a test asks about a CUDA device without one)."""
+    if device.type != "cuda":
+        kept: set[str] = set()
+        missing = []
+        for kinds, op in ((INT4_KINDS, "_weight_int4pack_mm_for_cpu"), (INT8_KINDS, "_weight_int8pack_mm")):
+            if hasattr(torch.ops.aten, op):
+                kept |= kinds
+            else:
+                missing.append(f"{'/'.join(sorted(kinds))}: this torch has no {op}")
+        return NativeKinds(frozenset(kept), "; ".join(missing))
+    why_not = ["Q8_0: torch's CUDA int8 weight-only GEMM is slower than a bfloat16 GEMM"]
+    version = torch.torch_version.TorchVersion(torch_version or torch.__version__)
+    too_old = version < CUDA_INT4_TORCH  # type: ignore[operator]  # TorchVersion compares with tuples
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    if compute_dtype != torch.bfloat16:
+        dtype_name = str(compute_dtype).removeprefix("torch.")
+        why_not.insert(0, f"Q4: torch's CUDA int4 GEMM takes bfloat16 activations, not {dtype_name}")
+    elif too_old or not hasattr(torch.ops.aten, "_weight_int4pack_mm"):
+        why_not.insert(0, f"Q4: torch's CUDA int4 GEMM needs torch 2.5 or later, this is {version}")
+    elif tuple(capability) < CUDA_INT4_CAPABILITY:
+        why_not.insert(0, f"Q4: torch's CUDA int4 GEMM needs compute capability 8.0, this GPU has {capability}")
+    else:
+        return NativeKinds(INT4_KINDS, why_not[0])
+    return NativeKinds(frozenset(), "; ".join(why_not))
 
 
 def fast_weight_only_kernels(device: torch.device) -> bool:
@@ -133,10 +185,11 @@ def fbgemm_float16_available() -> bool:
 
 def auto_weight_format(device: torch.device, dtype: str = "auto") -> str:
     """What ``--quantization auto`` serves a GGUF file with Q4_0/Q4_1/Q8_0 weights in, on ``device`` with
-    ``--dtype dtype``: ``native`` on CUDA; on a CPU torch runs at AVX-512, ``native`` too, where attention
-    gives a row the same bits whatever its company (``attention_is_width_invariant``, probed at start-up);
-    else ``float16`` where torch has FBGEMM (x86; it computes in float32, so only under ``--dtype auto`` or
-    ``float32``), ``native`` at AVX-512 and ``none`` elsewhere.
+    ``--dtype dtype``: ``native`` on CUDA (for the kinds ``native_weight_kinds`` keeps there); on a CPU torch
+    runs at AVX-512, ``native`` too, where attention gives a row the same bits whatever its company
+    (``attention_is_width_invariant``, probed at start-up); else ``float16`` where torch has FBGEMM (x86; it
+    computes in float32, so only under ``--dtype auto`` or ``float32``), ``native`` at AVX-512 and ``none``
+    elsewhere.
 
     ``native`` rounds its GEMMs' inputs to bfloat16, which turns any last-bit difference upstream into a
     different input now and then, and a different token after it: it is the default only where the engine

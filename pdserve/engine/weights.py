@@ -39,13 +39,15 @@ def build_model(
     seed: int = 0,
     quantized: GGUFCheckpoint | None = None,
     kernel_dtype: torch.dtype | None = None,
+    native_kinds: frozenset[str] = INT4_KINDS | INT8_KINDS,
 ) -> LlamaForCausalLM:
     """The model with its weights, in ``dtype`` on ``device``; from ``quantized``'s blocks when given, whose
-    int4/int8 GEMMs take their inputs in ``kernel_dtype`` (default ``dtype``)."""
+    int4/int8 GEMMs take their inputs in ``kernel_dtype`` (default ``dtype``); blocks of other kinds than
+    ``native_kinds`` are dequantised to ``dtype``."""
     with torch.device("meta"), _skip_parameter_init():
         module = LlamaForCausalLM(config)
     if quantized is not None:
-        return load_quantized(module, quantized, dtype, device, kernel_dtype or dtype).eval()
+        return load_quantized(module, quantized, dtype, device, kernel_dtype or dtype, native_kinds).eval()
     module = module.to_empty(device="cpu")
     if config.tie_word_embeddings:  # to_empty() allocates every parameter anew, which unties them
         module.lm_head.weight = module.model.embed_tokens.weight
@@ -65,10 +67,12 @@ def load_quantized(
     dtype: torch.dtype,
     device: torch.device,
     kernel_dtype: torch.dtype | None = None,
+    native_kinds: frozenset[str] = INT4_KINDS | INT8_KINDS,
 ) -> LlamaForCausalLM:
     """Fill a meta-device ``module`` from a GGUF file: Q4_0/Q4_1 linears become ``Int4Linear``, Q8_0 ones
     ``Int8Linear`` (a tied Q8_0 embedding shares its int8 table with the output projection), both taking
-    their inputs in ``kernel_dtype`` (default ``dtype``); every other weight is dequantised to ``dtype``.
+    their inputs in ``kernel_dtype`` (default ``dtype``), where ``native_kinds`` holds their kind; every other
+    weight is dequantised to ``dtype``.
 
     With 16-bit kernel inputs on a CPU with FBGEMM (x86), a quantized output projection is a float16
     ``Float16Linear`` instead: float32 logits cost 12x more on torch's int8 kernel with float32 inputs than
@@ -76,6 +80,7 @@ def load_quantized(
     file's int8 table)."""
     kernel_dtype = kernel_dtype or dtype
     tensors = {t.hf_name: t for t in checkpoint.tensors}
+    int4_kinds, int8_kinds = INT4_KINDS & native_kinds, INT8_KINDS & native_kinds
 
     def dense(name: str, to: torch.dtype = dtype) -> torch.Tensor:
         return torch.from_numpy(np.array(tensors[name].dequantize())).to(device=device, dtype=to)
@@ -83,7 +88,7 @@ def load_quantized(
     embed = tensors["model.embed_tokens.weight"]
     head_name = "model.embed_tokens.weight" if module.config.tie_word_embeddings else "lm_head.weight"
     shared: Int8Weight | None = None
-    if embed.kind in INT8_KINDS:
+    if embed.kind in int8_kinds:
         shared = Int8Weight.from_blocks(embed.quantized_blocks(), kernel_dtype, device)
         module.model.embed_tokens = Int8Embedding(shared, dtype)  # type: ignore[assignment]
     float16_head = kernel_dtype != torch.float32 and device.type == "cpu" and fbgemm_float16_available()
@@ -94,14 +99,14 @@ def load_quantized(
         bias = dense(f"{name}.bias") if f"{name}.bias" in tensors else None
         source = tensors[weight_name]
         replacement: nn.Module
-        if name == "lm_head" and float16_head and source.kind in INT4_KINDS | INT8_KINDS:
+        if name == "lm_head" and float16_head and source.kind in int4_kinds | int8_kinds:
             head = dense(weight_name, torch.float32)  # not rounded to a bfloat16 --dtype on the way to float16
             replacement = Float16Linear(head, bias, TileScratch(), float32_output=True, use_fbgemm=True)
-        elif source.kind in INT4_KINDS:
+        elif source.kind in int4_kinds:
             replacement = Int4Linear(source.quantized_blocks(), kernel_dtype, device, bias)
         elif weight_name == "model.embed_tokens.weight" and shared is not None:
             replacement = Int8Linear(shared, bias, float32_output=name == "lm_head")
-        elif source.kind in INT8_KINDS:
+        elif source.kind in int8_kinds:
             weight = Int8Weight.from_blocks(source.quantized_blocks(), kernel_dtype, device)
             replacement = Int8Linear(weight, bias, float32_output=name == "lm_head")
         else:

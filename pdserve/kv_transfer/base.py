@@ -28,7 +28,7 @@ import uuid
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -87,10 +87,19 @@ class HostStaging:
             nbytes = source.numel() * source.element_size()
             if self._buffer is None or self._buffer.numel() < nbytes:
                 self._buffer = None  # free the old one first
-                self._buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=source.device.type == "cuda")
+                self._buffer = _host_buffer(nbytes, source.device)
             host = self._buffer[:nbytes].view(source.dtype).view(source.shape)
             host.copy_(source)  # blocking: the values are on the host when it returns
             yield host
+
+
+def _host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` of host memory for copies from ``device``: pinned through that GPU's own context on CUDA
+    (a thread with no current device would pin through GPU 0's, making a context there)."""
+    if device.type != "cuda":
+        return torch.empty(nbytes, dtype=torch.uint8)
+    with torch.cuda.device(device):
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 _checksum_staging = HostStaging()
@@ -208,6 +217,8 @@ class TransferTarget:
             pool was registered.
         base_address: NIXL only: address of block 0 of the receiver's pool.
         address: gRPC only: ``host:port`` of the receiver's KVTransfer service.
+        kv_compatibility: the key the receiver registered its pool with (``register_pool``); a sender
+            pushes only into a pool registered with its own key.
     """
 
     kind: str
@@ -219,6 +230,7 @@ class TransferTarget:
     agent_metadata: bytes = b""
     base_address: int = 0
     address: str = ""
+    kv_compatibility: str = ""
 
     def __repr__(self) -> str:  # keep the metadata blob out of logs
         extra = (
@@ -230,17 +242,18 @@ class TransferTarget:
         return (
             f"TransferTarget(kind={self.kind!r}, target_id={self.target_id!r}, "
             f"num_blocks={self.num_blocks}, block_bytes={self.block_bytes}, "
-            f"device={self.device!r}, {extra})"
+            f"device={self.device!r}, kv_compatibility={self.kv_compatibility!r}, {extra})"
         )
 
 
 @dataclass(frozen=True)
 class PoolLayout:
-    """Block geometry of a registered pool."""
+    """Block geometry of a registered pool, and the key of what its blocks hold (``register_pool``)."""
 
     num_blocks: int
     block_bytes: int
     device: torch.device
+    compatibility: str = ""
 
 
 def pool_layout(pool: Any) -> PoolLayout:
@@ -295,7 +308,7 @@ def validate_push(
     """Common checks for ``KVTransport.push``; returns the ids as lists of ints.
 
     Raises ``ValueError`` for: no local pool, a target that is not a ``TransferTarget`` of this
-    kind, mismatched block sizes, lists of different lengths, ids out of range on either side,
+    kind, mismatched block sizes or compatibility keys, lists of different lengths, ids out of range on either side,
     duplicate destination ids, or a notification that is not a ``ChunkNotification``.
     """
     if local is None:
@@ -312,6 +325,12 @@ def validate_push(
         raise ValueError(
             f"block size mismatch: local blocks are {local.block_bytes} bytes, "
             f"target {target.target_id} blocks are {target.block_bytes} bytes"
+        )
+    if target.kv_compatibility != local.compatibility:
+        raise ValueError(
+            f"KV compatibility mismatch: this pool's key is {local.compatibility or '(none)'!r}, target "
+            f"{target.target_id}'s is {target.kv_compatibility or '(none)'!r}: the two engines differ in model, "
+            "dtype, quantization or KV block layout, so these blocks would mean something else there"
         )
     src = _normalize_ids(src_block_ids, "src_block_ids")
     dst = _normalize_ids(dst_block_ids, "dst_block_ids")
@@ -436,13 +455,19 @@ class KVTransport(abc.ABC):
         """
         self._push_filter = accepts
 
-    def register_pool(self, pool: torch.Tensor) -> None:
+    def register_pool(self, pool: torch.Tensor, compatibility: str = "") -> None:
         """Register this worker's KV pool (contiguous, block-major; see module docstring).
+
+        ``compatibility``: a key of what the blocks hold (an engine's ``kv_compatibility``: model, dtypes,
+        quantization, block layout). It travels in this receiver's ``TransferTarget``, and a sender refuses
+        to push into a pool registered with another key.
 
         Raises ``ValueError`` if the tensor is not a valid pool, a pool is already registered or the
         transport is closed.
         """
-        layout = pool_layout(pool)
+        if not isinstance(compatibility, str):
+            raise ValueError(f"compatibility must be a str, got {type(compatibility).__name__}")
+        layout = replace(pool_layout(pool), compatibility=compatibility)
         with self._lock:
             self._check_open()
             if self._pool is not None:
@@ -466,6 +491,7 @@ class KVTransport(abc.ABC):
                 num_blocks=self._layout.num_blocks,
                 block_bytes=self._layout.block_bytes,
                 device=str(self._pool.device),
+                kv_compatibility=self._layout.compatibility,
                 **self._receiver_address(self._pool),
             )
 

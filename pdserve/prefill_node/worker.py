@@ -160,6 +160,7 @@ class PrefillWorker:
         ``engine_stall_timeout_s``: the engine loop stuck this long counts as hung (see ``AsyncEngine``).
         ``faults``: faults to inject (tests). ``clock``: the monotonic clock of push deadlines and timeouts."""
         from pdserve.engine.llm_engine import LLMEngine
+        from pdserve.engine.model_runner import use_device
         from pdserve.kv_transfer import KVTransport, make_transport
 
         restore_normal_priority()  # Ray starts workers at niceness 15
@@ -182,10 +183,11 @@ class PrefillWorker:
         self._waiting_tokens = 0  # prompt tokens waiting in the engine, as of the loop thread's last look
         self._adding: dict[str, int] = {}  # reserving or admitted, not yet added by the loop thread: prompt tokens
         self._aborts: dict[str, asyncio.Future] = {}  # one abort per request, however many ask for it
+        use_device(engine.device)  # a CUDA context on this thread before the NIXL agent brings up UCX
         self.transport = (
             transport if isinstance(transport, KVTransport) else make_transport(transport, transport_config)
         )
-        self.transport.register_pool(engine.kv_cache)
+        self.transport.register_pool(engine.kv_cache, engine.kv_compatibility)
         self._jobs: dict[str, _Job] = {}  # touched on the loop thread only (after creation)
         self._notices: set[asyncio.Future] = set()
         self._kv_bytes = 0

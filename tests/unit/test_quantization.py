@@ -421,7 +421,8 @@ def test_auto_picks_the_fastest_format_the_machine_has(monkeypatch):
     _cpu_like(monkeypatch, fbgemm=True, avx512=True, invariant_attention=False)  # x86, attention not invariant
     assert resolve_quantization("auto", "smollm2", CPU) == ("float16", None)
     assert quantized_checkpoint("auto", "smollm2", CPU, "bfloat16") is not None  # float16 computes in float32
-    assert quantized_checkpoint("auto", "smollm2", torch.device("cuda")) is not None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100/H200
+    assert quantized_checkpoint("auto", "smollm2", torch.device("cuda")) is not None  # its Q4_1 blocks
     _cpu_like(monkeypatch, fbgemm=True, avx512=False)  # AVX2 x86: FBGEMM's float16 GEMM beats int4 and float32
     assert resolve_quantization("auto", "smollm2", CPU) == ("float16", None)
     _cpu_like(monkeypatch, fbgemm=False, avx512=True)  # an AVX-512 CPU without FBGEMM: torch's int4 kernels
