@@ -303,7 +303,8 @@ def test_an_uncancellable_push_keeps_the_blocks_past_the_deadline_until_it_is_ov
         last = await asyncio.wait_for(finished, 2)
         assert last.error == "KV transfer deadline passed"  # the client hears at once ...
         p.prefill_clock.advance(1.1)  # ... and the prefill worker fails the push (1 s) but cannot cancel it
-        while p.prefill._jobs["stuck"].error is None or (await p.blocks_in_use())[0]:
+        job = p.prefill._jobs["stuck"]
+        while (job.error is None and job.aborted is None) or (await p.blocks_in_use())[0]:
             await asyncio.sleep(0.01)
         prefill_held, decode_held = await p.blocks_in_use()
         assert decode_held > 0, "the deadline freed blocks that a one-sided write may still reach"
@@ -1020,7 +1021,8 @@ def test_a_peer_with_the_secret_cannot_write_a_cached_prefix_forge_a_last_push_o
 def test_a_notification_from_another_sender_is_refused_and_the_real_one_completes_the_request(expected):
     async def case(p: Pair) -> None:
         stranger = FakeTransport()
-        stranger.register_pool(p.sender._pool.clone())  # type: ignore[union-attr]
+        assert p.sender.layout is not None
+        stranger.register_pool(p.sender._pool.clone(), p.sender.layout.compatibility)  # type: ignore[union-attr]
         p.sender.fault_for = lambda n: Fault("late", delay_s=0.5) if n.is_last else None
         first = await p.prefill_call("real")
         stranger.push(p.decode.target, [], [], ChunkNotification("real", 99, len(PROMPT), True))
