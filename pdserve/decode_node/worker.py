@@ -164,6 +164,7 @@ class DecodeWorker:
         # the pool until the prefill worker confirms that its pushes are over (or is dead and drained).
         self._quarantine: dict[str, _Pending] = {}
         self._fences: set[asyncio.Task] = set()
+        self._streams: dict[str, object] = {}  # router id -> its current event stream (event loop)
         self.transport.set_push_filter(self._accepts_push)
         self._served: dict[str, _Served] = {}  # loop thread only
         self._kv_bytes = 0
@@ -198,7 +199,8 @@ class DecodeWorker:
         worker asks the router ``alive()`` every ``ROUTER_PROBE_S``; once Ray reports it dead, the stream ends
         and the router's requests (its reservations included) are stopped.
         """
-        watch = asyncio.ensure_future(self._watch_router(router_id, router)) if router is not None else None
+        stream = self._streams[router_id] = object()  # a later subscription under the same id replaces this one
+        watch = asyncio.ensure_future(self._watch_router(router_id, router, stream)) if router is not None else None
         try:
             async for updates in self.aengine.events(router_id):
                 yield StepEvents(self.worker_id, updates, self.aengine.stalled() or "")
@@ -206,14 +208,15 @@ class DecodeWorker:
             if watch is not None:
                 watch.cancel()
 
-    async def _watch_router(self, router_id: str, router: Any) -> None:
+    async def _watch_router(self, router_id: str, router: Any, stream: object) -> None:
         while True:
             await asyncio.sleep(ROUTER_PROBE_S)
             try:
                 await asyncio.wait_for(_awaited(router.alive.remote()), ROUTER_PROBE_TIMEOUT_S)
             except ActorDiedError:
-                log.warning("%s: router %s is dead; ending its event stream", self.worker_id, router_id)
-                self.aengine.unsubscribe(router_id)
+                if self._streams.get(router_id) is stream:  # not replaced by a new router under the same id
+                    log.warning("%s: router %s is dead; ending its event stream", self.worker_id, router_id)
+                    self.aengine.unsubscribe(router_id)
                 return
             except Exception:  # slow, or unreachable for now: only Ray's word that it died ends the stream
                 continue
