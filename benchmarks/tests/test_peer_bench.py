@@ -237,3 +237,47 @@ def test_client_still_counts_token_ids_and_plain_text_chunks():
     error, num_output, _ = asyncio.run(_read_events(_Lines(events), times))
     assert error is None and num_output is None and len(times) == 3
     assert not math.isnan(times[0])
+
+
+def test_vllm_peer_commands_settings_and_table_from_given_numbers(tmp_path):
+    import vllm_peer
+
+    args = parse_args(["--peer", "vllm", "--vllm-args=--enforce-eager"])
+    assert args.servers == ["pdserve", "vllm"] and args.streams_prompt_tokens == 200
+    assert args.vllm_args == ["--enforce-eager"]
+    command = vllm_peer.vllm_command(tmp_path / "python", tmp_path / "model", "127.0.0.1", 8000, 64, 4096, "float32")
+    assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert command[command.index("--dtype") + 1] == "float32" and command[command.index("--max-num-seqs") + 1] == "64"
+    env = vllm_peer.vllm_env({"PATH": "/bin"}, 2, 1.0)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert env["HF_HUB_OFFLINE"] == "1" and env["PATH"] == "/bin"
+    assert vllm_peer.kv_tokens(1.0, 23040) == 46592  # SmolLM2 in 16 bits: vLLM's own figure for 1 GiB
+    assert vllm_peer.vllm_dtype("float16") == "float16" and vllm_peer.vllm_dtype() in ("bfloat16", "float32")
+
+    def run(server: str, repeat: int, decode: float, ttft: float, first: float, s16: float, s64: float, pss: float):
+        return ServerRun(
+            server, repeat, decode_tok_s=decode, ttft_s=ttft, first_token_s=first, streams_tok_s={16: s16, 64: s64},
+            pss_bytes=int(pss * 1e9), itl_median_ms={1: 1000 / decode, 16: 100.0, 64: 300.0}, healthy_s=10.0,
+        )  # fmt: skip
+
+    runs = [run("pdserve", 1, 48.0, 0.8, 0.05, 270.0, 360.0, 2.0), run("vllm", 1, 40.0, 0.8, 0.057, 261.0, 352.0, 3.4)]
+    r = ratios(runs, None, [16, 64], "vllm")
+    assert r["one_stream"] == pytest.approx([1.2]) and r["first_token"] == pytest.approx([0.057 / 0.05])
+    assert r["pss"] == pytest.approx([2.0 / 3.4])
+    judged = target_lines(runs, None, [16, 64], "vllm")
+    assert [line.split()[0] for line in judged] == ["PASS"] * 6
+    limits = peer_bench.Limits({"float32": 100.0, "bfloat16": 300.0}, 240e9, 20e9, {"pdserve": 150e6, "vllm": 270e6})
+    table = peer_bench.vllm_table(runs, limits, 46592, 128, 32, 1000, 200, [16, 64])
+    assert "| 1000-token prompt: TTFT | 0.8 s | 0.8 s | **1.00×** (vLLM / pdserve) | ≥ 1×: PASS |" in table
+    assert "46,592 KV tokens" in table and "| 100% | 100% |" in table  # 240 GFLOP in 0.8 s of a 300 GFLOP/s peak
+    assert "(150 MB)" in table and "| 36% (150 MB) | 54% (270 MB) |" in table  # 7.5 ms floor at 48 tok/s
+    assert peer_bench.prefill_flops(peer_bench_model_config(), 1000) == pytest.approx(246987823104, rel=1e-6)
+
+
+def peer_bench_model_config():
+    from pdserve.engine.config import ModelConfig
+
+    return ModelConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64,
+    )  # fmt: skip

@@ -10,12 +10,23 @@ longer request, would then get other bits, and where the next matrix product rou
 spans of 272-399 keys cut the sums differently from shorter spans and from whole blocks of 512; on an AMD
 EPYC, spans of 208-368 keys do, and so do calls of 1-3 query rows against calls of more.
 
-The engine therefore attends over ``attended_keys(n)`` keys: ``n`` rounded up to whole KV blocks while it is
-at most ``SHORT_KEYS``, to a multiple of ``KEY_BLOCK`` beyond (the masked tail costs at most one block of
-512); and ``attend`` gives every call at least ``MIN_QUERY_ROWS`` query rows per head (repeating the last).
-``attention_is_width_invariant`` checks at start-up, on random data, that this device's kernel then gives every
-row the same bits at every such span, alone or beside other rows, in a prefill chunk's layout or in a decode
-batch's; ``--quantization auto`` keeps the ``native`` path only where it does.
+The kernel also walks the query rows in blocks (``query_block_rows``: 32 rows, 64 from 192 rows on, 256 from
+768 on), and on the AMD EPYC a block of 1-3 rows takes the other path: the last rows of a call whose last
+block is that short (a chunk of 22 tokens of a model with 3 query heads per KV head: 66 rows, a last block of
+2) get other bits than in any other call, which is what made a prompt's answer depend on whether 16 of its
+tokens came from the prefix cache.
+
+The engine therefore attends over the visible keys in whole KV blocks, in pieces of at most ``KEY_PIECE``
+keys (192: cut-free on both CPUs) at fixed absolute offsets (0, 192, 384, ...): one call per piece, whose
+results are combined by their log-sum-exp, piece after piece in order; a piece whose keys a row cannot see
+weighs exactly zero, so a row gets the same bits whatever the call's span (a decode beside a longer request,
+a chunk of a longer prompt). Before, spans beyond 192 keys were padded to a multiple of 512 and attended in
+one call: a 240-key decode attended 512 keys, twice the work of its pieces. And ``attend`` gives every call
+``padded_query_rows`` query rows per head (repeating the last): at least ``MIN_QUERY_ROWS``, and a last block
+of the kernel's of none or at least ``MIN_QUERY_ROWS``. ``attention_is_width_invariant`` checks at start-up,
+on random data, that this device's kernel then gives every row the same bits at every span, alone or beside
+other rows, in a prefill chunk's layout or in a decode batch's; ``--quantization auto`` keeps the ``native``
+path only where it does.
 """
 
 from __future__ import annotations
@@ -25,48 +36,88 @@ import functools
 import torch
 import torch.nn.functional as F
 
-SHORT_KEYS = 192  # up to this many keys, one cut-free span: any whole number of blocks
-KEY_BLOCK = 512  # the flash kernel's block of keys; longer spans are a whole number of them
+KEY_PIECE = 192  # keys per attention call: spans up to this are cut-free (any whole number of blocks)
 MIN_QUERY_ROWS = 4  # fewer query rows per head take another path through the kernel's products (AMD EPYC)
 
 
-def attended_keys(keys: int) -> int:
-    """The keys an attention call over ``keys`` visible ones spans (the rest masked)."""
-    return keys if keys <= SHORT_KEYS else -(-keys // KEY_BLOCK) * KEY_BLOCK
+def query_block_rows(rows: int) -> int:
+    """The query rows per block of the CPU flash kernel in a call of ``rows`` query rows per head."""
+    return 256 if rows >= 768 else 64 if rows >= 192 else 32
 
 
-def attended_blocks(blocks: int, block_size: int) -> int:
-    """``attended_keys`` in whole KV blocks, for a request holding ``blocks`` of them."""
-    return -(-attended_keys(blocks * block_size) // block_size)
+def padded_query_rows(rows: int) -> int:
+    """The query rows per head ``attend`` hands the kernel for ``rows``: at least ``MIN_QUERY_ROWS``, and so many
+    that the kernel's last block of rows (``query_block_rows``) is whole or holds at least ``MIN_QUERY_ROWS``."""
+    padded = max(rows, MIN_QUERY_ROWS)
+    while 0 < (tail := padded % query_block_rows(padded)) < MIN_QUERY_ROWS:
+        padded += MIN_QUERY_ROWS - tail
+    return padded
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``scaled_dot_product_attention(query, keys, values, attn_mask=mask)`` over at least ``MIN_QUERY_ROWS``
-    query rows per head on a CPU: fewer are padded with copies of the last row (and of its mask row, unless
-    the mask broadcasts over rows), whose results are dropped."""
-    rows = query.shape[-2]
-    if rows >= MIN_QUERY_ROWS or query.device.type != "cpu":
+    """``scaled_dot_product_attention(query, keys, values, attn_mask=mask)`` (``mask`` boolean, True = visible),
+    on a CPU over ``padded_query_rows`` query rows per head (the extra rows copies of the last, their results
+    dropped) and, beyond ``KEY_PIECE`` keys, piece by piece (``_attend_in_pieces``)."""
+    if query.device.type != "cpu":
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
-    mask = mask if mask.shape[-2] == 1 else _padded_rows(mask)
-    return F.scaled_dot_product_attention(_padded_rows(query), keys, values, attn_mask=mask)[..., :rows, :]
+    rows = query.shape[-2]
+    padded = padded_query_rows(rows)
+    if padded != rows:
+        query = _padded_rows(query, padded)
+        mask = mask if mask.shape[-2] == 1 else _padded_rows(mask, padded)
+    if keys.shape[-2] <= KEY_PIECE:
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
+    else:
+        out = _attend_in_pieces(query, keys, values, mask)
+    return out if padded == rows else out[..., :rows, :]
 
 
-def _padded_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s rows (its second-to-last dimension), then copies of its last row: ``MIN_QUERY_ROWS`` in all."""
-    extra = MIN_QUERY_ROWS - t.shape[-2]
+def _attend_in_pieces(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Attention over keys ``[0, 192)``, ``[192, 384)``, ... one call each, combined by log-sum-exp in that order.
+    A piece a row sees nothing of gets a log-sum-exp of -inf (the kernel reports 0 there), so it adds exact zeros:
+    a row's result does not depend on how many pieces follow the last one it sees."""
+    additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, float("-inf"))
+    pieces = []
+    for lo in range(0, keys.shape[-2], KEY_PIECE):
+        hi = lo + KEY_PIECE
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, keys[..., lo:hi, :], values[..., lo:hi, :], attn_mask=additive[..., lo:hi]
+        )
+        pieces.append((out, torch.where(mask[..., lo:hi].any(-1), lse, float("-inf"))))
+    top = pieces[0][1]
+    for _, lse in pieces[1:]:
+        top = torch.maximum(top, lse)
+    total = weights = None
+    for out, lse in pieces:
+        weight = torch.exp(lse - top).unsqueeze(-1)
+        term = out * weight
+        total = term if total is None else total + term
+        weights = weight if weights is None else weights + weight
+    assert total is not None and weights is not None
+    return total / weights
+
+
+def _padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t``'s rows (its second-to-last dimension), then copies of its last row: ``rows`` in all."""
+    extra = rows - t.shape[-2]
     return torch.cat((t, t[..., -1:, :].expand(*t.shape[:-2], extra, t.shape[-1])), dim=-2)
 
 
 PROBE_POSITIONS = (0, 15, 100, 191, 192, 255, 271, 300, 450, 511, 512, 600, 700, 1000, 1023, 1500)
-PROBE_MAX_KEYS = 2048
+PROBE_MAX_KEYS = 1536
+# every whole block across the first two pieces' boundaries, then spans ending in each place of a piece
+PROBE_SPANS = (*range(16, 417, 16), 464, 576, 704, 1024, 1200, PROBE_MAX_KEYS)
 
 
 @functools.cache
 def attention_is_width_invariant(device_type: str = "cpu") -> bool:
-    """Whether ``attend`` on this device gives a query row the same bits at every span ``attended_keys`` allows
-    up to ``PROBE_MAX_KEYS`` keys: alone, beside other rows and as one request of a decode batch, in the
+    """Whether ``attend`` on this device gives a query row the same bits at every span of whole KV blocks up to
+    ``PROBE_MAX_KEYS`` keys (``PROBE_SPANS``): alone, beside other rows and as one request of a decode batch, in the
     engine's layouts (keys gathered as ``[span, kv_heads, head_dim]`` rows; a prefill chunk's query heads of one
-    KV head as its rows, a decode batch's as one request's). About 0.06 s on a 2-core CPU."""
+    KV head as its rows, among them chunks whose last rows fall in a short last block of the kernel's; a decode
+    batch's as one request's). Under 2 s on a 2-core CPU."""
     generator = torch.Generator().manual_seed(0)
     kv_heads, group, dim = 3, 3, 64
     keys = torch.randn(PROBE_MAX_KEYS, kv_heads, dim, generator=generator).to(device_type)
@@ -78,16 +129,18 @@ def attention_is_width_invariant(device_type: str = "cpu") -> bool:
         seen = first.setdefault(position, row)
         return seen is row or torch.equal(seen, row)
 
-    for span in sorted({attended_keys(n) for n in range(16, PROBE_MAX_KEYS + 1, 16)}):
+    for span in PROBE_SPANS:
         probed = [p for p in PROBE_POSITIONS if p < span]
         k, v = keys[:span].transpose(0, 1).unsqueeze(0), values[:span].transpose(0, 1).unsqueeze(0)
         key_positions = torch.arange(span, device=device_type)
-        for positions in ([probed[-1]], probed, probed + list(range(span - 40, span))):  # a prefill chunk
+        last = probed[-1]  # last in a chunk of 11 or 22 tokens: 33 or 66 rows, the kernel's last block 1 or 2 rows
+        short_tails = [list(range(last - n + 1, last + 1)) for n in (11, 22) if last >= n - 1]
+        for positions in ([last], probed, probed + list(range(span - 40, span)), *short_tails):
             rows = len(positions)
             query = queries[positions].permute(1, 2, 0, 3).reshape(1, kv_heads, group * rows, dim)
             mask = key_positions <= torch.tensor(positions, device=device_type)[:, None]
             out = attend(query, k, v, mask.repeat(group, 1)).view(kv_heads, group, rows, dim)
-            if not all(agrees(p, out[:, :, i]) for i, p in enumerate(positions[: len(probed)])):
+            if not all(agrees(p, out[:, :, i]) for i, p in enumerate(positions) if p in PROBE_POSITIONS):
                 return False
         n = len(probed)  # a decode batch: each probed position one request, its keys padded to the span
         mask = (key_positions <= torch.tensor(probed, device=device_type)[:, None]).view(n, 1, 1, span)

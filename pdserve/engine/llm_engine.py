@@ -1,4 +1,4 @@
-"""The step loop: schedule, run the model, sample, append, stop. Single process, single device."""
+"""The step loop: schedule, run the model, update the requests, emit their outputs. Single process, single device."""
 
 from __future__ import annotations
 
@@ -12,36 +12,24 @@ from typing import NamedTuple
 
 import torch
 
-from pdserve.engine import remote_kv
+from pdserve.engine import loader, remote_kv
 from pdserve.engine.block_manager import BlockManager, BlockUsage
-from pdserve.engine.config import PRESETS, EngineConfig, ModelConfig, gguf_file
-from pdserve.engine.gguf import GGUFCheckpoint, open_gguf
-from pdserve.engine.kv_capacity import plan_kv_capacity
+from pdserve.engine.config import PRESETS, EngineConfig, ModelConfig
+from pdserve.engine.loader import quantized_checkpoint, resolve_device, resolve_dtype, resolve_quantization
 from pdserve.engine.model_runner import (
     ModelRunner,
+    StepResult,
     allocate_kv_cache,
     kv_compatibility_key,
     openmp_threads_spin,
     step_threads,
-    use_device,
 )
 from pdserve.engine.pace_probe import PaceProbe
-from pdserve.engine.quantization import (
-    INT4_KINDS,
-    INT8_KINDS,
-    auto_weight_format,
-    native_weight_kinds,
-    quantized_compute_dtype,
-    release_freed_memory,
-    store_weights_in_float16,
-    weight_only_input_dtype,
-)
 from pdserve.engine.request import FinishReason, Request, RequestStatus, RequestTimes
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, TokenUpdate
 from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
-from pdserve.engine.weights import build_model
 from pdserve.messages import StepStats
 
 log = logging.getLogger(__name__)
@@ -86,70 +74,17 @@ class EngineStats(NamedTuple):
     tokens_in_flight: int
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto``: CUDA when present, else the CPU. A bare ``cuda`` names the current GPU by its index, so that
-    the engine's threads all bind to that one (``model_runner.use_device``) and it reports which it is."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def resolve_quantization(
-    mode: str, model: str, device: torch.device, dtype: str = "auto"
-) -> tuple[str, GGUFCheckpoint | None]:
-    """The weight format to serve ``model`` in (``native``, ``float16`` or ``none``), with the GGUF file whose
-    blocks ``native`` keeps (None otherwise). See ``engine.quantization.auto_weight_format`` for what ``auto``
-    picks with ``dtype`` and why. ``native`` keeps only the kinds ``native_weight_kinds`` allows on ``device``
-    (on CUDA, Q4 alone) and dequantises the others to the compute dtype, saying so in a warning; with none
-    left to keep it is ``none``.
-
-    ``native`` on a model that is not a GGUF file with Q4_0/Q4_1/Q8_0 weights, and ``float16`` off the CPU,
-    raise ValueError.
-    """
-    if mode == "none":
-        return "none", None
-    if mode == "float16":
-        if device.type != "cpu":
-            raise ValueError(f"quantization float16 is for CPUs; on {device.type}, compute in 16 bits (--dtype)")
-        return "float16", None
-    path = gguf_file(model)
-    checkpoint = open_gguf(path) if path is not None else None
-    quantized = {t.kind for t in checkpoint.tensors} & (INT4_KINDS | INT8_KINDS) if checkpoint is not None else set()
-    if not quantized:
-        if mode == "auto":
-            return "none", None
-        raise ValueError(f"quantization native: model {model!r} is not a GGUF file with Q4_0, Q4_1 or Q8_0 weights")
-    picked = "native" if mode == "native" else auto_weight_format(device, dtype)
-    if picked == "native":  # only the kinds a good kernel takes here stay quantized
-        compute_dtype = resolve_dtype(dtype, device)
-        kept = native_weight_kinds(device, compute_dtype)
-        dequantised = sorted(quantized - kept.kinds)
-        if dequantised:
-            log.warning(
-                "quantization %s on %s: %s weights dequantised to %s (%s)",
-                mode,
-                device,
-                ", ".join(dequantised),
-                str(compute_dtype).removeprefix("torch."),
-                kept.why_not,
-            )
-        if not quantized & kept.kinds:
-            return "none", None
-    return picked, checkpoint if picked == "native" else None
-
-
-def quantized_checkpoint(mode: str, model: str, device: torch.device, dtype: str = "auto") -> GGUFCheckpoint | None:
-    """The GGUF file to serve in its own quantized format, or None for a dequantised path."""
-    return resolve_quantization(mode, model, device, dtype)[1]
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+__all__ = [  # the loader's choices, named here as before
+    "Completion",
+    "EngineStats",
+    "LLMEngine",
+    "RequestOutput",
+    "Reservation",
+    "quantized_checkpoint",
+    "resolve_device",
+    "resolve_dtype",
+    "resolve_quantization",
+]
 
 
 class LLMEngine:
@@ -159,48 +94,18 @@ class LLMEngine:
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
         self.threads_spin = openmp_threads_spin()  # small CPU steps then run on every thread
-        self.device = resolve_device(self.config.device)
-        use_device(self.device)
-        self.quantization, quantized = resolve_quantization(
-            self.config.quantization, self.config.model, self.device, self.config.dtype
-        )
-        self.quantized = quantized is not None
-        if quantized is not None and self.config.dtype == "auto":
-            self.dtype = quantized_compute_dtype(self.device)
-            kernel_dtype = weight_only_input_dtype(self.device)
-        else:
-            self.dtype = kernel_dtype = resolve_dtype(self.config.dtype, self.device)
-        if self.quantization == "float16" and self.dtype != torch.float32:
-            raise ValueError(f"quantization float16 computes in float32: --dtype auto or float32, not {self.dtype}")
-        kv_dtype = self.config.kv_cache_dtype
-        if kv_dtype == "auto":  # 16-bit weights or fewer on a CPU: a float16 cache, as llama.cpp's
-            bfloat16_inputs = self.dtype == torch.float32 and kernel_dtype != torch.float32  # native on a CPU
-            compact = self.quantization == "float16" or bfloat16_inputs
-            self.kv_cache_dtype = torch.float16 if compact else self.dtype
-        else:
-            self.kv_cache_dtype = resolve_dtype(kv_dtype, self.device)
         self.tokenizer = load_tokenizer(self.config.model, self.model_config.eos_token_ids or None)
         self.eos_token_ids = self.model_config.eos_token_ids
         if not self.eos_token_ids and self.tokenizer is not None:
             self.eos_token_ids = self.tokenizer.eos_token_ids
-        model = build_model(
-            self.config.model,
-            self.model_config,
-            self.dtype,
-            self.device,
-            self.config.seed,
-            quantized=quantized,
-            kernel_dtype=kernel_dtype,
-            native_kinds=native_weight_kinds(self.device, kernel_dtype).kinds,
-        )
-        model.fuse_projections()
-        if self.quantization == "float16":
-            store_weights_in_float16(model)
-        release_freed_memory()
+        loaded = loader.load(self.config, self.model_config)
+        self.device, self.quantization, self.dtype = loaded.device, loaded.quantization, loaded.dtype
+        self.quantized = loaded.quantization == "native"
+        self.kv_cache_dtype = loaded.kv_cache_dtype
+        self.kv_capacity = loaded.kv_capacity
+        model = loaded.model
 
-        block_size = self.config.block_size
-        self.kv_capacity = plan_kv_capacity(self.config, model, self.model_config, self.kv_cache_dtype, self.device)
-        num_blocks = self.kv_capacity.num_blocks
+        block_size, num_blocks = self.config.block_size, loaded.kv_capacity.num_blocks
         self.kv_cache = allocate_kv_cache(self.model_config, num_blocks, block_size, self.kv_cache_dtype, self.device)
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
         budget, max_model_len = self.config.max_num_batched_tokens, self.config.max_model_len
@@ -303,7 +208,8 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self, keep_logits: bool = False) -> list[RequestOutput]:
-        """Run one scheduled batch. Returns outputs of requests that got a token or finished."""
+        """One step: schedule, run the model, update the requests (the scheduler applies the tokens and its stop
+        rule), emit an output per request that got a token or finished."""
         # the wall-clock start first: were another thread to take the interpreter between the two reads, the
         # recorded end (start + duration) falls early, never after the outputs it returns
         started = time.time()
@@ -314,33 +220,9 @@ class LLMEngine:
         self.last_output = output
         if not output.chunks:
             return []
-        requests = {c.request_id: self.scheduler.requests[c.request_id] for c in output.chunks}
-        params = {rid: r.params for rid, r in requests.items()}
-        seeds = {rid: self._seeds[rid] for rid in requests}
-        output_index = {rid: r.num_output_tokens for rid, r in requests.items()}
-        with step_threads(output.num_prefill_tokens + output.num_decode_tokens, self.device, self.threads_spin):
-            result = self.runner.run(output, params, seeds, output_index, keep_logits)
-        self.last_logits = result.logits
-        self.scheduler.update_after_step(output)
-
-        now = time.time()
-        outputs: list[RequestOutput] = []
-        for rid, token in result.tokens.items():
-            request = requests[rid]
-            if request.status != RequestStatus.RUNNING:
-                continue
-            reason = self._append_token(request, token, now)
-            detok = self._detokenizers.get(rid)
-            text = detok.push([token]) if detok is not None else ""
-            if reason is not None:
-                text += detok.flush() if detok is not None else ""
-                hold = rid in self._hold
-                self.scheduler.finish(request, reason, free_blocks=not hold)
-                if hold:
-                    self.held[rid] = request
-                self._forget(rid)
-            lp = result.logprobs.get(rid)
-            outputs.append(RequestOutput(rid, [token], text, reason is not None, reason, None if lp is None else [lp]))
+        result = self._run(output, keep_logits)
+        updates = self.scheduler.update_from_output(output, result.tokens, time.time(), keep_blocks=self._hold)
+        outputs = self._emit(updates, result)
         self.step_history.append(
             StepStats(
                 started,
@@ -362,6 +244,34 @@ class LLMEngine:
         # after the step, outside its clocks: a call that arrives meanwhile is taken in before the next step,
         # as after any step (the loop's gap between two steps holds the probe)
         self.pace_probe.maybe_probe()
+        return outputs
+
+    def _run(self, output: SchedulerOutput, keep_logits: bool) -> StepResult:
+        """The model over the scheduled chunks; tokens sampled for those that reach their last token."""
+        requests = [self.scheduler.requests[c.request_id] for c in output.chunks]
+        params = {r.request_id: r.params for r in requests}
+        seeds = {r.request_id: self._seeds[r.request_id] for r in requests}
+        output_index = {r.request_id: r.num_output_tokens for r in requests}
+        with step_threads(output.num_prefill_tokens + output.num_decode_tokens, self.device, self.threads_spin):
+            result = self.runner.run(output, params, seeds, output_index, keep_logits)
+        self.last_logits = result.logits
+        return result
+
+    def _emit(self, updates: list[TokenUpdate], result: StepResult) -> list[RequestOutput]:
+        """One output per appended token, with its text; finished requests are forgotten (and held, when
+        added with ``hold_blocks``, until ``release``)."""
+        outputs = []
+        for request, token, reason in updates:
+            rid = request.request_id
+            detok = self._detokenizers.get(rid)
+            text = detok.push([token]) if detok is not None else ""
+            if reason is not None:
+                text += detok.flush() if detok is not None else ""
+                if rid in self._hold:
+                    self.held[rid] = request
+                self._forget(rid)
+            lp = result.logprobs.get(rid)
+            outputs.append(RequestOutput(rid, [token], text, reason is not None, reason, None if lp is None else [lp]))
         return outputs
 
     def generate(
@@ -471,9 +381,6 @@ class LLMEngine:
         if self.tokenizer is not None and detokenize:
             self._detokenizers[request_id] = self.tokenizer.detokenizer()
         return request
-
-    def _append_token(self, request: Request, token: int, now: float | None = None) -> FinishReason | None:
-        return remote_kv.append_token(request, token, time.time() if now is None else now, self._max_model_len)
 
     @property
     def _max_model_len(self) -> int:

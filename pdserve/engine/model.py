@@ -28,7 +28,7 @@ class PrefillSpan:
     lo: int  # index of the first token in the flat batch
     hi: int
     start: int  # tokens of this request already in the cache
-    block_ids: torch.Tensor  # the request's blocks, covering start + (hi - lo) slots, padded (attention_width)
+    block_ids: torch.Tensor  # the request's blocks, covering start + (hi - lo) slots
     # [group * (hi - lo), blocks * block_size], True = a key the query row sees; row g * n + i = query head g of
     # a KV head's group, token i (absolute position start + i), which sees keys 0 .. start + i. None: the
     # blocks are not padded, and the kernel applies the causal mask itself (``_causal_prefill_attention``)
@@ -44,8 +44,7 @@ class DecodeGroup:
     """
 
     index: torch.Tensor  # [n] flat index of each query
-    flat_block_ids: torch.Tensor  # [n * width] each request's blocks, padded with block 0 to the group's width
-    # (the longest request's blocks rounded up as ``attention_width.attended_blocks`` says)
+    flat_block_ids: torch.Tensor  # [n * width] each request's blocks, padded with block 0 to the group's longest
     mask: torch.Tensor  # [n, 1, 1, width * block_size], True = a real cached key
 
 
@@ -277,14 +276,17 @@ class Attention(nn.Module):
             q, k = rotation.apply(q, k)
 
         # the new keys and values: one index_copy_ each into the rows of this layer (index_put_ with a block and
-        # an offset index wakes every OpenMP thread, ~0.1 ms a call under a passive wait policy)
+        # an offset index wakes every OpenMP thread, ~0.1 ms a call under a passive wait policy); rows past the
+        # step's tokens (``LlamaForCausalLM.batch_rows``) are padding, neither stored nor attended
         cache = meta.caches[self.layer_index]
-        cache.new_keys.index_copy_(0, meta.slot_rows, k.to(cache.new_keys.dtype).reshape(T, -1))
-        cache.new_values.index_copy_(0, meta.slot_rows, v.to(cache.new_values.dtype).reshape(T, -1))
+        n = meta.slot_rows.numel()
+        cache.new_keys.index_copy_(0, meta.slot_rows, k[:n].to(cache.new_keys.dtype).reshape(n, -1))
+        cache.new_values.index_copy_(0, meta.slot_rows, v[:n].to(cache.new_values.dtype).reshape(n, -1))
 
         # one row per block: index_select over rows gathers a request's blocks with one memcpy per block
         k_rows, v_rows = cache.key_blocks, cache.value_blocks
         out = torch.empty_like(q)
+        out[n:].zero_()
         for group in meta.decode_groups:
             out.index_copy_(0, group.index, self._decode_attention(q, k_rows, v_rows, group, meta.workspace))
         for span in meta.prefills:
@@ -310,10 +312,9 @@ class Attention(nn.Module):
     def _prefill_attention(self, q, k_rows, v_rows, span: PrefillSpan) -> torch.Tensor:
         """A chunk's queries over every cached key of its request, its own included (written just before).
 
-        Every chunk takes this one path, over the keys as the cache holds them (rounded to its dtype) and over
-        the span ``attention_width.attended_keys`` gives (the masked padding included), through ``attend`` (as
-        decodes): a token's attention then comes out the same whatever chunk it falls in, so a prompt's results
-        do not depend on how it was chunked, nor on whether its tokens were prefilled or decoded.
+        Every chunk takes this one path, over the keys as the cache holds them (rounded to its dtype), through
+        ``attend`` (as decodes): a token's attention then comes out the same whatever chunk it falls in, so a
+        prompt's results do not depend on how it was chunked, nor on whether its tokens were prefilled or decoded.
         """
         n, H, KV, D = span.hi - span.lo, self.num_heads, self.num_kv_heads, self.head_dim
         group = H // KV
@@ -429,7 +430,17 @@ class LlamaForCausalLM(nn.Module):
             for param in self.parameters():
                 param.data = param.data.clone()
 
+    def batch_rows(self, tokens: int) -> int:
+        """The rows a step of ``tokens`` tokens runs on: where the linears are float16 ones on FBGEMM, the next
+        count whose rows it computes exactly as in any other batch (``RowPadding``), so that no layer pads its
+        input again (a copy of the whole activation matrix per product); else ``tokens``."""
+        layer = self.model.layers[0]
+        assert isinstance(layer, DecoderLayer)
+        padding = getattr(layer.mlp.down_proj, "padding", None)
+        return tokens if padding is None else padding.rows_for(tokens)
+
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states of every row of ``input_ids``; rows past ``meta.slot_rows`` are padding."""
         return self.model(input_ids, positions, meta)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,6 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from pdserve.engine.attention_width import attended_blocks
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model import (
     FEW_ROWS,
@@ -174,9 +173,9 @@ class ModelRunner:
         self.inputs = InputBuffer(device)
         self.timer = DeviceTimer(device)
         self.last_device_s = 0.0  # the device time of the last ``run``
-        # CPU only: spans rounded as ``attention_width`` says, under boolean masks, for bitwise invariance.
+        # CPU only: boolean masks, attended in pieces as ``attention_width`` says, for bitwise invariance.
         # Elsewhere a chunk attends over exactly its keys under the kernel's own causal mask (flash on CUDA).
-        self.pad_attention_spans = device.type == "cpu"
+        self.masked_attention = device.type == "cpu"
 
     @torch.inference_mode()
     def run(
@@ -216,7 +215,7 @@ class ModelRunner:
     def prompt_logits(self, output: SchedulerOutput) -> torch.Tensor:
         """Logits of every scheduled token (tests compare them against a reference model)."""
         input_ids, positions, meta = self._prepare(output)
-        return self.model.logits(self.model(input_ids, positions, meta))
+        return self.model.logits(self.model(input_ids, positions, meta)[: meta.slot_rows.numel()])
 
     def _prepare(self, output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
@@ -235,16 +234,14 @@ class ModelRunner:
             blocks = chunk.block_ids[: -(-end // bs)]
             if n == 1 and chunk.start > 0:
                 decodes.append((lo, end, blocks))
-            else:  # attended over whole spans (attention_width): the padding, block 0, stays masked
-                padding = attended_blocks(len(blocks), bs) - len(blocks) if self.pad_attention_spans else 0
-                prefills.append((lo, lo + n, chunk.start, blocks + [0] * padding))
+            else:
+                prefills.append((lo, lo + n, chunk.start, blocks))
         decodes.sort(key=lambda d: d[1])
         groups = [decodes[g : g + DECODE_GROUP_SIZE] for g in range(0, len(decodes), DECODE_GROUP_SIZE)]
         widths = [max(len(blocks) for _, _, blocks in part) for part in groups]
-        if self.pad_attention_spans:
-            widths = [attended_blocks(width, bs) for width in widths]
 
-        lists = [ids, pos, slot_rows]
+        padding = self.model.batch_rows(len(ids)) - len(ids)  # rows computed and dropped (batch_rows)
+        lists = [ids + [0] * padding, pos + [0] * padding, slot_rows]
         lists += [blocks for *_, blocks in prefills]
         for part, width in zip(groups, widths, strict=True):
             lists.append([i for i, _, _ in part])
@@ -254,9 +251,9 @@ class ModelRunner:
         input_ids, positions, slot_row_t = (next(tensors) for _ in range(3))
         spans = []
         group = self.model.config.num_attention_heads // self.model.config.num_key_value_heads
-        for lo, hi, start, blocks in prefills:  # one mask per chunk, for every layer: the padding stays hidden
+        for lo, hi, start, blocks in prefills:  # one mask per chunk, for every layer
             block_ids = next(tensors)
-            if not self.pad_attention_spans:
+            if not self.masked_attention:
                 spans.append(PrefillSpan(lo, hi, start, block_ids, None))
                 continue
             key_pos = torch.arange(len(blocks) * self.block_size, device=self.device)

@@ -3,8 +3,7 @@
 - ``reserve_remote_blocks``: set aside blocks for a prompt whose KV another worker computes (leading
   full blocks found in the prefix cache are shared and need no transfer);
 - ``admit_remote``: all of the prompt's KV has arrived and the first token is known: decode from here;
-- ``append_token``: the stop rule applied to every sampled token (EOS, stop tokens, ``max_tokens``,
-  ``max_model_len``);
+- ``append_token``: the scheduler's stop rule (``engine.scheduler.append_token``), applied to the first token;
 - ``prefill_admission_open``: a prefill worker keeps its own FIFO of accepted prompts and admits the
   next one into its engine (reserving on the decode worker at that moment) only while the engine's
   waiting queue holds fewer prompt tokens than one step's token budget.
@@ -16,7 +15,16 @@
 from __future__ import annotations
 
 from pdserve.engine.request import FinishReason, Request, RequestStatus
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import Scheduler, append_token
+
+__all__ = [
+    "admission_open",
+    "admit_remote",
+    "append_token",
+    "prefill_admission_open",
+    "reserve_remote_blocks",
+    "waiting_prompt_tokens",
+]
 
 
 def reserve_remote_blocks(scheduler: Scheduler, request: Request, now: float) -> int | None:
@@ -54,20 +62,6 @@ def admit_remote(
         scheduler.finish(request, reason)
         return reason
     scheduler.admit_front(request)
-    return None
-
-
-def append_token(request: Request, token: int, now: float, max_model_len: int) -> FinishReason | None:
-    """Append a sampled token with its time; returns why the request ends now, or None (the stop rule)."""
-    request.all_token_ids.append(token)
-    request.times.tokens.append(now)
-    if request.times.first_token is None:
-        request.times.first_token = now
-    params = request.params
-    if (token in request.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-        return FinishReason.STOP
-    if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
-        return FinishReason.LENGTH
     return None
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container, Mapping
 from typing import NamedTuple
 
 from pdserve.engine.block_manager import BlockManager
@@ -65,6 +65,29 @@ class SchedulerOutput(NamedTuple):
     def num_kv_read_tokens(self) -> int:
         """Already cached tokens whose KV the step reads: the sum of the chunks' starts."""
         return sum(c.start for c in self.chunks)
+
+
+def append_token(request: Request, token: int, now: float, max_model_len: int) -> FinishReason | None:
+    """Append a sampled token with its time; returns why the request ends now, or None (the stop rule: EOS
+    unless ignored, a stop token, ``max_tokens``, ``max_model_len``)."""
+    request.all_token_ids.append(token)
+    request.times.tokens.append(now)
+    if request.times.first_token is None:
+        request.times.first_token = now
+    params = request.params
+    if (token in request.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        return FinishReason.STOP
+    if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
+class TokenUpdate(NamedTuple):
+    """One sampled token as ``Scheduler.update_from_output`` applied it."""
+
+    request: Request
+    token: int
+    finish_reason: FinishReason | None  # set when the token ended the request
 
 
 class SchedulerConfig(NamedTuple):
@@ -211,6 +234,24 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens = chunk.start + len(chunk.token_ids)
             self.block_manager.cache_full_blocks(request)
+
+    def update_from_output(
+        self, output: SchedulerOutput, tokens: Mapping[str, int], now: float, keep_blocks: Container[str] = ()
+    ) -> list[TokenUpdate]:
+        """Apply a step's results: advance what it computed (``update_after_step``), then append each sampled
+        token of a still-running request under the stop rule (``append_token``), finishing the requests it
+        ends (their blocks freed, unless their id is in ``keep_blocks``). One update per appended token."""
+        self.update_after_step(output)
+        updates = []
+        for request_id, token in tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            reason = append_token(request, token, now, self.config.max_model_len)
+            if reason is not None:
+                self.finish(request, reason, free_blocks=request_id not in keep_blocks)
+            updates.append(TokenUpdate(request, token, reason))
+        return updates
 
     # ---- helpers -------------------------------------------------------------------------------
     @staticmethod

@@ -69,16 +69,24 @@ def write_gguf(
     drop_tensors: tuple[str, ...] = (),
     integer_tensor: str | None = None,
     seed: int = 0,
+    vocab_size: int | None = None,
+    context_length: int = 512,
+    weight_std: float = 0.08,
 ) -> Path:
-    """A random ``arch`` model (llama or qwen2; any name is written as given) with its tokenizer and chat template."""
+    """A random ``arch`` model (llama or qwen2; any name is written as given) with its tokenizer and chat template.
+
+    ``vocab_size``: pad the tokenizer's vocabulary with tokens no merge produces, to a model-sized table.
+    """
     rng = np.random.default_rng(seed)
     tokens, merges = byte_level_vocabulary()
+    if vocab_size is not None:
+        tokens += [f"<|filler_{i}|>" for i in range(vocab_size - len(tokens))]
     vocab = len(tokens)
     head_dim = hidden // heads
     qtype = gguf.GGMLQuantizationType[matrix_type]
 
     def matrix(rows: int, cols: int) -> np.ndarray:
-        return rng.normal(0.0, 0.08, (rows, cols)).astype(np.float32)
+        return rng.normal(0.0, weight_std, (rows, cols)).astype(np.float32)
 
     tensors: dict[str, np.ndarray] = {"token_embd.weight": matrix(vocab, hidden)}
     tensors["output_norm.weight"] = rng.normal(1.0, 0.1, hidden).astype(np.float32)
@@ -108,7 +116,7 @@ def write_gguf(
 
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(layers)
-    writer.add_context_length(512)
+    writer.add_context_length(context_length)
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(intermediate)
     writer.add_head_count(heads)

@@ -215,7 +215,7 @@ def _tiny_engine(pad: bool, **overrides) -> LLMEngine:
     engine = LLMEngine(
         EngineConfig(model="tiny", device="cpu", num_kv_blocks=256, max_num_batched_tokens=96, **overrides)
     )
-    engine.runner.pad_attention_spans = pad
+    engine.runner.masked_attention = pad
     return engine
 
 

@@ -20,11 +20,11 @@ from support.prompt_logits import engine_prompt_logits
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.attention_width import (
-    SHORT_KEYS,
+    KEY_PIECE,
     attend,
-    attended_blocks,
-    attended_keys,
     attention_is_width_invariant,
+    padded_query_rows,
+    query_block_rows,
 )
 from pdserve.engine.config import checkpoint_preset_file
 from pdserve.engine.gguf import QuantizedBlocks, read_gguf
@@ -311,6 +311,53 @@ def test_a_prompts_logits_do_not_depend_on_how_it_is_chunked(quantization):
     assert torch.equal(logits[1], logits[0]) and torch.equal(logits[2], logits[0])
 
 
+def _chat_ids(engine: LLMEngine, question: str) -> list[int]:
+    tokenizer = engine.tokenizer
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}]))
+
+
+@pytest.mark.parametrize("quantization", ["native", "float16"])
+def test_a_prompts_tokens_and_logits_do_not_depend_on_the_prefix_cache(quantization):
+    """The haiku chat prompt (38 tokens) with 0, 16 and 32 of its tokens from the prefix cache: 16 after another
+    chat prompt shares its first block (the system prompt), 32 after the prompt itself. Its prompt logits and
+    greedy tokens must be the same bits in every cache state, at the default token budget and at a small one."""
+    if quantization == "native" and not attention_is_width_invariant("cpu"):
+        assert auto_weight_format(CPU) != "native"
+        return
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    for budget in (512, 8):
+        common = dict(model="smollm2", device="cpu", num_kv_blocks=96, quantization=quantization)
+        uncached = LLMEngine(EngineConfig(**common, max_num_batched_tokens=budget, enable_prefix_caching=False))
+        haiku, france = (
+            _chat_ids(uncached, q) for q in ("Write a haiku about the sea.", "What is the capital of France?")
+        )
+        assert (
+            len(haiku) == 38
+            and 16 <= next(i for i, (a, b) in enumerate(zip(haiku, france, strict=False)) if a != b) < 32
+        )
+        expected = uncached.generate([haiku], params)[0].token_ids
+        expected_logits = engine_prompt_logits(uncached, haiku)
+        cached = LLMEngine(EngineConfig(**common, max_num_batched_tokens=budget))
+        cached.generate([france], params)
+        seen = []
+        for cache_hit in (16, 32):
+            completion = cached.generate([haiku], params)[0]
+            assert completion.num_cached_tokens == cache_hit
+            seen.append(completion.token_ids)
+        assert seen == [expected, expected], (budget, [uncached.tokenizer.decode(t) for t in [expected, *seen]])
+        # the logits of the uncached part, with 32 of the prompt's tokens in the cache
+        request_id = cached.add_request(haiku, SamplingParams(max_tokens=1, temperature=0.0))
+        rows = []
+        while cached.get_request(request_id) is not None:
+            output = cached.scheduler.schedule()
+            rows.append(cached.runner.prompt_logits(output))
+            cached.scheduler.update_after_step(output)
+            if cached.get_request(request_id).num_computed_tokens == len(haiku):
+                cached.abort(request_id)
+        assert torch.equal(torch.cat(rows), expected_logits[32:])
+        cached.block_manager.check_integrity()
+
+
 def _decode_logprobs(engine: LLMEngine, prompts: list[str], params: SamplingParams) -> list:
     """The first prompt's tokens and their log-probabilities, decoded beside the others."""
     first = engine.add_request(prompts[0], params)
@@ -352,7 +399,7 @@ def test_a_token_decoded_and_recomputed_in_a_prompt_gets_the_same_bits(quantized
         [{"role": "user", "content": "Explain how attention works, step by step. " * 17}]
     )
     prompt = tokenizer.encode(text)
-    assert len(prompt) <= SHORT_KEYS < len(prompt) + 12
+    assert len(prompt) <= KEY_PIECE < len(prompt) + 12
     request_id = quantized_engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     decoded, logits = [], []
     while quantized_engine.has_unfinished_requests():
@@ -366,10 +413,22 @@ def test_a_token_decoded_and_recomputed_in_a_prompt_gets_the_same_bits(quantized
     quantized_engine.block_manager.check_integrity()
 
 
-def test_attended_keys_are_whole_blocks_then_whole_kernel_blocks():
-    assert [attended_keys(n) for n in (16, 48, 192, 208, 512, 513, 1100)] == [16, 48, 192, 512, 512, 1024, 1536]
-    assert attended_blocks(3, 16) == 3 and attended_blocks(12, 16) == 12 and attended_blocks(13, 16) == 32
-    assert attended_blocks(33, 16) == 64
+def test_attention_beyond_a_piece_matches_one_call_and_ignores_the_pieces_a_row_cannot_see():
+    """``attend`` over more than ``KEY_PIECE`` keys: the pieces' results combined by log-sum-exp give what one call
+    over all the keys gives (to float32 rounding), and a row's bits do not change when the call holds more keys
+    it cannot see (a decode beside a longer request; a longer prompt's chunk)."""
+    generator = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 1, 3, 1000, 64, generator=generator)
+    query = torch.randn(1, 3, 12, 64, generator=generator)
+    positions = torch.tensor([0, 5, 150, 191, 192, 200, 383, 384, 385, 600, 700, 999])
+    mask = torch.arange(1000) <= positions[:, None]
+    out = attend(query, keys, values, mask)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(query, keys, values, attn_mask=mask))
+    for span in (704, 1000):  # every key the first eleven rows see, and more pieces (or fewer)
+        shorter = attend(query[:, :, :11], keys[:, :, :span], values[:, :, :span], mask[:11, :span])
+        assert torch.equal(shorter, out[:, :, :11]), span
+    alone = attend(query[:, :, 2:3], keys[:, :, :160], values[:, :, :160], mask[2:3, :160])
+    assert torch.equal(alone, out[:, :, 2:3])  # 150 sees one piece: the one-call path gives the same bits
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
@@ -392,6 +451,32 @@ def test_attend_gives_a_few_query_rows_the_bits_they_get_among_many(rows):
     assert torch.equal(broadcast, attend(query[:, :, :rows], keys, values, decode_mask.expand(1, 1, rows, 512)))
     if attention_is_width_invariant("cpu"):
         assert torch.equal(few, many[:, :, :rows])
+
+
+def test_attend_never_leaves_the_kernel_a_last_block_of_one_to_three_query_rows(monkeypatch):
+    """The CPU flash kernel walks query rows in blocks of 32 (64 from 192 rows, 256 from 768); a last block of 1-3
+    rows takes another path through its products on some CPUs (an AMD EPYC's AVX-512 build), so the rows there got
+    other bits than in any other call: a 22-token chunk of SmolLM2 (66 rows) after 16 tokens from the prefix
+    cache. ``attend`` pads such calls; the padded rows' results are dropped."""
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(query, *args, **kwargs):
+        seen.append(query.shape[-2])
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    generator = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 1, 3, 64, 64, generator=generator)
+    for rows in (1, 2, 3, 4, 33, 34, 35, 36, 66, 114, 193, 195, 196, 769, 1537):
+        query = torch.randn(1, 3, rows, 64, generator=generator)
+        mask = torch.arange(64) <= torch.randint(0, 64, (rows, 1), generator=generator)
+        out = attend(query, keys, values, mask)
+        assert out.shape == query.shape
+        torch.testing.assert_close(out, sdpa(query, keys, values, attn_mask=mask))
+        blocks = query_block_rows(seen[-1])
+        assert seen[-1] >= rows and not 0 < seen[-1] % blocks < 4, (rows, seen[-1])
+    assert [padded_query_rows(r) for r in (1, 33, 66, 114, 193, 769)] == [4, 36, 68, 114, 196, 772]
 
 
 def _cpu_like(monkeypatch, fbgemm: bool, avx512: bool, invariant_attention: bool = True) -> None:

@@ -257,3 +257,31 @@ def test_each_request_knows_the_step_count_at_which_it_was_queued_and_a_stall_is
     assert remote.reserved_at_step == steps and remote.queued_at_step == -1
     assert remote_kv.admit_remote(s, remote, 7, 0.0, 4096) is None
     assert remote.queued_at_step == steps
+
+
+def test_update_from_output_appends_tokens_applies_the_stop_rule_and_keeps_held_blocks():
+    s, bm = make(budget=64, max_len=4096)
+    s.add(req("long", 20, max_tokens=3))
+    s.add(req("eos", 10, max_tokens=8))
+    s.add(req("held", 12, max_tokens=1))
+    s.add(req("aborted", 5, max_tokens=4))
+    s.requests["eos"].eos_token_ids = (99,)
+    out = s.schedule()
+    assert all(c.samples for c in out.chunks)
+    s.finish(s.requests["aborted"], FinishReason.ABORT)  # while the step ran: its token is dropped
+    tokens = {"long": 7, "eos": 99, "held": 5, "aborted": 3}
+    updates = s.update_from_output(out, tokens, now=2.0, keep_blocks={"held"})
+    assert [(u.request.request_id, u.token, u.finish_reason) for u in updates] == [
+        ("long", 7, None),
+        ("eos", 99, FinishReason.STOP),
+        ("held", 5, FinishReason.LENGTH),
+    ]
+    long = s.requests["long"]
+    assert long.num_computed_tokens == 20 and long.output_token_ids == [7] and long.times.first_token == 2.0
+    assert set(s.requests) == {"long"}
+    held = updates[2].request
+    assert held.is_finished and held.block_ids  # its blocks stay until the caller frees them
+    assert not updates[1].request.block_ids
+    bm.free(held)
+    s.finish(long, FinishReason.ABORT)
+    bm.check_integrity()
