@@ -12,8 +12,14 @@ deployment serving with that worker again.
 The hung decode worker (SIGSTOP, then SIGCONT once the client has its answer and the prefill worker its
 blocks) runs a 3000-token prompt with a push timeout of 3 s and a reservation TTL of 30 s; its "freed"
 column is the prefill worker's blocks (the stopped process holds its own until it resumes). With NIXL it runs
-twice: over shared memory (writes into the stopped process still complete) and with UCX over TCP (they hang
-until the push timeout cancels them).
+twice: over shared memory (writes into the stopped process still complete) and with UCX over TCP (they hang:
+at the push timeout the prefill worker gives its blocks back and keeps tracking the write, which ends when the
+process resumes; its decode worker keeps the destination blocks in quarantine until then).
+
+Hangs of another kind: a decode worker stopped before its reservation is asked for, a prefill worker stopped
+mid-prefill (SIGSTOP; status at the router's silence timeout, 5 s), and an engine thread that blocks for 8 s in
+a worker whose process runs on (``engine_stall_timeout_s`` 2 s). The last row kills the router process while
+five prefills queue on a slowed prefill worker, and times the blocks back through the workers themselves.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import ray
 from pdserve.bench.drain import wait_drained
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.faults import NO_FAULTS, FaultPlan
 from pdserve.kv_transfer.nixl_transport import NixlConfig
 from pdserve.router.client import AsyncClient
 
@@ -105,7 +112,7 @@ HUNG = {"engine": HUNG_ENGINE, "push_timeout_s": 3.0, "reservation_ttl_s": 30.0}
 async def decode_killed_mid_push(d: Deployment, expected: list[int]) -> Timing:
     """A 900-token prompt is being prefilled (slowed to 200 ms a chunk) and pushed when its decode worker dies."""
     async with AsyncClient(d.address) as client:
-        ray.get(d.prefill_workers[0].actor.inject_fault.remote("slow_steps"))
+        ray.get(d.prefill_workers[0].actor.set_fault_plan.remote(FaultPlan(step_delay_s=0.2)))
         task = asyncio.create_task(stream_prompt(client, LONG_PROMPT, GREEDY))
         await until(lambda: _any_stats(client, lambda w: w.role == "prefill" and w.num_steps >= 3))
         killed = time.monotonic()
@@ -113,7 +120,7 @@ async def decode_killed_mid_push(d: Deployment, expected: list[int]) -> Timing:
         outcome, _ = await task
         outcome_s = time.monotonic() - killed
         freed_s = await freed_after(d.address, killed)
-        ray.get(d.prefill_workers[0].actor.inject_fault.remote(None))
+        ray.get(d.prefill_workers[0].actor.set_fault_plan.remote(NO_FAULTS))
         await until(lambda: _health_is(client, "serving"))
         for mode in ("disaggregated", "colocated"):
             done, tokens = await stream_prompt(client, PROMPT, GREEDY, mode)
@@ -128,7 +135,7 @@ async def decode_hung_mid_push(d: Deployment, expected: list[int], label: str) -
     blocks."""
     [pid] = [info["pid"] for info in d.worker_info if info["worker_id"] == "decode-0"]
     async with AsyncClient(d.address) as client:
-        ray.get(d.prefill_workers[0].actor.inject_fault.remote("slow_steps"))
+        ray.get(d.prefill_workers[0].actor.set_fault_plan.remote(FaultPlan(step_delay_s=0.2)))
         task = asyncio.create_task(stream_prompt(client, HUNG_PROMPT, GREEDY, "disaggregated"))
         await until(lambda: _any_stats(client, lambda w: w.role == "prefill" and w.num_steps >= 3))
 
@@ -148,7 +155,7 @@ async def decode_hung_mid_push(d: Deployment, expected: list[int], label: str) -
             freed_s = await freed - stopped
         finally:
             os.kill(pid, signal.SIGCONT)
-        ray.get(d.prefill_workers[0].actor.inject_fault.remote(None))
+        ray.get(d.prefill_workers[0].actor.set_fault_plan.remote(NO_FAULTS))
         await until(lambda: _health_is(client, "serving"))
         for mode in ("disaggregated", "colocated"):
             done, tokens = await stream_prompt(client, PROMPT, GREEDY, mode)
@@ -176,7 +183,7 @@ async def stream_prompt(
 
 async def prefill_killed(d: Deployment, expected: list[int]) -> Timing:
     async with AsyncClient(d.address) as client:
-        ray.get(d.prefill_workers[0].actor.inject_fault.remote("slow_steps"))
+        ray.get(d.prefill_workers[0].actor.set_fault_plan.remote(FaultPlan(step_delay_s=0.2)))
         task = asyncio.create_task(stream(client, GREEDY))
         await until(lambda: _any_stats(client, lambda w: w.role == "prefill" and w.num_steps >= 2))
         killed = time.monotonic()
@@ -242,14 +249,14 @@ async def decode_hung_mid_stream(d: Deployment) -> Timing:
 
 async def engine_crashed(d: Deployment) -> Timing:
     async def crash(client: AsyncClient) -> None:
-        ray.get(d.decode_workers[0].actor.inject_fault.remote("step"))
+        ray.get(d.decode_workers[0].actor.set_fault_plan.remote(FaultPlan(crash_step=True)))
 
     return await mid_stream(d, "engine loop crash", crash)
 
 
 async def kv_stalled(d: Deployment) -> Timing:
     async with AsyncClient(d.address) as client:
-        ray.get(d.prefill_workers[0].actor.inject_fault.remote("stall_pushes"))
+        ray.get(d.prefill_workers[0].actor.set_fault_plan.remote(FaultPlan(stall_pushes=True)))
         sent = time.monotonic()
         outcome, _ = await stream(client, GREEDY)
         outcome_s = time.monotonic() - sent
@@ -261,9 +268,131 @@ async def kv_stalled(d: Deployment) -> Timing:
 async def client_deadline(d: Deployment) -> Timing:
     async with AsyncClient(d.address, timeout_s=1.0) as client:
         sent = time.monotonic()
-        outcome, _ = await stream(client, SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
+        outcome, _ = await stream(client, SamplingParams(max_tokens=700, temperature=0.0, ignore_eos=True))
         outcome_s = time.monotonic() - sent
     return Timing("client deadline (1 s)", outcome, outcome_s, await freed_after(d.address, sent), None)
+
+
+STALL_S = 2.0  # engine_stall_timeout_s of the stall rows
+STALLED = {"engine_stall_timeout_s": STALL_S}
+
+
+async def decode_engine_stalled(d: Deployment, expected: list[int]) -> Timing:
+    """A long stream's decode worker: its engine thread blocks for 8 s (a device hang) while its process runs."""
+    async with AsyncClient(d.address) as client:
+        first = asyncio.Event()
+        task = asyncio.create_task(stream(client, LONG, first))
+        await first.wait()
+        [victim] = [w.worker_id for w in await client.stats() if w.num_running > 0]
+        actor = next(w.actor for w in d.decode_workers if w.worker_id == victim)
+        ray.get(actor.set_fault_plan.remote(FaultPlan(engine_hang_s=8.0)))
+        struck = time.monotonic()
+        outcome, _ = await asyncio.wait_for(task, 60)
+        outcome_s = time.monotonic() - struck
+        freed_s = await freed_after(d.address, struck)  # the stalled worker's blocks: once its engine turns again
+        await until(lambda: _health_is(client, "serving"))
+        done, tokens = await stream_prompt(client, PROMPT, GREEDY)
+        assert done == "completed" and tokens == expected, done
+    return Timing(
+        f"decode engine stalled (stall timeout {STALL_S:g} s)", outcome, outcome_s, freed_s, time.monotonic() - struck
+    )
+
+
+async def prefill_engine_stalled(d: Deployment, expected: list[int]) -> Timing:
+    """A 900-token prompt is being prefilled when the prefill worker's engine thread blocks for 8 s."""
+    async with AsyncClient(d.address) as client:
+        prefill = d.prefill_workers[0].actor
+        ray.get(prefill.set_fault_plan.remote(FaultPlan(step_delay_s=0.2)))
+        task = asyncio.create_task(stream_prompt(client, LONG_PROMPT, GREEDY))
+        await until(lambda: _any_stats(client, lambda w: w.role == "prefill" and w.num_steps >= 3))
+        ray.get(prefill.set_fault_plan.remote(FaultPlan(engine_hang_s=8.0)))
+        struck = time.monotonic()
+        outcome, _ = await asyncio.wait_for(task, 60)
+        outcome_s = time.monotonic() - struck
+        freed_s = await freed_after(d.address, struck)
+        await until(lambda: _disaggregated_again(client, expected))
+    return Timing(
+        f"prefill engine stalled (stall timeout {STALL_S:g} s)", outcome, outcome_s, freed_s, time.monotonic() - struck
+    )
+
+
+async def prefill_hung(d: Deployment, expected: list[int]) -> Timing:
+    """The prefill worker's process is stopped (SIGSTOP) mid-prefill, and resumed once the client has its outcome."""
+    [pid] = [info["pid"] for info in d.worker_info if info["worker_id"] == "prefill-0"]
+    async with AsyncClient(d.address) as client:
+        ray.get(d.prefill_workers[0].actor.set_fault_plan.remote(FaultPlan(step_delay_s=0.2)))
+        task = asyncio.create_task(stream_prompt(client, LONG_PROMPT, GREEDY))
+        await until(lambda: _any_stats(client, lambda w: w.role == "prefill" and w.num_steps >= 3))
+        os.kill(pid, signal.SIGSTOP)
+        struck = time.monotonic()
+        try:
+            outcome, _ = await asyncio.wait_for(task, 60)
+            outcome_s = time.monotonic() - struck
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        freed_s = await freed_after(d.address, struck)
+        ray.get(d.prefill_workers[0].actor.set_fault_plan.remote(NO_FAULTS))
+        await until(lambda: _disaggregated_again(client, expected))
+    return Timing("prefill worker hung mid-prefill", outcome, outcome_s, freed_s, time.monotonic() - struck)
+
+
+async def decode_hung_before_reservation(d: Deployment, expected: list[int]) -> Timing:
+    """The only decode worker's process is stopped (SIGSTOP) before a disaggregated request arrives: the prefill
+    worker's reservation call gets no answer. Resumed once the client has its outcome."""
+    [pid] = [info["pid"] for info in d.worker_info if info["worker_id"] == "decode-0"]
+    async with AsyncClient(d.address) as client:
+        os.kill(pid, signal.SIGSTOP)
+        struck = time.monotonic()
+        try:
+            outcome, _ = await asyncio.wait_for(stream_prompt(client, PROMPT, GREEDY, "disaggregated"), 90)
+            outcome_s = time.monotonic() - struck
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        freed_s = await freed_after(d.address, struck)
+        await until(lambda: _health_is(client, "serving"))
+        done, tokens = await stream_prompt(client, PROMPT, GREEDY, "disaggregated")
+        assert done == "completed" and tokens == expected, done
+    return Timing("decode worker hung before its reservation", outcome, outcome_s, freed_s, time.monotonic() - struck)
+
+
+def router_killed_with_queued_prefills() -> Timing:
+    """Five disaggregated requests queue on a slowed prefill worker when the router process dies: its
+    reservations are withdrawn and its queued prefills dropped (blocks timed through the workers themselves)."""
+    d = deployment(detached_workers=False)
+    try:
+        ray.get(d.prefill_workers[0].actor.set_fault_plan.remote(FaultPlan(step_delay_s=0.3)))
+
+        async def send() -> float:
+            async with AsyncClient(d.address, timeout_s=60) as client:
+                prompts = [[random.Random(i).randrange(256) for _ in range(300)] for i in range(5)]
+                tasks = [asyncio.create_task(stream_prompt(client, p, GREEDY)) for p in prompts]
+                await until(lambda: _any_stats(client, lambda w: w.role == "decode" and w.num_remote_pending > 0))
+                for router in d.routers:
+                    ray.kill(router)
+                killed = time.monotonic()
+                await asyncio.gather(*tasks)
+            return killed
+
+        killed = asyncio.run(send())
+        deadline = killed + 60
+        while not all(
+            w.blocks_free + w.blocks_cached == w.blocks_total and w.num_running + w.num_waiting == 0 for w in d.stats()
+        ):
+            assert time.monotonic() < deadline, d.stats()
+            time.sleep(0.05)
+        freed_s = time.monotonic() - killed
+    finally:
+        d.routers = []
+        d.stop()
+    return Timing("router killed, 5 prefills queued", "UNAVAILABLE (connection)", 0.0, freed_s, None)
+
+
+async def _disaggregated_again(client: AsyncClient, expected: list[int]) -> bool:
+    """A disaggregated request is prefilled by prefill-0 again (not locally, for want of a prefill worker)."""
+    chunks = [c async for c in client.generate(PROMPT, GREEDY, mode="disaggregated")]
+    meta = chunks[-1].metadata
+    assert [t for c in chunks for t in c.token_ids] == expected
+    return meta is not None and meta.prefill_worker == "prefill-0"
 
 
 def router_restart(expected: list[int]) -> Timing:
@@ -306,7 +435,9 @@ async def _health_is(client: AsyncClient, status: str) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="", help="run only the faults whose name contains this")
+    parser.add_argument(
+        "--only", default="", help="run only the faults whose name contains this (several: separated by commas)"
+    )
     args = parser.parse_args()
     expected = LLMEngine(ENGINE).generate([PROMPT], GREEDY)[0].token_ids
     hung = LLMEngine(HUNG_ENGINE).generate([PROMPT], GREEDY)[0].token_ids
@@ -329,6 +460,15 @@ def main() -> int:
             (f"decode worker hung mid-push ({label})", {**HUNG, **over}, _hung_measure(hung, label))
             for label, over in hung_transports.items()
         ],
+        ("decode worker hung before its reservation", {}, lambda d: decode_hung_before_reservation(d, expected)),
+        # a reservation deadline past the silence timeout: the router's probe notices the hang, not the deadline
+        ("prefill worker hung mid-prefill", {"reservation_ttl_s": 30.0}, lambda d: prefill_hung(d, expected)),
+        ("prefill engine stalled", STALLED, lambda d: prefill_engine_stalled(d, expected)),
+        (
+            "decode engine stalled",
+            {**colocated, **STALLED, "num_decode_workers": 2},
+            lambda d: decode_engine_stalled(d, expected),
+        ),
         ("decode worker killed mid-stream", {**colocated, "num_decode_workers": 2}, decode_killed),
         ("decode worker hung mid-stream", {**colocated, "num_decode_workers": 2}, decode_hung_mid_stream),
         ("engine loop crash", colocated, engine_crashed),
@@ -338,16 +478,19 @@ def main() -> int:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         rows: list[Timing] = []
+        only = args.only.split(",")
         for name, overrides, measure in scenarios:
-            if args.only not in name:
+            if not any(o in name for o in only):
                 continue
             d = deployment(**overrides)
             try:
                 rows.append(asyncio.run(measure(d)))
             finally:
                 d.stop()
-        if args.only in "router restart (detached workers)":
+        if any(o in "router restart (detached workers)" for o in only):
             rows.append(router_restart(expected))
+        if any(o in "router killed, 5 prefills queued" for o in only):
+            rows.append(router_killed_with_queued_prefills())
     finally:
         ray.shutdown()
     print(f"{'fault':<42} {'client outcome':<32} {'outcome s':>9} {'freed s':>7} {'serving s':>9}")

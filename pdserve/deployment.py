@@ -26,7 +26,7 @@ from pdserve.deployment_config import DeploymentConfig
 from pdserve.engine.config import EngineConfig, ModelConfig, shared_gpu_memory_utilization
 from pdserve.explorer.app import add_explorer
 from pdserve.messages import WorkerStats
-from pdserve.net import PortUnavailable
+from pdserve.net import PortUnavailable, certificate_name
 from pdserve.placement import DECODE, PREFILL, place_workers
 from pdserve.prefill_node.worker import PrefillWorker
 from pdserve.priority import OMP_SPIN_COUNT_ENV, RAY_WORKER_NICENESS_ENV
@@ -107,12 +107,7 @@ class Deployment:
             # CPU workers on this machine share its cores: oversubscribed OpenMP threads collapse
             workers = cfg.num_decode_workers + cfg.prefill_worker_count
             engine_config = replace(engine_config, torch_threads=max(1, (os.cpu_count() or 1) // workers))
-        transport_config = cfg.transport_config
-        if transport_config is None and cfg.transport == "grpc":
-            # a push stream ends when its request fails; only this deployment's workers may push
-            transport_config = GrpcConfig(
-                host=cfg.kv_host, push_timeout_s=cfg.push_timeout_s, secret=secrets.token_hex(16)
-            )
+        transport_config = self._transport_config()
         try:
             placement = place_workers(  # fails fast
                 cfg.prefill_worker_count, cfg.num_decode_workers, use_gpu, gpus_per_worker=cfg.gpus_per_worker
@@ -125,16 +120,17 @@ class Deployment:
             decode_cls, prefill_cls = ray.remote(DecodeWorker), ray.remote(PrefillWorker)
             decode_options = {**placement.actor_options(DECODE), **common}
             prefill_options = {**placement.actor_options(PREFILL), **common}
+            live = {"engine_stall_timeout_s": cfg.engine_stall_timeout_s}
             for i in range(cfg.num_decode_workers):
                 wid = f"decode-{i}"
                 actor: Any = decode_cls.options(**decode_options, **self._identity(wid)).remote(
-                    wid, engine_config, cfg.transport, transport_config, cfg.reservation_ttl_s, cfg.verify_kv
+                    wid, engine_config, cfg.transport, transport_config, cfg.reservation_ttl_s, cfg.verify_kv, **live
                 )
                 self.decode_workers.append(WorkerHandle(wid, "decode", actor))
             for i in range(cfg.prefill_worker_count):
                 wid = f"prefill-{i}"
                 actor = prefill_cls.options(**prefill_options, **self._identity(wid)).remote(
-                    wid, engine_config, cfg.transport, transport_config, cfg.push_timeout_s, cfg.verify_kv
+                    wid, engine_config, cfg.transport, transport_config, cfg.push_timeout_s, cfg.verify_kv, **live
                 )
                 self.prefill_workers.append(WorkerHandle(wid, "prefill", actor))
             self._stage(started, f"workers placed: {', '.join(w.worker_id for w in self.workers)}")
@@ -146,6 +142,27 @@ class Deployment:
             self.stop()
             raise
         return self
+
+    def _transport_config(self) -> Any:
+        """The KV transport's config for the workers. The gRPC transport always gets a secret of this deployment's
+        own (only its workers may push), even in a config the caller gave, and the deployment's TLS certificate
+        when it has one (the KV service then speaks TLS only, and its senders trust that certificate alone)."""
+        cfg = self.config
+        if cfg.transport != "grpc":
+            return cfg.transport_config
+        # a push stream ends when its request fails
+        grpc_config = cfg.transport_config or GrpcConfig(host=cfg.kv_host, push_timeout_s=cfg.push_timeout_s)
+        if not grpc_config.secret:
+            grpc_config = replace(grpc_config, secret=secrets.token_hex(16))
+        security = cfg.security()
+        if security.tls_cert_chain is not None and security.tls_private_key is not None and not grpc_config.tls:
+            grpc_config = replace(
+                grpc_config,
+                tls_cert_chain=security.tls_cert_chain,
+                tls_private_key=security.tls_private_key,
+                tls_server_name=grpc_config.tls_server_name or certificate_name(security.tls_cert_chain),
+            )
+        return grpc_config
 
     def _identity(self, worker_id: str) -> dict[str, Any]:
         """Actor options naming a worker: detached workers outlive the router process and are found again."""

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve.engine.async_engine import DEFAULT_ENGINE_STALL_TIMEOUT_S
 from pdserve.engine.config import EngineConfig
 from pdserve.messages import Mode
+from pdserve.net import is_loopback
 from pdserve.options import option
 from pdserve.router.config import RouterConfig
 from pdserve.transport_config import TransportConfig
@@ -65,6 +67,11 @@ class DeploymentConfig(TransportConfig):
     address: str | None = option(None, "Ray cluster to join ('auto' or host:port; default: start one here)")
     router: RouterConfig | None = None  # None = defaults with `mode` as default_mode
     worker_max_restarts: int = option(3, "Ray restarts a worker whose process died this many times")
+    engine_stall_timeout_s: float = option(
+        DEFAULT_ENGINE_STALL_TIMEOUT_S,
+        "a worker whose engine loop has not stepped for this many seconds counts as hung: its requests fail with "
+        "UNAVAILABLE naming it, nothing is routed to it and health says so, until it steps again",
+    )
     omp_spin_count: int = option(
         DEFAULT_OMP_SPIN_COUNT,
         "GOMP_SPINCOUNT of the engine workers: how long their OpenMP threads wait for the next parallel kernel "
@@ -96,15 +103,21 @@ class DeploymentConfig(TransportConfig):
         check_gpus_per_worker(self.gpus_per_worker)
         if self.num_routers < 1:
             raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
+        if not self.engine_stall_timeout_s > 0:
+            raise ValueError(f"engine_stall_timeout_s must be > 0, got {self.engine_stall_timeout_s!r}")
         if self.omp_spin_count < 0:
             raise ValueError(f"omp_spin_count must be >= 0, got {self.omp_spin_count}")
         self._check_ports()
         tls = self.tls_cert_file is not None and self.tls_key_file is not None
-        http_servers = (("http", self.http_port, self.host), ("explorer", self.explorer_port, self.explorer_host))
-        for name, port, host in http_servers:
-            if port is not None and self.auth_token and not tls and not _is_loopback(host):
+        servers = (
+            ("port (gRPC)", self.port, self.host),
+            ("http_port", self.http_port, self.host),
+            ("explorer_port", self.explorer_port, self.explorer_host),
+        )
+        for name, port, host in servers:
+            if port is not None and self.auth_token and not tls and not is_loopback(host):
                 raise ValueError(
-                    f"{name}_port on {host!r}: a token-protected HTTP server off loopback needs TLS "
+                    f"{name} on {host!r}: a token-protected server off loopback needs TLS "
                     "(tls_cert_file and tls_key_file), or the token crosses the network in the clear"
                 )
 
@@ -188,14 +201,3 @@ def check_gpus_per_worker(gpus: float) -> None:
         )
     if gpus < MIN_GPU_FRACTION:
         raise ValueError(f"gpus_per_worker must be at least {MIN_GPU_FRACTION} (Ray's precision), got {gpus!r}")
-
-
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

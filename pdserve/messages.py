@@ -120,6 +120,7 @@ class StepEvents(NamedTuple):
 
     worker_id: str
     updates: list[TokenUpdate]
+    stalled: str = ""  # why the worker's engine counts as hung (its loop has not turned for the stall timeout)
 
 
 class RequestMetrics(NamedTuple):
@@ -177,3 +178,5 @@ class WorkerStats(NamedTuple):
     kv_pushes_refused: int = 0  # decode: incoming KV pushes turned away (no secret, no such reservation)
     # with the steps (asked for with them): when the engine took requests in, a debug trace for trace replay
     admissions: tuple[AdmissionEvent, ...] = ()
+    kv_blocks_quarantined: int = 0  # decode: blocks of withdrawn reservations that a push may still reach
+    kv_late_writes: int = 0  # decode, with verify_kv: freed blocks found changed before their reuse

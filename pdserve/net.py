@@ -1,5 +1,6 @@
 """Network helpers every front door shares: listening sockets several processes can share (``SO_REUSEPORT``),
-TLS server contexts from PEM bytes, and an ASGI app served by uvicorn inside a running event loop."""
+TLS server contexts from PEM bytes (and the name a certificate is for), and an ASGI app served by uvicorn inside
+a running event loop."""
 
 from __future__ import annotations
 
@@ -74,6 +75,18 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine's loopback: nothing off it can connect."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def server_tls_context(cert_chain: bytes, private_key: bytes) -> ssl.SSLContext:
     """A TLS server context from PEM bytes (the same certificate and key the gRPC server takes)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -85,6 +98,25 @@ def server_tls_context(cert_chain: bytes, private_key: bytes) -> ssl.SSLContext:
                 f.write(data)
         context.load_cert_chain(cert_path, key_path)
     return context
+
+
+def certificate_name(cert_chain: bytes) -> str:
+    """A name the first certificate of a PEM chain is valid for (its first DNS or IP subject alternative name,
+    else its common name): what a client that dials an address the certificate does not name checks instead."""
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(cert_chain)
+    try:
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        dns, ips = names.get_values_for_type(x509.DNSName), names.get_values_for_type(x509.IPAddress)
+        if dns or ips:
+            return str(dns[0]) if dns else str(ips[0])
+    except x509.ExtensionNotFound:
+        pass
+    common = cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
+    if not common:
+        raise ValueError("the TLS certificate names nothing (no subject alternative name, no common name)")
+    return str(common[0].value)
 
 
 class HttpServer:

@@ -69,8 +69,14 @@ class GrpcConfig:
             4 MiB default); a block must fit in one message.
         server_threads: receiver thread pool size (concurrent incoming pushes).
         push_timeout_s: gRPC deadline of one push stream.
-        secret: a deployment's shared secret: senders present it with every push, and a receiver
-            with a secret refuses (UNAUTHENTICATED, counted) any push that does not carry it.
+        secret: a deployment's shared secret. Senders prove they hold it with every push (an HMAC of
+            the push's target, request and sender ids: the secret itself never travels), and a receiver
+            with a secret refuses (UNAUTHENTICATED, counted) any push that does not. A deployment
+            always sets one.
+        tls_cert_chain, tls_private_key: PEM. With both, the receiver serves TLS only, and senders
+            trust that certificate chain (and no other) for it.
+        tls_server_name: the name senders check the receiver's certificate against, when it names
+            something other than the address they dial (a node's IP address); empty: the address.
     """
 
     host: str = ""
@@ -80,6 +86,9 @@ class GrpcConfig:
     server_threads: int = 4
     push_timeout_s: float = DEFAULT_PUSH_TIMEOUT_S
     secret: str = field(default="", repr=False)
+    tls_cert_chain: bytes | None = field(default=None, repr=False)
+    tls_private_key: bytes | None = field(default=None, repr=False)
+    tls_server_name: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -90,6 +99,12 @@ class GrpcConfig:
             raise ValueError("server_threads must be >= 1")
         if self.push_timeout_s <= 0:
             raise ValueError("push_timeout_s must be > 0")
+        if (self.tls_cert_chain is None) != (self.tls_private_key is None):
+            raise ValueError("tls_cert_chain and tls_private_key go together")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_chain is not None
 
     def bind_host(self) -> str:
         """The host the receiver binds to and advertises (``host``, or this node's address)."""
@@ -99,8 +114,11 @@ class GrpcConfig:
 
         return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
-    def channel_options(self) -> list[tuple[str, int]]:
-        return [
+    def channel_options(self) -> list[tuple[str, int | str]]:
+        options: list[tuple[str, int | str]] = [
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
         ]
+        if self.tls_server_name:
+            options.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        return options

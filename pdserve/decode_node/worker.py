@@ -12,11 +12,15 @@ router's requests on this worker, and on a request's last update how it ended an
 Blocks reserved for remote KV belong to this worker until the request ends, and return to the pool
 only when no write to them can still land: after the final push has landed; or, once the reservation
 is withdrawn (aborted, its router gone, or its deadline passed), after the prefill worker confirmed
-that its pushes for the request are over (its ``abort`` returned) or Ray reported its process dead
-(``ActorDiedError``). A deadline only starts that: the stream ends with an error at once, the blocks
-follow the confirmation. A transport that checks every push on arrival (gRPC) needs no confirmation:
-a withdrawn reservation refuses all later writes (the check and the copy hold the transport's
-``write_lock``), so its blocks are freed at once. Nothing waits forever; no block leaks.
+that its pushes for the request are over (its ``abort`` answered True: the transport reported every
+push done or failed) or Ray reported its process dead (``ActorDiedError``) and this worker's receiver
+drained for ``RECEIVER_DRAIN_S``. Meanwhile they wait in a quarantine that ``stats`` counts. A deadline
+only starts that: the stream ends with an error at once, the blocks follow the confirmation. A transport
+that checks every push on arrival (gRPC) needs no confirmation: a withdrawn reservation refuses all later
+writes (the check and the copy hold the transport's ``write_lock``), so its blocks are freed at once.
+A reservation is claimed for its router's event stream when it is made, and takes pushes and
+notifications from the sender it was made for, into its own blocks only (never its shared cached prefix).
+Nothing waits forever; no block leaks.
 
 This module loads without torch: every process that holds a handle to the actor loads its class (Ray
 does, to deserialise the handle), the router and the process that built the deployment among them, and
@@ -28,17 +32,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ray.exceptions import ActorDiedError
 
-from pdserve.engine.async_engine import AsyncEngine, exit_process_soon, second_token_time, worker_request_stats
+from pdserve.engine.async_engine import (
+    DEFAULT_ENGINE_STALL_TIMEOUT_S,
+    AsyncEngine,
+    exit_process_soon,
+    second_token_time,
+    worker_request_stats,
+)
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import build_in_passing_thread
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.faults import NO_FAULTS, FaultPlan
 from pdserve.messages import StepEvents, TokenUpdate, WorkerRequestStats, WorkerStats
 from pdserve.placement import current_node, device_in_this_worker
 from pdserve.priority import restore_normal_priority
@@ -50,8 +61,14 @@ if TYPE_CHECKING:  # torch's modules load in the actor only: see the module's do
 
 log = logging.getLogger(__name__)
 
-FENCE_CALL_TIMEOUT_S = 10.0  # one attempt to hear from the prefill worker that its pushes are over
-FENCE_RETRY_MAX_S = 1.0  # the longest pause between two attempts
+FENCE_WAIT_S = 10.0  # each abort call asks the prefill worker to answer within this, confirmed or not
+FENCE_CALL_SLACK_S = 5.0  # ... and an answer later than that counts as none (the same call is awaited on)
+FENCE_RETRY_MAX_S = 1.0  # the longest pause between two calls
+# After Ray reports the pushing process dead, bytes of its one-sided writes already on their way (queued in
+# sockets) still land while this worker's receiver makes progress: its blocks wait this long more.
+RECEIVER_DRAIN_S = 1.0
+ROUTER_PROBE_S = 1.0  # how often a subscribed router is asked whether it lives
+ROUTER_PROBE_TIMEOUT_S = 10.0
 
 
 class ReserveResult(NamedTuple):
@@ -76,11 +93,13 @@ class KVIntegrityError(RuntimeError):
 class _Pending:
     """A reservation waiting for its KV and its first token."""
 
-    deadline: float  # time.monotonic() on this host
+    deadline: float  # the worker's clock
     reserved_at: float
-    block_ids: frozenset[int]  # the blocks a push may write
+    block_ids: frozenset[int]  # the blocks a push may write: the reservation's own (never its cached prefix)
     prefill: Any = None  # the prefill worker's actor handle (None: nobody pushes, e.g. a test)
-    block_list: tuple[int, ...] = ()  # the reserved blocks in prompt order
+    block_list: tuple[int, ...] = ()  # the reserved blocks in prompt order (the cached prefix included)
+    sender: str = ""  # the pushing transport's sender id: notifications from anyone else are refused
+    written: set[int] = field(default_factory=set)  # blocks written so far (transports that see every write)
     checksums: dict[int, tuple[int, ...]] = field(default_factory=dict)  # first block index -> CRC-32s
     first_token: int | None = None
     first_token_time: float | None = None
@@ -109,9 +128,16 @@ class DecodeWorker:
         transport_config: Any = None,
         reservation_ttl_s: float = DEFAULT_RESERVATION_TTL_S,
         verify_kv: bool = False,
+        *,
+        engine_stall_timeout_s: float = DEFAULT_ENGINE_STALL_TIMEOUT_S,
+        faults: FaultPlan = NO_FAULTS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``transport``: a kind for ``make_transport``, or a transport object (tests). ``verify_kv``: check
-        the CRC-32 of every pushed block against the one sent with it before a request is admitted."""
+        the CRC-32 of every pushed block against the one sent with it before a request is admitted, and of
+        every block freed after a withdrawn reservation before it is reused. ``engine_stall_timeout_s``: the
+        engine loop stuck this long counts as hung (see ``AsyncEngine``). ``faults``: faults to inject (tests).
+        ``clock``: the monotonic clock of reservation deadlines."""
         from pdserve.engine.llm_engine import LLMEngine
         from pdserve.engine.model_runner import use_device
         from pdserve.kv_transfer import KVTransport, make_transport
@@ -120,6 +146,8 @@ class DecodeWorker:
         self.worker_id = worker_id
         self.reservation_ttl_s = reservation_ttl_s
         self.verify_kv = verify_kv
+        self.faults = faults
+        self._clock = clock
         device = device_in_this_worker(engine_config.device)
         # the loop thread is then the only one with OpenMP threads (see build_in_passing_thread)
         engine = build_in_passing_thread(lambda: LLMEngine(replace(engine_config, device=device)))
@@ -132,26 +160,66 @@ class DecodeWorker:
         # written on the loop thread only; the transport's receiver threads read it: pushes outside a
         # live reservation are refused (gRPC; NIXL's one-sided writes cannot be checked on arrival)
         self._pending: dict[str, _Pending] = {}
-        # withdrawn reservations whose blocks wait for the prefill worker's confirmation (one-sided writes)
-        self._releasing: dict[str, _Pending] = {}
+        # Quarantine: withdrawn reservations whose blocks a one-sided write may still reach; they stay out of
+        # the pool until the prefill worker confirms that its pushes are over (or is dead and drained).
+        self._quarantine: dict[str, _Pending] = {}
         self._fences: set[asyncio.Task] = set()
+        self._streams: dict[str, object] = {}  # router id -> its current event stream (event loop)
         self.transport.set_push_filter(self._accepts_push)
         self._served: dict[str, _Served] = {}  # loop thread only
         self._kv_bytes = 0
-        self._fault: str | None = None
+        # with verify_kv: blocks freed out of quarantine -> their CRC-32 then, checked when they are reused
+        self._freed_checksums: dict[int, int] = {}
+        self.num_late_writes = 0  # freed blocks found changed before their reuse (a write landed after the free)
+        self.num_notifications_refused = 0  # from a sender other than the reservation's
+        if verify_kv:
+            engine.block_manager.on_reuse = self._check_freed_block
         self.aengine = AsyncEngine(
-            engine, on_step=self._on_step, on_tick=self._on_tick, on_orphans=self._on_orphans, on_crash=self._on_crash
+            engine,
+            on_step=self._on_step,
+            on_tick=self._on_tick,
+            on_orphans=self._on_orphans,
+            on_crash=self._on_crash,
+            stall_timeout_s=engine_stall_timeout_s,
+            on_stall=self._on_stall,
         )
         self.node = current_node()  # where Ray placed this worker, for ready() and stats()
 
     async def ready(self) -> dict[str, Any]:
-        """This worker's description; raises while its engine loop is dead (the process is being replaced)."""
+        """This worker's description; raises while its engine loop is dead (the process is being replaced) or
+        stalled (``EngineStalled``)."""
         return self.aengine.describe(self.worker_id, "decode", self.target.kind, self.node)
 
-    async def events(self, router_id: str) -> AsyncIterator[StepEvents]:
-        """The router's event stream: an empty item once subscribed, then one item per step with news."""
-        async for updates in self.aengine.events(router_id):
-            yield StepEvents(self.worker_id, updates)
+    async def events(self, router_id: str, router: Any = None) -> AsyncIterator[StepEvents]:
+        """The router's event stream: an empty item once subscribed, then one item per step with news, and a
+        heartbeat while idle. Every item says whether the engine loop is stalled (the router then counts this
+        worker as hung).
+
+        ``router``: the router's actor handle. Ray does not end a stream whose reader's process died, so this
+        worker asks the router ``alive()`` every ``ROUTER_PROBE_S``; once Ray reports it dead, the stream ends
+        and the router's requests (its reservations included) are stopped.
+        """
+        stream = self._streams[router_id] = object()  # a later subscription under the same id replaces this one
+        watch = asyncio.ensure_future(self._watch_router(router_id, router, stream)) if router is not None else None
+        try:
+            async for updates in self.aengine.events(router_id):
+                yield StepEvents(self.worker_id, updates, self.aengine.stalled() or "")
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    async def _watch_router(self, router_id: str, router: Any, stream: object) -> None:
+        while True:
+            await asyncio.sleep(ROUTER_PROBE_S)
+            try:
+                await asyncio.wait_for(_awaited(router.alive.remote()), ROUTER_PROBE_TIMEOUT_S)
+            except ActorDiedError:
+                if self._streams.get(router_id) is stream:  # not replaced by a new router under the same id
+                    log.warning("%s: router %s is dead; ending its event stream", self.worker_id, router_id)
+                    self.aengine.unsubscribe(router_id)
+                return
+            except Exception:  # slow, or unreachable for now: only Ray's word that it died ends the stream
+                continue
 
     # ---- colocated: prefill and decode here ----------------------------------------------------
     async def generate(
@@ -174,21 +242,35 @@ class DecodeWorker:
 
     # ---- disaggregated: KV comes from a prefill worker -----------------------------------------
     async def reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill: Any = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prefill: Any = None,
+        router_id: str = "",
+        sender: str = "",
     ) -> ReserveResult | None:
         """Set aside blocks for the prompt's KV. None when this worker has no room now.
 
         ``prefill``: the actor handle of the worker that will push (its ``abort`` confirms that its pushes
-        are over); None when nobody pushes into these blocks.
+        are over); None when nobody pushes into these blocks. ``router_id``: the router serving the request:
+        the reservation is claimed for its event stream at once, so that what becomes of it (a passed
+        deadline) reaches the router before the first token does, and the router's going away withdraws it.
+        ``sender``: the pushing transport's ``sender_id``; notifications of the request from any other sender
+        are refused. Raises ``NotSubscribed`` when that router is not subscribed here (gone: nobody would read
+        the request).
         """
+        if router_id:
+            self.aengine.claim(request_id, router_id)
 
         def do(engine: LLMEngine) -> ReserveResult | None:
             reservation = engine.reserve_remote(prompt_token_ids, params, request_id)
             if reservation is None:
                 return None
-            now = time.monotonic()
+            now = self._clock()
             blocks = tuple(reservation.block_ids)
-            self._pending[request_id] = _Pending(now + self.reservation_ttl_s, now, frozenset(blocks), prefill, blocks)
+            own = frozenset(blocks[reservation.num_cached_tokens // engine.config.block_size :])
+            self._pending[request_id] = _Pending(now + self.reservation_ttl_s, now, own, prefill, blocks, sender)
             return ReserveResult(
                 self.worker_id,
                 self.target,
@@ -197,12 +279,20 @@ class DecodeWorker:
                 self.reservation_ttl_s,
             )
 
-        return await self.aengine.run(do)
+        try:
+            result = await self.aengine.run(do)
+        except BaseException:
+            self.aengine.unclaim(request_id)
+            raise
+        if result is None:
+            self.aengine.unclaim(request_id)
+        return result
 
     async def decode(self, request_id: str, first_token: int, first_token_time: float, router_id: str) -> None:
         """Decode after ``first_token`` (the router already sent it) once the KV is here; tokens go to the stream."""
         received = time.time()
-        self.aengine.claim(request_id, router_id)
+        if self.aengine.owner(request_id) != router_id:  # claimed already when its reservation was made
+            self.aengine.claim(request_id, router_id)
 
         def do(engine: LLMEngine) -> None:
             pending = self._pending.get(request_id)
@@ -221,16 +311,34 @@ class DecodeWorker:
             self.aengine.unclaim(request_id)
             raise
 
-    def _accepts_push(self, request_id: str, block_ids: list[int]) -> bool:
-        """The transport's receiver threads ask (under its ``write_lock``): does the request hold these blocks?"""
-        pending = self._pending.get(request_id) or self._releasing.get(request_id)
-        return pending is not None and pending.block_ids.issuperset(block_ids)
+    def _accepts_push(self, request_id: str, block_ids: list[int], sender: str) -> bool:
+        """The transport's receiver threads ask (under its ``write_lock``, which it holds on through the write):
+        are these blocks the request's own reserved blocks (not its shared cached prefix, which other requests
+        read), and is ``sender`` the one its reservation was made for? An empty list asks whether the request
+        has a reservation here at all."""
+        pending = self._pending.get(request_id) or self._quarantine.get(request_id)
+        if pending is None or not pending.block_ids.issuperset(block_ids):
+            return False
+        if pending.sender and sender != pending.sender:
+            return False
+        pending.written.update(block_ids)
+        return True
 
     def _on_tick(self, engine: LLMEngine) -> None:
         for note in self.transport.poll_notifications():
             pending = self._pending.get(note.request_id)
             if pending is None:
                 continue  # a late push for a request that is gone
+            if pending.sender and note.sender != pending.sender:
+                self.num_notifications_refused += 1
+                log.warning(
+                    "%s: refused a notification of %s from %r: its reservation was made for %r",
+                    self.worker_id,
+                    note.request_id,
+                    note.sender,
+                    pending.sender,
+                )
+                continue
             pending.pushes_seen.add(note.chunk_index)
             if note.block_checksums:
                 pending.checksums[note.first_block] = note.block_checksums
@@ -238,25 +346,35 @@ class DecodeWorker:
                 pending.last_push = note.chunk_index
             self._admit_if_ready(engine, note.request_id, pending)
         if self._pending:
-            now = time.monotonic()
+            now = self._clock()
             for request_id, pending in list(self._pending.items()):
                 if now > pending.deadline:
                     log.warning("%s: KV for %s did not arrive in time; withdrawing it", self.worker_id, request_id)
                     self._withdraw(engine, request_id, error="KV transfer deadline passed")
 
     def _withdraw(
-        self, engine: LLMEngine, request_id: str, error: str | None = None, pushes_over: bool = False
+        self,
+        engine: LLMEngine,
+        request_id: str,
+        error: str | None = None,
+        pushes_over: bool = False,
+        tell_router: bool = True,
     ) -> None:
         """Give up on a reservation: end its stream now; free its blocks once no push can still land.
 
         ``pushes_over``: the caller knows that nothing was or will be pushed (the prefill worker itself).
+        Otherwise, with one-sided writes, the blocks go into quarantine until the prefill worker confirms.
+        ``tell_router``: end the request's stream (with ``error``); else only let go of its claim.
         """
         with self.transport.write_lock:  # after this, a checking transport writes nothing more of it
             pending = self._pending.pop(request_id)
             fence = not pushes_over and pending.prefill is not None and not self.transport.checks_pushes
             if fence:
-                self._releasing[request_id] = pending
-        self._end(request_id, error=error)
+                self._quarantine[request_id] = pending
+        if tell_router:
+            self._end(request_id, error=error)
+        else:
+            self.aengine.call_soon(lambda: self.aengine.unclaim(request_id))
         if not fence:
             engine.abort(request_id)
             return
@@ -268,26 +386,79 @@ class DecodeWorker:
         task.add_done_callback(self._fences.discard)
 
     async def _fence(self, request_id: str, pending: _Pending) -> None:
-        """Wait until the prefill worker confirms its pushes of the request are over, or is dead; then free."""
-        delay = 0.05
-        while True:
-            try:
-                await asyncio.wait_for(pending.prefill.abort.remote(request_id), FENCE_CALL_TIMEOUT_S)
-                break
-            except ActorDiedError:
-                break  # a dead process writes nothing more
-            except Exception as e:  # unavailable, slow or restarting: maybe alive, maybe still pushing
-                log.warning("%s: %s: no confirmation from its prefill worker yet (%r)", self.worker_id, request_id, e)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, FENCE_RETRY_MAX_S)
-        await self.aengine.run(lambda engine: self._free_released(engine, request_id, pending))
+        """Free a quarantined reservation's blocks once no push of it can still land: the prefill worker
+        confirms that its pushes are over, or Ray reports its process dead and this worker's receiver has
+        drained what was already on its way (``RECEIVER_DRAIN_S``). Nothing else frees them: a prefill worker
+        that is unreachable, hung, or cannot get a transfer cancelled keeps them in quarantine.
 
-    def _free_released(self, engine: LLMEngine, request_id: str, pending: _Pending) -> None:
+        One abort call is out at a time: a call that gets no answer is awaited on, not repeated, so a
+        stopped process does not collect a queue of them.
+        """
+        delay = 0.05
+        call: asyncio.Future | None = None
+        warned = False
+        while True:
+            if call is None:
+                call = asyncio.ensure_future(_awaited(pending.prefill.abort.remote(request_id, FENCE_WAIT_S)))
+                call.add_done_callback(_read_failure)
+            done, _ = await asyncio.wait({call}, timeout=FENCE_WAIT_S + FENCE_CALL_SLACK_S)
+            if not done:
+                if not warned:
+                    log.warning(
+                        "%s: %s: its prefill worker does not answer; blocks stay in quarantine",
+                        self.worker_id,
+                        request_id,
+                    )
+                    warned = True
+                continue
+            answered, call = call, None
+            try:
+                if answered.result():
+                    break
+            except ActorDiedError:
+                await asyncio.sleep(RECEIVER_DRAIN_S)  # the engine loop's ticks keep the receiver progressing
+                break
+            except Exception as e:  # unavailable or restarting: maybe alive, maybe still pushing
+                if not warned:
+                    log.warning(
+                        "%s: %s: no confirmation from its prefill worker yet (%r)", self.worker_id, request_id, e
+                    )
+                    warned = True
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, FENCE_RETRY_MAX_S)
+        await self.aengine.run(lambda engine: self._free_quarantined(engine, request_id, pending))
+
+    def _free_quarantined(self, engine: LLMEngine, request_id: str, pending: _Pending) -> None:
         with self.transport.write_lock:
-            if self._releasing.get(request_id) is not pending:
+            if self._quarantine.get(request_id) is not pending:
                 return  # freed already
-            del self._releasing[request_id]
+            del self._quarantine[request_id]
+        if self.verify_kv:  # a write that still lands before a block's reuse is caught then
+            from pdserve.kv_transfer.base import block_checksums
+
+            own = sorted(pending.block_ids)
+            self._freed_checksums.update(zip(own, block_checksums(engine.kv_cache, own), strict=True))
         engine.abort(request_id)
+
+    def _check_freed_block(self, block_id: int) -> None:
+        """Loop thread, with ``verify_kv``: the block manager hands out ``block_id``; if it left quarantine, its
+        bytes must be those it was freed with."""
+        freed = self._freed_checksums.pop(block_id, None)
+        if freed is None:
+            return
+        from pdserve.kv_transfer.base import block_checksums
+
+        (now,) = block_checksums(self.aengine.engine.kv_cache, [block_id])
+        if now != freed:
+            self.num_late_writes += 1
+            log.error(
+                "%s: KV integrity check failed: block %d changed after it was freed (CRC-32 %08x, freed with %08x): "
+                "a write landed after its reservation was released",
+                self.worker_id,
+                block_id,
+                now,
+                freed,
+            )
 
     def _admit_if_ready(self, engine: LLMEngine, request_id: str, pending: _Pending) -> None:
         if pending.last_push is None or len(pending.pushes_seen) < pending.last_push + 1:
@@ -295,6 +466,12 @@ class DecodeWorker:
         if pending.kv_done_at is None:
             pending.kv_done_at = time.time()
         if pending.first_token is None:
+            return
+        if self.transport.checks_pushes and pending.written != pending.block_ids:
+            missing = len(pending.block_ids - pending.written)
+            error = f"KV incomplete: its last push arrived with {missing} of {len(pending.block_ids)} blocks unwritten"
+            log.error("%s: %s: %s", self.worker_id, request_id, error)
+            self._withdraw(engine, request_id, error=error, pushes_over=True)
             return
         if self.verify_kv:
             mismatch = self._verify(engine, request_id, pending)
@@ -337,9 +514,14 @@ class DecodeWorker:
 
     # ---- streaming (loop thread) -----------------------------------------------------------------
     def _on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
-        if self._fault == "step":
-            raise RuntimeError("injected engine fault")
+        if self.faults.any:
+            self.faults = self.faults.after_step()
         self.aengine.publish([self._update(out) for out in outputs])
+
+    def _on_stall(self, why: str) -> None:
+        """Event loop: the engine loop is stuck. Every request streaming from here fails now (UNAVAILABLE, naming
+        this worker); its heartbeats say so, so the router routes nothing here until the loop turns again."""
+        self.aengine.fail_all(f"decode worker {self.worker_id} is hung: {why}")
 
     def _on_crash(self, error: BaseException) -> None:
         """The engine loop died: fail every request now, then exit so that Ray starts a fresh worker."""
@@ -387,13 +569,17 @@ class DecodeWorker:
     def _abort_on_loop(
         self, engine: LLMEngine, request_id: str, pushes_over: bool = False, error: str | None = None
     ) -> bool:
-        if request_id in self._pending:
-            self._withdraw(engine, request_id, error=error, pushes_over=pushes_over)
+        pending = self._pending.get(request_id)
+        if pending is not None:
+            # The prefill worker giving up on it before the first token: its own answer to the router says why
+            # (and the router may prefill locally instead); after it, only this stream can tell the router.
+            tell_router = not pushes_over or pending.first_token is not None
+            self._withdraw(engine, request_id, error=error, pushes_over=pushes_over, tell_router=tell_router)
             return True
-        releasing = self._releasing.get(request_id)
-        if releasing is not None:
+        quarantined = self._quarantine.get(request_id)
+        if quarantined is not None:
             if pushes_over:  # the prefill worker itself says its pushes are over: no need to wait for the fence
-                self._free_released(engine, request_id, releasing)
+                self._free_quarantined(engine, request_id, quarantined)
             return True
         found = engine.abort(request_id)
         if found:
@@ -405,10 +591,14 @@ class DecodeWorker:
         self.aengine.loop.call(lambda e: [self._abort_on_loop(e, rid) for rid in request_ids])
 
     async def stats(self, steps_since: float | None = None) -> WorkerStats:
-        remote = len(self._pending) + len(self._releasing)
+        remote = len(self._pending) + len(self._quarantine)
         stats = await self.aengine.stats(self.worker_id, "decode", remote, self._kv_bytes, steps_since)
         return stats._replace(
-            node=self.node, device=str(self.aengine.engine.device), kv_pushes_refused=self.transport.num_pushes_refused
+            node=self.node,
+            device=str(self.aengine.engine.device),
+            kv_pushes_refused=self.transport.num_pushes_refused + self.num_notifications_refused,
+            kv_blocks_quarantined=sum(len(q.block_ids) for q in list(self._quarantine.values())),
+            kv_late_writes=self.num_late_writes,
         )
 
     async def transfer_target(self) -> TransferTarget:
@@ -421,9 +611,9 @@ class DecodeWorker:
         the process they were written into is gone."""
         return self.target.target_id
 
-    async def inject_fault(self, where: str = "step") -> None:
-        """Fault tests: the next step raises inside the engine loop (as a bug or a device error would)."""
-        self._fault = where
+    async def set_fault_plan(self, faults: FaultPlan) -> None:
+        """Fault tests: inject ``faults`` from the next step on (``NO_FAULTS`` clears them)."""
+        self.faults = faults
 
     async def check_integrity(self) -> None:
         await self.aengine.run(lambda e: e.block_manager.check_integrity())
@@ -442,3 +632,14 @@ class DecodeWorker:
     async def shutdown(self) -> None:
         self.aengine.close()
         self.transport.close()
+
+
+async def _awaited(ref: Any) -> Any:
+    """An actor call's result (an ``ObjectRef``, or a future from an in-process stand-in) as a coroutine."""
+    return await ref
+
+
+def _read_failure(future: asyncio.Future) -> None:
+    """Read a dropped future's failure, so that it is not logged as never retrieved."""
+    if not future.cancelled():
+        future.exception()

@@ -26,7 +26,18 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 EVENT_HEARTBEAT_S = 0.5  # an idle event stream yields [] this often: its reader tells a hung worker from a quiet one
+DEFAULT_ENGINE_STALL_TIMEOUT_S = 30.0
 log = logging.getLogger(__name__)
+
+
+class EngineStalled(RuntimeError):
+    """The worker's engine loop has not turned for its stall timeout: stuck in a step (a device or collective
+    hang), a hook or a command. Its requests fail with this; it takes no new ones until the loop turns again."""
+
+
+class NotSubscribed(RuntimeError):
+    """A request was claimed for a subscriber (a router) whose event stream is not open here: gone, or not
+    reconnected yet after this worker restarted. Nobody would read the request's tokens."""
 
 
 def second_token_time(request: Request) -> float:
@@ -70,6 +81,11 @@ class AsyncEngine:
 
     ``on_orphans(request_ids)`` is called on the event loop when a subscriber goes away while it still
     owns requests: the node must stop them, nobody will read their tokens.
+
+    Liveness: a watchdog on the event loop reads the engine loop's own turn stamps; once the loop has not
+    turned for ``stall_timeout_s`` (a step that never ends), ``stalled()`` says so and ``on_stall(why)`` runs
+    (once per stall, on the event loop) so that the node fails its requests; the node refuses new work while
+    ``stalled()`` says anything. It clears by itself when the loop turns again.
     """
 
     def __init__(
@@ -79,8 +95,16 @@ class AsyncEngine:
         on_tick: Callable[[LLMEngine], None] | None = None,
         on_orphans: Callable[[list[str]], None] | None = None,
         on_crash: Callable[[BaseException], None] | None = None,
+        stall_timeout_s: float = DEFAULT_ENGINE_STALL_TIMEOUT_S,
+        on_stall: Callable[[str], None] | None = None,
     ) -> None:
+        if not stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s!r}")
         self.engine = engine
+        self.stall_timeout_s = stall_timeout_s
+        self._on_stall = on_stall
+        self._stalled: str | None = None
+        self._watchdog: asyncio.Task | None = None
         self._aio: asyncio.AbstractEventLoop | None = None
         self._subscribers: dict[str, _Subscriber] = {}
         self._owners: dict[str, str] = {}  # request id -> subscriber id (event-loop side only)
@@ -91,7 +115,28 @@ class AsyncEngine:
     def _bind(self) -> asyncio.AbstractEventLoop:
         if self._aio is None:
             self._aio = asyncio.get_running_loop()
+            self._watchdog = self._aio.create_task(self._watch_liveness())
         return self._aio
+
+    def stalled(self) -> str | None:
+        """Why this worker counts as hung (its engine loop has not turned for ``stall_timeout_s``), or None."""
+        stuck_s = self.loop.stalled_for()
+        if stuck_s < self.stall_timeout_s:
+            return None
+        return f"its engine has not stepped for {stuck_s:.1f} s (engine_stall_timeout_s={self.stall_timeout_s:g})"
+
+    async def _watch_liveness(self) -> None:
+        interval = min(0.25, self.stall_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            why = self.stalled()
+            if why is not None and self._stalled is None:
+                log.error("engine loop stalled: %s", why)
+                if self._on_stall is not None:
+                    self._on_stall(why)
+            elif why is None and self._stalled is not None:
+                log.warning("engine loop turns again after a stall")
+            self._stalled = why
 
     async def run(self, fn: Callable[[LLMEngine], T]) -> T:
         """Apply ``fn(engine)`` on the loop thread between steps and return its result."""
@@ -113,10 +158,11 @@ class AsyncEngine:
 
     # ---- request ownership (event loop) ----------------------------------------------------------
     def claim(self, request_id: str, subscriber_id: str) -> None:
-        """Route ``request_id``'s updates to ``subscriber_id``. ValueError when it is taken or unknown."""
+        """Route ``request_id``'s updates to ``subscriber_id``. ValueError when the id is taken; ``NotSubscribed``
+        when the subscriber is unknown."""
         self._bind()
         if subscriber_id not in self._subscribers:
-            raise ValueError(f"router {subscriber_id!r} is not subscribed to this worker's events")
+            raise NotSubscribed(f"router {subscriber_id!r} is not subscribed to this worker's events")
         if request_id in self._owners:
             raise ValueError(f"request_id {request_id!r} is already in use on this worker")
         self._owners[request_id] = subscriber_id
@@ -126,6 +172,10 @@ class AsyncEngine:
 
     def owns(self, request_id: str) -> bool:
         return request_id in self._owners
+
+    def owner(self, request_id: str) -> str | None:
+        """The subscriber that ``request_id``'s updates go to, or None."""
+        return self._owners.get(request_id)
 
     # ---- the event stream --------------------------------------------------------------------------
     def publish(self, updates: list[TokenUpdate]) -> None:
@@ -152,6 +202,13 @@ class AsyncEngine:
             if sub is not None:
                 sub.pending.append(update)
                 sub.wake.set()
+
+    def unsubscribe(self, subscriber_id: str) -> None:
+        """Event loop: end ``subscriber_id``'s event stream (its reader is gone); its requests go to ``on_orphans``."""
+        sub = self._subscribers.get(subscriber_id)
+        if sub is not None:
+            sub.closed = True
+            sub.wake.set()
 
     async def events(self, subscriber_id: str) -> AsyncIterator[list[TokenUpdate]]:
         """Yield ``[]`` once subscribed, then each batch of the subscriber's updates as steps produce them,
@@ -193,9 +250,13 @@ class AsyncEngine:
 
     # ---- introspection -------------------------------------------------------------------------
     def describe(self, worker_id: str, role: str, transport: str, node: str) -> dict[str, Any]:
-        """A worker's ``ready()`` answer; raises while the engine loop is dead (the process is being replaced)."""
+        """A worker's ``ready()`` answer; raises while the engine loop is dead (the process is being replaced) or
+        stalled (``EngineStalled``)."""
         if not self.loop.alive:
             raise RuntimeError(f"{worker_id}: engine loop stopped: {self.loop.error!r}")
+        stalled = self.stalled()
+        if stalled is not None:
+            raise EngineStalled(f"{role} worker {worker_id} is hung: {stalled}")
         engine = self.engine
         return {
             "worker_id": worker_id,
@@ -239,4 +300,6 @@ class AsyncEngine:
         return await self.run(collect)
 
     def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         self.loop.stop()

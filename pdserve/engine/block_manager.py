@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import NamedTuple
 
 from pdserve.engine.request import Request
@@ -68,6 +69,7 @@ class BlockManager:
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.cached_free: OrderedDict[int, None] = OrderedDict()  # LRU order: oldest first
         self.hash_to_block: dict[bytes, int] = {}
+        self.on_reuse: Callable[[int], None] | None = None  # called with a free block's id as it is handed out
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -181,6 +183,8 @@ class BlockManager:
             del self.hash_to_block[evicted]
             self.block_hash[block_id] = None
         self.ref_counts[block_id] = 1
+        if self.on_reuse is not None:
+            self.on_reuse(block_id)
         return block_id
 
     # ---- invariants ----------------------------------------------------------------------------

@@ -48,6 +48,10 @@ class EngineLoop:
     If a step or a hook raises, the loop stops for good: pending calls fail, ``error`` holds the cause
     and ``on_crash(error)`` runs (on the loop thread, once) so the node can fail its requests.
 
+    The loop thread stamps ``last_turn`` on every turn (an idle loop turns every ``idle_wait_s``), so
+    ``stalled_for()`` is how long it has been stuck in one step, hook or command: its liveness, read by
+    other threads, which nothing but the loop thread itself can keep fresh.
+
     Once the engine has had no work for ``trim_after_idle_s`` after some, the loop trims the heap once
     (``release_freed_memory``): a burst's freed activations and masks otherwise stay resident (a served
     SmolLM2 worker on a CPU: 58 MB after a 1000-token prompt among 63 short ones), and the trim takes ~10 ms.
@@ -75,6 +79,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self.num_steps = 0
+        self.last_turn = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -97,6 +102,10 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
 
+    def stalled_for(self) -> float:
+        """Seconds since the loop thread last began a turn (0 once it stopped: a dead loop is not stuck)."""
+        return max(0.0, time.monotonic() - self.last_turn) if self.alive else 0.0
+
     def _run(self) -> None:
         engine = self.engine
         stalled = False  # the last step scheduled nothing (e.g. waiting for blocks): don't spin
@@ -104,6 +113,7 @@ class EngineLoop:
         try:
             self._use_engine_device()
             while not self._stop.is_set():
+                self.last_turn = time.monotonic()
                 self._drain_commands(block=stalled or not engine.has_work())
                 if self._on_tick is not None:
                     self._on_tick(engine)

@@ -28,7 +28,7 @@ import uuid
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -129,6 +129,8 @@ class ChunkNotification:
             first block this push carries (the push carries consecutive blocks of that list).
         block_checksums: empty, or the CRC-32 (:func:`block_checksum`) of every block of the push, in
             order, as the sender read them; the receiver may verify its copy against them.
+        sender: who sent it, as the receiving transport authenticated it (the sender's
+            :attr:`KVTransport.sender_id`); set by ``poll_notifications``, not carried in the bytes.
     """
 
     request_id: str
@@ -137,6 +139,7 @@ class ChunkNotification:
     is_last: bool
     first_block: int = 0
     block_checksums: tuple[int, ...] = ()
+    sender: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -159,6 +162,8 @@ class ChunkNotification:
             raise ValueError(f"block_checksums must be a tuple of u32 ints, got {self.block_checksums!r}")
         if len(self.block_checksums) > _U32_MAX:
             raise ValueError("too many block_checksums")
+        if not isinstance(self.sender, str):
+            raise ValueError(f"sender must be a str, got {self.sender!r}")
 
     def to_bytes(self) -> bytes:
         """Compact binary form: magic, fixed header, [checksums,] UTF-8 request id."""
@@ -361,10 +366,12 @@ class PushHandle(abc.ABC):
 
     @abc.abstractmethod
     def cancel(self) -> bool:
-        """Non-blocking. Stop the push; True once none of its data can still be written into the
-        receiver's pool (it finished, failed, or was cancelled), False when the transport could not
-        stop it yet (it may still land: call again later). After a True, :meth:`done` raises
-        :class:`KVTransferError` unless the push had already completed. Idempotent.
+        """Non-blocking. Stop the push where the transport can; True only once the transport confirms
+        that none of its data can still be written into the receiver's pool (it finished, failed, or
+        was stopped), False while it cannot say so (it may still land: call again later; each call
+        drives its progress). A release or abort call returning is no such confirmation: NIXL's
+        release of a posted WRITE returns while its bytes still land. After a True, :meth:`done`
+        raises :class:`KVTransferError` unless the push had completed. Idempotent.
         """
 
     def wait(self, timeout_s: float = DEFAULT_WAIT_S) -> None:
@@ -409,13 +416,20 @@ class KVTransport(abc.ABC):
         self._pool: torch.Tensor | None = None
         self._layout: PoolLayout | None = None
         self._closed = False
-        self._push_filter: Callable[[str, list[int]], bool] | None = None
+        self._push_filter: Callable[[str, list[int], str], bool] | None = None
         self.num_pushes_refused = 0  # incoming pushes this receiver turned away (see set_push_filter)
         self.write_lock = threading.Lock()  # see set_push_filter
 
     @property
     def target_id(self) -> str:
         """The id that this transport's :class:`TransferTarget` carries."""
+        return self._id
+
+    @property
+    def sender_id(self) -> str:
+        """Who this transport is as a sender: what a receiver's ``poll_notifications`` puts in the
+        :attr:`ChunkNotification.sender` of its pushes (NIXL: its agent name; gRPC: its id, authenticated
+        with the deployment's secret). A receiver accepts a reservation's notifications from this id only."""
         return self._id
 
     @property
@@ -429,8 +443,9 @@ class KVTransport(abc.ABC):
         """Geometry of the registered pool, or None before ``register_pool``."""
         return self._layout
 
-    def set_push_filter(self, accepts: Callable[[str, list[int]], bool] | None) -> None:
-        """Receiver side: ``accepts(request_id, dst_block_ids)`` must be True for a push to be written.
+    def set_push_filter(self, accepts: Callable[[str, list[int], str], bool] | None) -> None:
+        """Receiver side: ``accepts(request_id, dst_block_ids, sender)`` must be True for a push to be written
+        (``sender``: the pushing transport's ``sender_id``, as this receiver authenticated it).
 
         Transports that see each push arrive (gRPC) refuse any other push and count it in
         ``num_pushes_refused``; a one-sided transport (NIXL WRITE) cannot check, and ignores it.
@@ -483,8 +498,8 @@ class KVTransport(abc.ABC):
     @abc.abstractmethod
     def poll_notifications(self) -> list[ChunkNotification]:
         """Receiver side, non-blocking: notifications of pushes that fully landed since the last
-        call, each returned exactly once. Also drives receive progress where the transport needs
-        it, so a receiver waiting for KV should call it regularly.
+        call, each returned exactly once, with the ``sender`` the transport saw. Also drives receive
+        progress where the transport needs it, so a receiver waiting for KV should call it regularly.
         """
 
     def push(

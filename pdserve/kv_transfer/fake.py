@@ -5,7 +5,8 @@ into the receiver's pool and delivers its notification, either at once (the defa
 says: ``fail`` (nothing written, the handle raises), ``hang`` (never lands), ``late`` (lands after a
 delay, from a timer thread, like a one-sided write the sender has lost track of), ``corrupt`` (lands
 with one byte of each block flipped). A push can be
-made uncancellable (``cancellable=False``), as a NIXL WRITE that UCX will not abort.
+made uncancellable (``cancellable=False``), as a NIXL WRITE that UCX will not abort, or a liar
+(``lands_after_cancel=True``): its cancel reports success while its data still lands, as a NIXL release did.
 
 Writes are one-sided (``checks_pushes`` is False, like NIXL): the receiver's push filter is not
 obeyed, only consulted. Every write the filter would have refused is recorded in
@@ -15,6 +16,7 @@ obeyed, only consulted. Every write the filter would have refused is recorded in
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -44,11 +46,13 @@ class Fault:
         kind: ``fail``, ``hang``, ``late`` or ``corrupt``.
         delay_s: ``late`` only: the push lands this long after it started.
         cancellable: False: ``cancel()`` refuses (returns False) until ``FakeTransport.allow_cancel``.
+        lands_after_cancel: ``late`` only: ``cancel()`` reports success, and the push lands all the same.
     """
 
     kind: str
     delay_s: float = 0.0
     cancellable: bool = True
+    lands_after_cancel: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
@@ -82,6 +86,7 @@ class FakePushHandle(PushHandle):
         self._cancel_allowed = fault is None or fault.cancellable
         self._timer: threading.Timer | None = None
         self.cancel_calls = 0
+        self.landed_at: float | None = None
 
     def done(self) -> bool:
         with self._lock:
@@ -96,6 +101,8 @@ class FakePushHandle(PushHandle):
                 return True
             if not self._cancel_allowed:
                 return False
+            if self.fault is not None and self.fault.lands_after_cancel:
+                return True  # a lie: the timer still lands it
             self._error = KVTransferError(f"push {self.notification} cancelled")
             timer = self._timer
         if timer is not None:
@@ -112,6 +119,7 @@ class FakePushHandle(PushHandle):
                 return
             write()
             self._landed = True
+            self.landed_at = time.monotonic()
 
 
 class FakeTransport(KVTransport):
@@ -157,8 +165,10 @@ class FakeTransport(KVTransport):
         handle = FakePushHandle(notification, len(src), len(src) * self._layout.block_bytes, fault)
         self.handles.append(handle)
 
+        sent = dataclasses.replace(notification, sender=self.sender_id)
+
         def write() -> None:
-            receiver._write(notification, dst, data)
+            receiver._write(sent, dst, data)
 
         if fault is not None and fault.kind == "corrupt" and data is not None:
             data[:, 0] ^= 0xFF
@@ -179,7 +189,7 @@ class FakeTransport(KVTransport):
             pool, accepts = self._pool, self._push_filter
             if self._closed or pool is None:
                 return
-            if dst and accepts is not None and not accepts(notification.request_id, dst):
+            if dst and accepts is not None and not accepts(notification.request_id, dst, notification.sender):
                 self.stray_writes.append(StrayWrite(notification.request_id, tuple(dst), time.monotonic()))
             if data is not None:
                 view = pool_bytes_view(pool)

@@ -9,6 +9,12 @@ the pool's device; after the stream's last message the notification is queued fo
 transport's ``write_lock``, so a receiver that withdraws a reservation under that lock knows that no
 later byte of it is written.
 
+Access: with a ``secret`` every push carries an HMAC of its target, request and sender ids under it (the
+secret itself never travels) and the receiver refuses any other (UNAUTHENTICATED). A stream names its
+request and sender in its metadata; the push filter must accept the request before the first message and
+every message's blocks, and the notification must be the stream's request (PERMISSION_DENIED otherwise).
+With ``tls_cert_chain`` and ``tls_private_key`` the receiver serves TLS only and senders trust that chain.
+
 Sender: one cached channel and a single-thread executor per target (pushes to one target run in
 order, each in the background). A push streams ``BlockPayload`` messages of whole blocks, packed
 up to ``message_bytes`` (2 MiB by default) each, with the notification on the last message. Payloads are raw
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import hashlib
 import hmac
 import logging
 import threading
@@ -60,8 +67,17 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", ca
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["KVTransfer"]
 _METHOD = f"/{_SERVICE.full_name}/PushBlocks"
-_SECRET_KEY = "x-pdserve-kv-secret"  # gRPC metadata of every push: the deployment's shared secret
-_REQUEST_KEY = "x-pdserve-request-id"  # ... and the request whose reservation it writes into
+_AUTH_KEY = "x-pdserve-kv-auth"  # gRPC metadata of every push: proof that the sender holds the deployment's secret
+_REQUEST_KEY = "x-pdserve-request-id"  # ... the request whose reservation it writes into
+_SENDER_KEY = "x-pdserve-kv-sender"  # ... and the sender's id (what its notifications are attributed to)
+
+
+def push_proof(secret: str, target_id: str, request_id: str, sender_id: str) -> str:
+    """HMAC-SHA256 of one push's ids under the deployment's secret: what a sender presents instead of it."""
+    message = "\0".join((target_id, request_id, sender_id)).encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+
+
 _DATA_FIELD = pb.BlockPayload.DESCRIPTOR.fields_by_name["data"].number
 _DATA_TAG = bytes([(_DATA_FIELD << 3) | 2])  # field 4, length-delimited
 
@@ -210,15 +226,24 @@ class _Servicer:
     def PushBlocks(self, request_iterator: Iterator[_Payload], context: grpc.ServicerContext) -> pb.PushAck:
         t = self._t
         metadata = dict(context.invocation_metadata())
+        request_id, sender = metadata.get(_REQUEST_KEY, ""), metadata.get(_SENDER_KEY, "")
         secret = t.config.secret
-        if secret and not hmac.compare_digest(metadata.get(_SECRET_KEY, "").encode(), secret.encode()):
-            self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "push without this deployment's KV secret")
-        request_id = metadata.get(_REQUEST_KEY, "")
+        if secret:
+            proof = push_proof(secret, t._id, request_id, sender)
+            if not hmac.compare_digest(metadata.get(_AUTH_KEY, "").encode(), proof.encode()):
+                self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "push without this deployment's KV secret")
         accepts = t._push_filter
         pool, layout = t._pool, t._layout
         if pool is None or layout is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "receiver has no registered pool")
         assert pool is not None and layout is not None
+        if accepts is not None:
+            with t.write_lock:  # a stream, blocks or not, is for a live reservation
+                live = accepts(request_id, [], sender)
+            if not live:
+                self._refuse(
+                    context, grpc.StatusCode.PERMISSION_DENIED, f"no live reservation of {request_id!r} for {sender!r}"
+                )
         view = pool_bytes_view(pool)
         host = view.numpy() if view.device.type == "cpu" else None  # [num_blocks, block_bytes] uint8
         notice: pb.ChunkNotice | None = None
@@ -252,7 +277,7 @@ class _Servicer:
                 bb = layout.block_bytes
                 src = None if host is not None else torch.frombuffer(data, dtype=torch.uint8).view(n, bb)
                 with t.write_lock:  # the check and the copy are one step for a receiver withdrawing blocks
-                    accepted = accepts is None or accepts(request_id, ids)
+                    accepted = accepts is None or accepts(request_id, ids, sender)
                     if accepted:
                         if host is not None:  # CPU pool: one memcpy per block, no torch dispatch
                             for k, d in enumerate(ids):
@@ -277,6 +302,12 @@ class _Servicer:
         if notice is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push stream ended without a notification")
         assert notice is not None
+        if notice.request_id != request_id:
+            self._refuse(
+                context,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"a push for {request_id!r} carries a notification for {notice.request_id!r}",
+            )
         try:
             notification = ChunkNotification(
                 notice.request_id,
@@ -285,6 +316,7 @@ class _Servicer:
                 notice.is_last,
                 notice.first_block,
                 tuple(notice.block_checksums),
+                sender,
             )
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad notification: {e}")
@@ -363,8 +395,13 @@ class GrpcTransport(KVTransport):
             (grpc.method_handlers_generic_handler(_SERVICE.full_name, {"PushBlocks": handler}),)
         )
         host = self.config.bind_host()
+        address = f"{host}:{self.config.port}"
         try:
-            port = server.add_insecure_port(f"{host}:{self.config.port}")
+            if self.config.tls_cert_chain is not None and self.config.tls_private_key is not None:
+                credentials = grpc.ssl_server_credentials([(self.config.tls_private_key, self.config.tls_cert_chain)])
+                port = server.add_secure_port(address, credentials)
+            else:
+                port = server.add_insecure_port(address)
         except RuntimeError as e:
             raise RuntimeError(f"cannot bind the KV gRPC server to {host}:{self.config.port}: {e}") from e
         if port == 0:
@@ -398,7 +435,12 @@ class GrpcTransport(KVTransport):
     def _peer(self, target: TransferTarget) -> _Peer:
         peer = self._peers.get(target.target_id)
         if peer is None:
-            channel = grpc.insecure_channel(target.address, options=self.config.channel_options())
+            options = self.config.channel_options()
+            if self.config.tls_cert_chain is not None:  # the deployment's own certificate is the only one trusted
+                credentials = grpc.ssl_channel_credentials(root_certificates=self.config.tls_cert_chain)
+                channel = grpc.secure_channel(target.address, credentials, options=options)
+            else:
+                channel = grpc.insecure_channel(target.address, options=options)
             peer = _Peer(
                 channel=channel,
                 push_blocks=channel.stream_unary(
@@ -445,9 +487,11 @@ class GrpcTransport(KVTransport):
 
     def _run_push(self, peer: _Peer, push: _Push) -> pb.PushAck:
         try:
-            metadata = [(_REQUEST_KEY, push.notification.request_id)]
+            request_id = push.notification.request_id
+            metadata = [(_REQUEST_KEY, request_id), (_SENDER_KEY, self.sender_id)]
             if self.config.secret:
-                metadata.append((_SECRET_KEY, self.config.secret))
+                proof = push_proof(self.config.secret, push.target.target_id, request_id, self.sender_id)
+                metadata.append((_AUTH_KEY, proof))
             with push.cancel.lock:
                 if push.cancel.cancelled:
                     raise KVTransferError(f"push {push.notification} was cancelled")

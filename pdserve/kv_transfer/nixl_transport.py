@@ -20,6 +20,7 @@ required for ``UCX_TLS=sm,self``). An empty ``UCX_TLS`` breaks UCX.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -207,6 +208,10 @@ class NixlTransport(KVTransport):
             self._pool = None
             self._agent = None
 
+    @property
+    def sender_id(self) -> str:
+        return self.agent_name
+
     # -------------------------------------------------------------- receiver
     def _receiver_address(self, pool: torch.Tensor) -> dict[str, Any]:
         return {"agent_name": self.agent_name, "agent_metadata": self._metadata, "base_address": pool.data_ptr()}
@@ -217,9 +222,10 @@ class NixlTransport(KVTransport):
             notifs = self._agent.get_new_notifs()
         out: list[ChunkNotification] = []
         for agent, messages in notifs.items():
+            sender = agent.decode() if isinstance(agent, bytes) else str(agent)
             for msg in messages:
                 try:
-                    out.append(ChunkNotification.from_bytes(msg))
+                    out.append(dataclasses.replace(ChunkNotification.from_bytes(msg), sender=sender))
                 except ValueError as e:
                     logger.warning("ignoring a NIXL notification from %s that is not ours: %s", agent, e)
         return out
@@ -314,25 +320,23 @@ class NixlTransport(KVTransport):
             return state
 
     def _cancel(self, handle: NixlPushHandle) -> bool:
-        """Release a WRITE that is still in flight; NIXL cancels it, or refuses (then it may still land)."""
+        """A WRITE that NIXL has posted cannot be stopped: releasing an active request returns at once, but
+        the bytes UCX has queued still land on the receiver's next progress calls (over TCP, 15 of 63 MiB
+        after a release that reported success). So a cancel only stops waiting: the push is over once NIXL
+        reports it ``DONE`` or failed, and until then this returns False (each call drives its progress)."""
         with self._lock:
-            xfer = handle._xfer
-            if xfer is None:
+            if handle._xfer is None:
                 return True
             if self._closed or self._agent is None:
                 handle._fail("transport closed while the push was in flight")
                 return True
-            if self._agent.check_xfer_state(xfer) == "DONE":
-                self._release(handle, None)
-                return True
-            try:
-                xfer.release()  # an active transfer is cancelled; raises when it cannot be
-            except Exception as e:
-                logger.warning("NIXL could not cancel the push %s yet: %s", handle.notification, e)
+            state = self._agent.check_xfer_state(handle._xfer)
+            if state == "PROC":
                 return False
-            self._inflight.pop(id(handle), None)
-            handle._xfer = None
-            handle._fail(f"push {handle.notification} cancelled")
+            if state == "DONE":
+                self._release(handle, None)
+            else:
+                self._release(handle, f"NIXL transfer failed (state {state}) after its cancel: {handle.notification}")
             return True
 
     def _release(self, handle: NixlPushHandle, error: str | None) -> None:

@@ -215,7 +215,7 @@ class StepRecord(_message.Message):
     def __init__(self, started: _Optional[float] = ..., duration_s: _Optional[float] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_seqs: _Optional[int] = ..., num_context_tokens: _Optional[int] = ..., schedule_s: _Optional[float] = ..., num_preempted: _Optional[int] = ..., num_decode_context_tokens: _Optional[int] = ..., num_kv_read_tokens: _Optional[int] = ..., worker: _Optional[str] = ..., device_s: _Optional[float] = ..., cpu_s: _Optional[float] = ..., pace_s: _Optional[float] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "blocks_total", "blocks_free", "blocks_cached", "blocks_used", "num_running", "num_waiting", "num_remote_pending", "tokens_in_flight", "num_steps", "kv_bytes_moved", "steps", "node", "device", "state", "kv_pushes_refused", "admissions")
+    __slots__ = ("worker_id", "role", "blocks_total", "blocks_free", "blocks_cached", "blocks_used", "num_running", "num_waiting", "num_remote_pending", "tokens_in_flight", "num_steps", "kv_bytes_moved", "steps", "node", "device", "state", "kv_pushes_refused", "admissions", "kv_blocks_quarantined", "kv_late_writes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +234,8 @@ class WorkerStats(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     KV_PUSHES_REFUSED_FIELD_NUMBER: _ClassVar[int]
     ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    KV_LATE_WRITES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     blocks_total: int
@@ -252,7 +254,9 @@ class WorkerStats(_message.Message):
     state: str
     kv_pushes_refused: int
     admissions: _containers.RepeatedCompositeFieldContainer[AdmissionEvent]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., blocks_used: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_remote_pending: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., num_steps: _Optional[int] = ..., kv_bytes_moved: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., node: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[str] = ..., kv_pushes_refused: _Optional[int] = ..., admissions: _Optional[_Iterable[_Union[AdmissionEvent, _Mapping]]] = ...) -> None: ...
+    kv_blocks_quarantined: int
+    kv_late_writes: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., blocks_used: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_remote_pending: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., num_steps: _Optional[int] = ..., kv_bytes_moved: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., node: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[str] = ..., kv_pushes_refused: _Optional[int] = ..., admissions: _Optional[_Iterable[_Union[AdmissionEvent, _Mapping]]] = ..., kv_blocks_quarantined: _Optional[int] = ..., kv_late_writes: _Optional[int] = ...) -> None: ...
 
 class AdmissionEvent(_message.Message):
     __slots__ = ("request_id", "event", "time")

@@ -102,11 +102,12 @@ class Choices:
         stop: tuple[str, ...] = (),
         stream_interval: int = 0,
         fit_max_tokens: bool = False,
+        owner: str = "",
     ) -> Choices:
         """Route ``n`` choices of every prompt at once and wait for each one's first event.
 
         If any is refused, the others are ended and its RequestError is raised. ``request_id`` None: the router
-        names each choice.
+        names each choice; ``owner`` is who sent it (``GenerateInput.owner``).
         """
         if not 1 <= n <= MAX_CHOICES:
             raise RequestError("INVALID_ARGUMENT", f"n: must be in [1, {MAX_CHOICES}], got {n}")
@@ -132,6 +133,7 @@ class Choices:
                     fit_max_tokens=fit_max_tokens,
                     stream_interval=stream_interval,
                     stop=stop,
+                    owner=owner,
                 )
                 choices.append(Choice(index, p, rid or "", router.generate(routed)))
         self = cls(router, request_id, choices, n)

@@ -7,6 +7,7 @@ with Client("127.0.0.1:50051") as client:
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -96,12 +97,20 @@ def _channel(api: Any, target: str, root_certificates: bytes | None) -> Any:
     return api.secure_channel(target, grpc.ssl_channel_credentials(root_certificates), options=GRPC_OPTIONS)
 
 
-def _metadata(auth_token: str | None) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+CLIENT_ID_KEY = "x-pdserve-client-id"  # gRPC metadata: who sends a request (only they may abort it)
+
+
+def _metadata(auth_token: str | None, client_id: str) -> tuple[tuple[str, str], ...]:
+    bearer = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+    return (*bearer, (CLIENT_ID_KEY, client_id))
 
 
 class Client:
-    """A blocking client. ``root_certificates`` (PEM) switches to TLS; ``auth_token`` is sent as a bearer token."""
+    """A blocking client. ``root_certificates`` (PEM) switches to TLS; ``auth_token`` is sent as a bearer token.
+
+    ``client_id`` names this client to the router (a random id by default): ``abort`` stops only requests sent
+    under the same id; share it between clients that should stop each other's requests.
+    """
 
     def __init__(
         self,
@@ -109,9 +118,11 @@ class Client:
         timeout_s: float = 600.0,
         auth_token: str | None = None,
         root_certificates: bytes | None = None,
+        client_id: str | None = None,
     ) -> None:
+        self.client_id = client_id or uuid.uuid4().hex
         self._channel = _channel(grpc, target, root_certificates)
-        self._md = _metadata(auth_token)
+        self._md = _metadata(auth_token, self.client_id)
         self._stub = pb_grpc.PDServeStub(self._channel)
         self.timeout_s = timeout_s
 
@@ -175,9 +186,11 @@ class AsyncClient:
         timeout_s: float = 600.0,
         auth_token: str | None = None,
         root_certificates: bytes | None = None,
+        client_id: str | None = None,
     ) -> None:
+        self.client_id = client_id or uuid.uuid4().hex
         self._channel = _channel(grpc.aio, target, root_certificates)
-        self._md = _metadata(auth_token)
+        self._md = _metadata(auth_token, self.client_id)
         self._stub = pb_grpc.PDServeStub(self._channel)
         self.timeout_s = timeout_s
 

@@ -34,8 +34,9 @@ class RouterConfig:
     stream_idle_timeout_s: float = option(600.0, "a stream with no token for this many seconds fails with UNAVAILABLE")
     decode_silence_timeout_s: float = option(
         5.0,
-        "a decode worker whose event stream is silent this long (an idle one sends a heartbeat every 0.5 s) "
-        "counts as hung: its requests fail with UNAVAILABLE and nothing is routed to it until it streams again",
+        "a decode worker whose event stream is silent this long (an idle one sends a heartbeat every 0.5 s), or a "
+        "prefill worker that does not answer the router's probe (twice a second) for this long, counts as hung: its "
+        "requests fail with UNAVAILABLE and nothing is routed to it until it answers again",
     )
     max_queue_time_s: float | None = option(
         None,

@@ -20,9 +20,9 @@ prompt's tokens and log-probabilities come first; ``max_tokens: 0`` answers the 
 
 Limits: a request body over ``RouterConfig.max_request_bytes`` is answered 413 before it is parsed; a
 client that disconnects before its answer is complete has its request aborted on the workers (streamed
-or not). A POST body sent without a JSON content type is read as JSON. With a bearer token, ``/v1/`` and
-the explorer's ``/explorer/api/`` need it. With a certificate and key (``ServerSecurity``) the server
-speaks HTTPS only.
+or not). A POST body sent without a JSON content type is read as JSON. With a bearer token, ``/v1/``,
+``/tokenize``, ``/detokenize`` and the explorer's ``/explorer/api/`` need it. With a certificate and key
+(``ServerSecurity``) the server speaks HTTPS only.
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, whatever the status: a
 bad parameter 400, a missing token 401 (with ``WWW-Authenticate``), an unknown model or route 404, a
@@ -67,15 +67,16 @@ from pdserve.router.server import has_bearer_token
 log = logging.getLogger(__name__)
 
 
-PROTECTED_PREFIXES = ("/v1/", "/explorer/api/")  # behind the bearer token, when one is set
+# behind the bearer token, when one is set
+PROTECTED_PREFIXES = ("/v1/", "/explorer/api/", "/tokenize", "/detokenize")
 
 
 def build_app(router: Router, model_name: str, auth_token: str | None = None) -> FastAPI:
     """The HTTP app serving ``router``'s model under ``model_name`` (the ``model`` clients must send).
 
-    With ``auth_token``, every ``/v1/`` (and explorer ``/explorer/api/``) call needs ``Authorization:
-    Bearer <token>`` (an OpenAI client's ``api_key``); ``/health`` and ``/metrics`` stay open for probes
-    and scrapers. A body over ``router.config.max_request_bytes`` is refused (413) before it is parsed.
+    With ``auth_token``, every ``/v1/``, ``/tokenize``, ``/detokenize`` (and explorer ``/explorer/api/``) call
+    needs ``Authorization: Bearer <token>`` (an OpenAI client's ``api_key``); ``/health`` and ``/metrics`` stay
+    open for probes and scrapers. A body over ``router.config.max_request_bytes`` is refused (413) before it is parsed.
     """
     # No /docs page: FastAPI's loads its scripts from a CDN (blank offline); the schema is at /openapi.json.
     app = FastAPI(title="pdserve", description=__doc__, docs_url=None, redoc_url=None)
@@ -99,10 +100,11 @@ def _add_tokenizer_routes(app: FastAPI, api: _Endpoints) -> None:
     """vLLM's ``POST /tokenize`` and ``POST /detokenize`` (also under ``/v1/``)."""
 
     async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
-        return api.tokenization.tokenize(body)
+        # in a thread: tokenizing a long text must not stall the streams
+        return await asyncio.to_thread(api.tokenization.tokenize, body)
 
     async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
-        return api.tokenization.detokenize(body)
+        return await asyncio.to_thread(api.tokenization.detokenize, body)
 
     for prefix in ("", "/v1"):
         app.post(f"{prefix}/tokenize")(tokenize_route)

@@ -217,6 +217,20 @@ _METRICS = (
     ),
     _Spec("blocks_free", Gauge, "pdserve_worker_kv_blocks_free", "Unused KV blocks holding nothing cached", _WORKER),
     _Spec(
+        "blocks_quarantined",
+        Gauge,
+        "pdserve_worker_kv_blocks_quarantined",
+        "Decode: blocks of withdrawn reservations that a push may still reach (counted in used)",
+        _WORKER,
+    ),
+    _Spec(
+        "late_writes",
+        Gauge,
+        "pdserve_worker_kv_late_writes",
+        "Decode, with --verify-kv: freed blocks found changed before their reuse (since the worker started)",
+        _WORKER,
+    ),
+    _Spec(
         "kv_usage",
         Gauge,
         "pdserve_worker_kv_usage_ratio",
@@ -279,6 +293,8 @@ class RouterMetrics:
     blocks_used: Gauge
     blocks_cached: Gauge
     blocks_free: Gauge
+    blocks_quarantined: Gauge
+    late_writes: Gauge
     kv_usage: Gauge
     running: Gauge
     waiting: Gauge
@@ -374,6 +390,8 @@ class RouterMetrics:
                 self.blocks_used.labels(**labels).set(w.blocks_used)
                 self.blocks_cached.labels(**labels).set(w.blocks_cached)
                 self.blocks_free.labels(**labels).set(w.blocks_free)
+                self.blocks_quarantined.labels(**labels).set(w.kv_blocks_quarantined)
+                self.late_writes.labels(**labels).set(w.kv_late_writes)
                 self.kv_usage.labels(**labels).set(w.blocks_used / w.blocks_total if w.blocks_total else 0.0)
                 self.running.labels(**labels).set(w.num_running)
                 self.waiting.labels(**labels).set(w.num_waiting)

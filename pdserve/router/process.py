@@ -1,5 +1,8 @@
 """A router process: one ``Router`` and its gRPC server in a Ray actor of its own.
 
+The decode workers hold a handle to it (they ask ``alive()`` to learn when it died), and Ray loads this
+module wherever a handle is deserialised: the HTTP API (FastAPI, ~16 MB) loads only when a server starts.
+
 ``pdserve serve --routers N`` starts N of them in front of the same workers. They bind one port with
 ``SO_REUSEPORT`` (gRPC sets it by default on Linux), so the kernel spreads client *connections* over
 them: a client channel sticks to one router, many channels spread out. Each router subscribes to every
@@ -24,12 +27,13 @@ import resource
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import ray
+
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.net import HttpServer, server_tls_context
 from pdserve.priority import restore_normal_priority
 from pdserve.router.config import RouterConfig
-from pdserve.router.http_api import build_app, metrics_app
 from pdserve.router.router import ModelLimits, Router, WorkerHandle
 from pdserve.router.server import GrpcServer, ServerSecurity, start_server
 
@@ -61,6 +65,7 @@ class RouterProcess:
         limits = ModelLimits(model_config.vocab_size, engine_config.max_model_len)  # type: ignore[arg-type]
         tokenizer = load_tokenizer(engine_config.model, model_config.eos_token_ids or None)
         self.router = Router(config, decode_workers, prefill_workers, limits, tokenizer, router_id)
+        self.router.handle = ray.get_runtime_context().current_actor  # the workers watch it for the router's death
         self.model_name = engine_config.model
         self._server: GrpcServer | None = None
         self._http: list[HttpServer] = []
@@ -89,7 +94,7 @@ class RouterProcess:
             tls = server_tls_context(security.tls_cert_chain, security.tls_private_key)
         for name, address, app in (
             ("http", (host, http_port), self._http_app),
-            ("metrics", (host, metrics_port), lambda: metrics_app(self.router)),
+            ("metrics", (host, metrics_port), self._metrics_app),
             ("site", site[:2] if site else (host, None), lambda: self._site_app(site[2])),  # type: ignore[index]
         ):
             bind_host, bind_port = address
@@ -101,7 +106,14 @@ class RouterProcess:
         return ports
 
     def _http_app(self) -> Any:
+        from pdserve.router.http_api import build_app
+
         return build_app(self.router, self.model_name, self._security.auth_token if self._security else None)
+
+    def _metrics_app(self) -> Any:
+        from pdserve.router.http_api import metrics_app
+
+        return metrics_app(self.router)
 
     def _site_app(self, add_site: AddSite) -> Any:
         app = self._http_app()
@@ -121,6 +133,10 @@ class RouterProcess:
             await self._server.stop(grace_s)
             self._server = None
         await self.router.close()
+
+    async def alive(self) -> bool:
+        """The decode workers ask this to learn that the router's process still lives (Ray says when it died)."""
+        return True
 
     async def usage(self) -> dict[str, float]:
         """This process's CPU seconds and the event-stream items it has received (for the benchmarks)."""

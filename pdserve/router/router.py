@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
+from pdserve.engine.async_engine import EngineStalled, NotSubscribed
 from pdserve.engine.prompt import check_prompt_text, check_prompt_tokens
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
@@ -43,6 +44,7 @@ from pdserve.router.worker_events import InFlight, WorkerEvents
 log = logging.getLogger(__name__)
 
 REUSE_GRACE_S = 0.5  # how long a new request waits for a live request with its id to end
+ABORT_CALL_TIMEOUT_S = 15.0  # an abort call to a worker is let go after this (the worker fences its own blocks)
 
 
 class RequestError(Exception):
@@ -75,6 +77,7 @@ class GenerateInput(NamedTuple):
     stream_interval: int = 0  # tokens per message after the first; 0 = the deployment's (RouterConfig)
     # the text ends before the first of these strings; the request then ends with finish_reason "stop"
     stop: tuple[str, ...] = ()
+    owner: str = ""  # who sent it (a client id, or its connection): only the same owner may abort it
 
 
 class RouterEvent(NamedTuple):
@@ -157,7 +160,8 @@ class Router:
         self._serial = itertools.count()
         self.num_queued = 0  # requests waiting for their first token
         self.queued_prompt_tokens = 0
-        self._events = WorkerEvents(router_id, config, self.policy, self.workers, self.active, self._by_key)
+        self.handle: Any = None  # this router's actor handle (set by its RouterProcess): workers watch it
+        self._events = WorkerEvents(router_id, config, self.policy, self.workers, self.active, self._by_key, self)
         self._ids = itertools.count()
         self._seeds = random.Random()
         self.metrics = RouterMetrics(router_id)
@@ -279,6 +283,7 @@ class Router:
             num_cached_tokens=route.expected_cached_tokens,
             prefill_pending=route.prefill_worker is not None,
         )
+        request.owner = req.owner
         if req.mode == "disaggregated" and route.mode == "colocated":
             request.fallback = "no prefill worker available"
         self.active[request_id] = request
@@ -349,11 +354,10 @@ class Router:
             # The worker key is unique per incarnation, so the id may be reused while the abort runs.
             self.active.pop(request_id, None)
             self._by_key.pop(request.key, None)
-            try:
-                if not finished:  # cancelled or failed: make sure no worker keeps working on it
-                    await asyncio.shield(self._abort_on_workers(request.key, request.served))
-            finally:
+            if finished:
                 request.done.set()
+            else:  # cancelled or failed: make sure no worker keeps working on it (the client is not kept waiting)
+                self._abort_on_workers(request.key, request.served).add_done_callback(lambda _: request.done.set())
 
     def _cut_at_stop(self, request: InFlight, stop: StopMatcher | None, event: RouterEvent) -> RouterEvent:
         """``event`` with its text cut before a stop string: the request's last event (finish_reason "stop")
@@ -443,7 +447,10 @@ class Router:
         prefill = self.workers[route.prefill_worker].actor  # type: ignore[index]
         try:
             result = await self._prefill_unless_decode_fails(
-                request, prefill.prefill.remote(request.key, prompt, params, decode, self.config.reserve_timeout_s)
+                request,
+                prefill.prefill.remote(
+                    request.key, prompt, params, decode, self.config.reserve_timeout_s, self.router_id
+                ),
             )
         except (RayActorError, RayTaskError) as e:
             if _is_value_error(e):
@@ -452,6 +459,12 @@ class Router:
                 raise RequestError("RESOURCE_EXHAUSTED", _cause(e)) from None
             if request.aborted:
                 return self._event(request, [], "abort")
+            if isinstance(e, EngineStalled | NotSubscribed) or _cause_is(e, "DecodeUnavailable"):
+                # a hung worker (either one), or a decode worker that lost this router: nothing to fall back on
+                if isinstance(e, EngineStalled):
+                    self.policy.set_available(route.prefill_worker, False)  # type: ignore[arg-type]
+                self._abort_on_workers(request.key, route)
+                raise RequestError("UNAVAILABLE", _cause(e)) from None
             if isinstance(e, RayActorError):
                 self.policy.set_available(route.prefill_worker, False)  # type: ignore[arg-type]
             log.warning(
@@ -459,12 +472,11 @@ class Router:
             )
             # a prefill process that is dead pushes nothing more; one that failed the request is asked first
             gone = isinstance(e, ActorDiedError)
-            await asyncio.shield(
-                self._abort_on_workers(request.key, route._replace(prefill_worker=None) if gone else route)
-            )
+            self._abort_on_workers(request.key, route._replace(prefill_worker=None) if gone else route)
             self._prefill_finished(request, prompt)
             # a new key: the decode worker may still hold the old one's blocks until the prefill side confirms
             self._by_key.pop(request.key, None)
+            request.pending.clear()  # what its reservation's stream said is about the old key
             request.key = f"{request.key}~local"
             self._by_key[request.key] = request
             request.served = route._replace(mode="colocated", prefill_worker=None)
@@ -497,7 +509,7 @@ class Router:
             request.pending[:0] = updates  # not for this phase: the main loop reads them
             return await call
         error = next(u.error for u in updates if u.error)
-        await asyncio.shield(self._abort_on_workers(request.key, request.route))
+        self._abort_on_workers(request.key, request.route)
         call.cancel()
         raise RequestError("UNAVAILABLE", error)
 
@@ -591,45 +603,41 @@ class Router:
         if not task.cancelled():
             task.exception()  # read, so an ignored failure is not logged as never retrieved
 
-    async def _abort_on_workers(self, key: str, route: Route) -> None:
-        """Stop a request everywhere.
+    def _abort_on_workers(self, key: str, route: Route) -> asyncio.Future:
+        """Stop a request everywhere, without keeping anyone waiting: returns a future that is done once both
+        workers answered or ``ABORT_CALL_TIMEOUT_S`` passed.
 
-        The prefill worker goes first: its abort cancels the request's pushes and returns once none can
-        land any more. Then the decode worker: a reservation's blocks are its own, and it frees them only
-        once no push can still land (it asks the prefill worker itself, or its transport refuses late
-        writes), so this call is safe whatever the prefill worker answered. A decode worker whose event
-        stream is down is skipped: it died (a fresh process holds nothing of this request) or it lost this
-        router's stream, and then stops the router's requests itself.
+        The prefill worker and the decode worker are told at once. Neither answer is needed for the blocks'
+        sake: a reservation's blocks are the decode worker's own, and it frees them only once no push can still
+        land (it asks the prefill worker itself, or its transport refuses late writes). A decode worker whose
+        event stream is down is not waited for: it died (a fresh process holds nothing of this request) or it
+        hangs (it runs the abort when it resumes) or it lost this router's stream (and stops the router's
+        requests itself).
         """
+        calls = []
         if route.prefill_worker is not None:
-            try:
-                await asyncio.wait_for(
-                    self.workers[route.prefill_worker].actor.abort.remote(key), self.config.abort_fence_s
-                )
-            except ActorDiedError:
-                pass  # a dead prefill worker pushes nothing more
-            except Exception as e:  # unavailable or slow: maybe still pushing; the decode worker fences it
-                log.warning("abort of %s on %s unconfirmed: %r", key, route.prefill_worker, e)
+            calls.append(_bounded(self.workers[route.prefill_worker].actor.abort.remote(key), ABORT_CALL_TIMEOUT_S))
         ref = self.workers[route.decode_worker].actor.abort.remote(key)
-        if not self.policy.is_available(route.decode_worker):
-            self._keep(_call(ref))  # not awaited: a hung process runs it once it resumes; a dead one holds nothing
-            return
-        try:
-            await asyncio.wait_for(self._unless_down(route.decode_worker, ref), 30.0)
-        except Exception as e:  # a dead worker has nothing left to abort; a hung one runs it when it resumes
-            log.warning("abort of %s on %s failed: %s", key, route.decode_worker, e)
+        if self.policy.is_available(route.decode_worker):
+            calls.append(_bounded(self._unless_down(route.decode_worker, ref), ABORT_CALL_TIMEOUT_S))
+        else:
+            self._keep(_call(ref))
+        return self._keep(_log_failures(key, asyncio.gather(*calls, return_exceptions=True)))
 
-    async def abort(self, request_id: str) -> bool:
-        """Stop a request (every choice of a request of several); False when no such request is active."""
+    async def abort(self, request_id: str, owner: str | None = None) -> bool:
+        """Stop the client's request ``request_id`` (every choice of a request of several); False when there is
+        none. With ``owner``, only a request started by that owner (``GenerateInput.owner``) counts: a client
+        cannot stop another client's request. Returns at once; the request's stream ends with an ``abort``
+        finish."""
         choices = self.groups.get(request_id)
         if choices is not None:
-            found = await asyncio.gather(*(self.abort(choice) for choice in choices))
+            found = await asyncio.gather(*(self.abort(choice, owner) for choice in choices))
             return any(found)
         request = self.active.get(request_id)
-        if request is None:
+        if request is None or (owner is not None and request.owner != owner):
             return False
         request.aborted = True
-        await self._abort_on_workers(request.key, request.served)
+        self._abort_on_workers(request.key, request.served)
         return True
 
     async def stats(self, steps_since: float | None = None) -> list[WorkerStats]:
@@ -670,6 +678,20 @@ def _prompt_logprobs(updates: list[TokenUpdate]) -> list[PromptLogprob] | None:
     return next((u.prompt_logprobs for u in updates if u.prompt_logprobs is not None), None)
 
 
+async def _bounded(awaitable: Any, timeout_s: float) -> Any:
+    return await asyncio.wait_for(_awaited(awaitable), timeout_s)
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+async def _log_failures(key: str, answers: Any) -> None:
+    for answer in await answers:
+        if isinstance(answer, BaseException) and not isinstance(answer, ActorDiedError):
+            log.warning("abort of %s unconfirmed: %r", key, answer)
+
+
 async def _call(ref: Any) -> Any:
     """Await an actor call, turning its failure into the RequestError a client should see."""
     try:
@@ -677,8 +699,8 @@ async def _call(ref: Any) -> Any:
     except RayTaskError as e:
         if _is_value_error(e):
             code = "INVALID_ARGUMENT"
-        elif _cause_is(e, "ReservationGone"):  # the decode worker gave up on the KV: not the client's fault
-            code = "UNAVAILABLE"
+        elif _cause_is(e, "ReservationGone") or isinstance(e, EngineStalled | NotSubscribed):
+            code = "UNAVAILABLE"  # the decode worker gave up on the KV, hangs, or lost this router: not the client's
         else:
             code = "INTERNAL"
         raise RequestError(code, _cause(e)) from None

@@ -21,9 +21,11 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.net import is_loopback
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.choices import Choices
+from pdserve.router.client import CLIENT_ID_KEY
 from pdserve.router.grpc_reflection import V1_SERVICE, V1ALPHA_SERVICE, enable_reflection
 from pdserve.router.router import RequestError, Router, RouterEvent
 from pdserve.router.wire import (
@@ -86,6 +88,13 @@ def _why_undecodable(raw: bytes, string_fields: dict[int, str]) -> str:
     return "request: not a valid protobuf message"
 
 
+def caller(context: grpc.aio.ServicerContext) -> str:
+    """Who sent a call: the client id it names (``x-pdserve-client-id``), else its connection. A request can be
+    aborted only by its own caller: another client gets ``found=False``, as for an unknown id."""
+    client_id = dict(context.invocation_metadata() or ()).get(CLIENT_ID_KEY)
+    return f"client:{client_id}" if client_id else f"peer:{context.peer()}"
+
+
 def user_turn_prompt(tokenizer: Tokenizer | None, text: str) -> str:
     """``text`` as the user's turn through the model's chat template; as is for a model without one."""
     if tokenizer is None or tokenizer.chat_template.is_plain:
@@ -127,6 +136,7 @@ class PDServeServicer(pb_grpc.PDServeServicer):
                 MODE_NAMES[request.mode],
                 tuple(request.sampling.stop),
                 request.stream_interval,
+                owner=caller(context),
             )
             async with contextlib.aclosing(choices.events()) as events:
                 async for choice, event in events:
@@ -139,7 +149,7 @@ class PDServeServicer(pb_grpc.PDServeServicer):
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         if not request.request_id:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
-        return pb.AbortResponse(found=await self.router.abort(request.request_id))
+        return pb.AbortResponse(found=await self.router.abort(request.request_id, owner=caller(context)))
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         ok, status = await self.router.health()
@@ -293,6 +303,12 @@ def _status_name(ok: bool) -> str:
 async def start_server(router: Router, host: str, port: int, security: ServerSecurity | None = None) -> GrpcServer:
     """Start serving on ``host:port`` (``port=0`` picks a free one; ``.port`` is the bound one)."""
     security = security or ServerSecurity()
+    tls = security.tls_cert_chain is not None and security.tls_private_key is not None
+    if security.auth_token and not tls and not is_loopback(host):
+        raise ValueError(
+            f"gRPC server on {host!r}: a token-protected server off loopback needs TLS, "
+            "or the token crosses the network in the clear"
+        )
     interceptors = [BearerTokenAuth(security.auth_token)] if security.auth_token else []
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     server.add_generic_rpc_handlers((_handlers(PDServeServicer(router), router.config.max_request_bytes),))
@@ -302,7 +318,7 @@ async def start_server(router: Router, host: str, port: int, security: ServerSec
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     enable_reflection(server, (SERVICE_NAME, grpc_health.SERVICE_NAME))
     address = f"{host}:{port}"
-    if security.tls_cert_chain is not None and security.tls_private_key is not None:
+    if tls:
         credentials = grpc.ssl_server_credentials([(security.tls_private_key, security.tls_cert_chain)])
         bound = server.add_secure_port(address, credentials)
     else:

@@ -4,9 +4,12 @@
 takes them (``next_updates``). ``WorkerEvents`` runs a reader task per decode worker that demultiplexes
 the worker's stream into the requests by their key, and keeps the routing policy's view of which workers
 are available: a decode worker whose stream drops, or stays silent past ``decode_silence_timeout_s`` (an idle
-worker sends a heartbeat twice a second, so silence means its process hangs), is unavailable (its requests
-fail) until it streams again; a failed prefill worker is probed until it answers. One more task fails a
-stream that went idle.
+worker sends a heartbeat twice a second, so silence means its process hangs), or whose heartbeats say that its
+engine loop has stalled (``engine_stall_timeout_s``), is unavailable (its requests fail) until it streams
+again with a turning engine. Prefill workers have no stream: each is asked ``ready()`` every
+``PREFILL_PROBE_S``; one that does not answer for ``decode_silence_timeout_s``, or answers that its engine
+stalled, is unavailable (its prefills in flight fail) until it answers again. One more task fails a stream
+that went idle.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pdserve.engine.async_engine import EngineStalled
 from pdserve.engine.tokenizer import IncrementalDetokenizer
 from pdserve.messages import TokenUpdate
 from pdserve.router.config import RouterConfig
@@ -26,6 +30,7 @@ if TYPE_CHECKING:
     from pdserve.router.router import WorkerHandle
 
 log = logging.getLogger("pdserve.router.router")  # the router's records, under its logger as before the split
+PREFILL_PROBE_S = 0.5  # how often the router asks each prefill worker whether it is alive
 
 
 @dataclass
@@ -53,6 +58,7 @@ class InFlight:
     last_update: float = field(default_factory=time.monotonic)
     last_event: float = 0.0  # unix time of the last event with tokens
     stopped: bool = False  # its consumer had what it wanted (``Router.stopped``): an early end is a finish
+    owner: str = ""  # who sent it (``GenerateInput.owner``)
 
     def deliver(self, update: TokenUpdate) -> None:
         self.pending.append(update)
@@ -87,6 +93,7 @@ class WorkerEvents:
         workers: dict[str, WorkerHandle],
         active: dict[str, InFlight],
         by_key: dict[str, InFlight],
+        owner: Any = None,
     ) -> None:
         self.router_id = router_id
         self.config = config
@@ -94,6 +101,7 @@ class WorkerEvents:
         self.workers = workers
         self.active = active
         self._by_key = by_key
+        self._owner = owner  # the Router: its ``handle`` (when it runs in an actor) goes with each subscription
         self.num_items = 0  # event-stream items with updates received from the workers
         self._tasks: list[asyncio.Task] = []
         self._last_heard: dict[str, float] = {}  # decode worker -> monotonic time of its stream's last item
@@ -111,7 +119,8 @@ class WorkerEvents:
             self._tasks.append(asyncio.create_task(self._read(worker, confirmed)))
         self._tasks.append(asyncio.create_task(self._watch_idle_streams()))
         self._tasks.append(asyncio.create_task(self._watch_silent_workers([w.worker_id for w in decode_workers])))
-        self._tasks.append(asyncio.create_task(self._probe_prefill_workers()))
+        for worker_id in self.policy.prefill:
+            self._tasks.append(asyncio.create_task(self._probe_prefill_worker(self.workers[worker_id])))
         await asyncio.wait_for(asyncio.gather(*subscribed), timeout_s)
 
     async def close(self) -> None:
@@ -125,13 +134,16 @@ class WorkerEvents:
         delay = 0.1
         while True:
             try:
-                stream = worker.actor.events.options(num_returns="streaming").remote(self.router_id)
+                handle = getattr(self._owner, "handle", None)
+                stream = worker.actor.events.options(num_returns="streaming").remote(self.router_id, handle)
                 async for ref in stream:
                     item = await ref
                     self._last_heard[worker.worker_id] = time.monotonic()
                     if not subscribed.done():
                         subscribed.set_result(None)
-                    if not self.policy.is_available(worker.worker_id):
+                    if item.stalled:
+                        self._fail_worker(worker.worker_id, f"is hung: {item.stalled}")
+                    elif not self.policy.is_available(worker.worker_id):
                         log.info("%s: worker %s is back", self.router_id, worker.worker_id)
                         self.policy.set_available(worker.worker_id, True)
                         self.down(worker.worker_id).clear()
@@ -179,19 +191,46 @@ class WorkerEvents:
                 if heard is not None and now - heard > limit and self.policy.is_available(worker_id):
                     self._fail_worker(worker_id, f"sent nothing on its event stream for {limit:g} s (hung)")
 
-    async def _probe_prefill_workers(self) -> None:
-        """Bring a prefill worker that failed back into the pool once it answers again (Ray restarts it)."""
+    async def _probe_prefill_worker(self, worker: WorkerHandle) -> None:
+        """Ask a prefill worker ``ready()`` every ``PREFILL_PROBE_S``. Silent for ``decode_silence_timeout_s``
+        (its process hangs) or answering that its engine stalled, it is down: its prefills in flight fail with
+        UNAVAILABLE and nothing is routed to it. It is back once it answers ``ready()`` again (Ray restarted
+        it, or its engine turns again). One probe is out at a time."""
+        limit = self.config.decode_silence_timeout_s
+        last_answer = time.monotonic()
+        probe: asyncio.Future | None = None
         while True:
-            await asyncio.sleep(0.5)
-            for worker_id in self.policy.prefill:
-                if self.policy.is_available(worker_id):
-                    continue
-                try:
-                    await asyncio.wait_for(self.workers[worker_id].actor.ready.remote(), 2.0)
-                except Exception:
-                    continue
-                log.info("%s: prefill worker %s is back", self.router_id, worker_id)
-                self.policy.set_available(worker_id, True)
+            if probe is None:
+                probe = asyncio.ensure_future(_awaited(worker.actor.ready.remote()))
+            done, _ = await asyncio.wait({probe}, timeout=PREFILL_PROBE_S)
+            now = time.monotonic()
+            if done:
+                answered, probe = probe, None
+                error = answered.exception()
+                if error is None:
+                    last_answer = now
+                    if not self.policy.is_available(worker.worker_id):
+                        log.info("%s: prefill worker %s is back", self.router_id, worker.worker_id)
+                        self.policy.set_available(worker.worker_id, True)
+                elif isinstance(error, EngineStalled):  # Ray's RayTaskError subclasses its cause's type
+                    self._fail_prefill_worker(worker.worker_id, _cause_text(error))
+                elif self.policy.is_available(worker.worker_id):
+                    # dead or restarting: the prefill call itself fails (RayActorError), and the router
+                    # prefills locally; it is routed to again once it answers
+                    self.policy.set_available(worker.worker_id, False)
+                await asyncio.sleep(max(0.0, PREFILL_PROBE_S - (time.monotonic() - now)))
+            elif now - last_answer > limit:
+                self._fail_prefill_worker(worker.worker_id, f"is hung: it has not answered for {limit:g} s")
+
+    def _fail_prefill_worker(self, worker_id: str, reason: str) -> None:
+        """The prefill worker counts as down until it answers again: route nothing to it, fail its prefills."""
+        if self.policy.is_available(worker_id):
+            log.warning("%s: prefill worker %s %s; failing its prefills", self.router_id, worker_id, reason)
+        self.policy.set_available(worker_id, False)
+        for request in list(self.active.values()):
+            if request.served.prefill_worker == worker_id and request.prefill_pending:
+                error = reason if reason.startswith("prefill worker") else f"prefill worker {worker_id} {reason}"
+                request.deliver(TokenUpdate(request.key, [], "abort", error=error))
 
     async def _watch_idle_streams(self) -> None:
         """Fail a stream that got no update for ``stream_idle_timeout_s`` (one timer for all requests)."""
@@ -203,3 +242,12 @@ class WorkerEvents:
                 if request.waiter is not None and now - request.last_update > limit:
                     error = f"no token from the decode worker for {limit} s"
                     request.deliver(TokenUpdate(request.key, [], "abort", error=error))
+
+
+async def _awaited(ref: Any) -> Any:
+    return await ref
+
+
+def _cause_text(error: BaseException) -> str:
+    cause = getattr(error, "cause", None)
+    return str(cause) if cause is not None else str(error).strip().splitlines()[-1]

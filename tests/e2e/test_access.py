@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import datetime
 import ipaddress
 
 import grpc
 import psutil
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from support.certs import make_ca_and_server_cert
 
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, SamplingParams
@@ -21,49 +17,6 @@ pytestmark = pytest.mark.cluster
 
 ENGINE = EngineConfig(model="tiny", device="cpu", num_kv_blocks=64, torch_threads=1, max_model_len=256)
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-
-
-def _key_and_name(common_name: str):
-    return ec.generate_private_key(ec.SECP256R1()), x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-
-
-def _pem(obj) -> bytes:
-    if isinstance(obj, x509.Certificate):
-        return obj.public_bytes(serialization.Encoding.PEM)
-    return obj.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-
-
-def make_ca_and_server_cert() -> tuple[bytes, bytes, bytes]:
-    """A throwaway CA and a certificate it signed for localhost / 127.0.0.1: (ca, cert, key) as PEM."""
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key, ca_name = _key_and_name("pdserve test CA")
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    key, name = _key_and_name("localhost")
-    san = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(san, critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    return _pem(ca), _pem(cert), _pem(key)
 
 
 def test_the_router_listens_on_loopback_only_by_default(ray_cluster):
@@ -104,13 +57,20 @@ def test_tls_serves_clients_that_trust_its_ca_and_nobody_else(ray_cluster, tmp_p
     other_ca, _, _ = make_ca_and_server_cert()
     (tmp_path / "cert.pem").write_bytes(cert)
     (tmp_path / "key.pem").write_bytes(key)
-    config = DeploymentConfig(
-        engine=ENGINE, tls_cert_file=str(tmp_path / "cert.pem"), tls_key_file=str(tmp_path / "key.pem")
+    config = DeploymentConfig(  # disaggregated over gRPC: the KV service speaks TLS with the same certificate
+        engine=ENGINE,
+        mode="disaggregated",
+        transport="grpc",
+        verify_kv=True,
+        tls_cert_file=str(tmp_path / "cert.pem"),
+        tls_key_file=str(tmp_path / "key.pem"),
     )
     with Deployment(config) as d:
         target = d.address.replace("127.0.0.1", "localhost")
         with Client(target, root_certificates=ca) as c:
-            assert len([t for chunk in c.generate([1, 2, 3], PARAMS) for t in chunk.token_ids]) == 4
+            chunks = list(c.generate([1, 2, 3], PARAMS))
+            assert len([t for chunk in chunks for t in chunk.token_ids]) == 4
+            assert chunks[-1].metadata.mode == "disaggregated" and chunks[-1].metadata.kv_transfer_bytes > 0
         for client in (Client(target, timeout_s=5), Client(target, timeout_s=5, root_certificates=other_ca)):
             with client, pytest.raises(grpc.RpcError) as err:
                 list(client.generate([1, 2, 3], PARAMS))

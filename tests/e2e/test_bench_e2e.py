@@ -19,6 +19,7 @@ def test_pdserve_bench_writes_results_report_and_plots(tmp_path):
             "colocated,disaggregated",
             "--prefill-workers",
             "1",
+            "--verify-kv",
             "--decode-workers",
             "1",
             "--num-requests",

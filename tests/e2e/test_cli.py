@@ -152,6 +152,7 @@ def test_serve_then_generate_then_ctrl_c_stops_cleanly():
             "8",
             "--omp-spin-count",
             "4321",
+            "--verify-kv",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -371,7 +371,13 @@ def deployment(ray_cluster):
         model="tiny", device="cpu", num_kv_blocks=600, max_num_batched_tokens=256, torch_threads=1, max_model_len=2048
     )
     config = DeploymentConfig(
-        engine=engine, mode="auto", num_prefill_workers=1, num_decode_workers=1, transport="grpc", explorer_port=0
+        engine=engine,
+        mode="auto",
+        num_prefill_workers=1,
+        num_decode_workers=1,
+        transport="grpc",
+        verify_kv=True,
+        explorer_port=0,
     )
     with Deployment(config) as d:
         yield d

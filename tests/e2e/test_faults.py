@@ -18,6 +18,7 @@ from support.checks import assert_no_leaks, wait_until
 
 from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.faults import NO_FAULTS, FaultPlan
 from pdserve.kv_transfer.nixl_transport import NixlConfig
 from pdserve.router.client import Client
 from pdserve.router.config import RouterConfig
@@ -61,7 +62,7 @@ def tokens_of(chunks) -> list[int]:
 def test_a_prefill_worker_dying_mid_prefill_falls_back_to_local_prefill_and_rejoins(ray_cluster, expected, transport):
     with deployment(transport=transport) as d, Client(d.address) as client:
         prefill = d.prefill_workers[0].actor
-        ray.get(prefill.inject_fault.remote("slow_steps"))  # 10 chunks of 32 tokens, 200 ms each
+        ray.get(prefill.set_fault_plan.remote(FaultPlan(step_delay_s=0.2)))  # 10 chunks of 32 tokens, 200 ms each
         result: dict = {}
         thread = threading.Thread(target=lambda: result.update(chunks=list(client.generate(PROMPT, GREEDY))))
         thread.start()
@@ -112,7 +113,7 @@ def test_a_crashed_engine_loop_fails_its_requests_at_once_and_its_worker_is_repl
         stream = client.generate(PROMPT, LONG)
         next(stream)
         crashed = time.monotonic()
-        ray.get(d.decode_workers[0].actor.inject_fault.remote("step"))
+        ray.get(d.decode_workers[0].actor.set_fault_plan.remote(FaultPlan(crash_step=True)))
         with pytest.raises(grpc.RpcError) as err:
             list(stream)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "injected engine fault" in err.value.details()
@@ -125,7 +126,7 @@ def test_a_crashed_engine_loop_fails_its_requests_at_once_and_its_worker_is_repl
 
 def test_kv_that_stops_arriving_ends_the_request_clearly_and_frees_both_sides(ray_cluster, expected):
     with deployment() as d, Client(d.address) as client:
-        ray.get(d.prefill_workers[0].actor.inject_fault.remote("stall_pushes"))
+        ray.get(d.prefill_workers[0].actor.set_fault_plan.remote(FaultPlan(stall_pushes=True)))
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
             list(client.generate(PROMPT, GREEDY))
@@ -134,7 +135,7 @@ def test_kv_that_stops_arriving_ends_the_request_clearly_and_frees_both_sides(ra
         assert "KV was not all pushed" in err.value.details() or "KV transfer deadline" in err.value.details()
         assert time.monotonic() - started < 4.0 + 5  # the reservation TTL, plus slack
         assert_no_leaks(d, integrity=False)
-        ray.get(d.prefill_workers[0].actor.inject_fault.remote(None))
+        ray.get(d.prefill_workers[0].actor.set_fault_plan.remote(NO_FAULTS))
         assert tokens_of(client.generate(PROMPT, GREEDY)) == expected
 
 
@@ -196,7 +197,8 @@ def test_a_decode_worker_dying_while_a_long_prefill_pushes_fails_fast_and_frees_
 ):
     with deployment(transport=transport) as d, Client(d.address) as client:
         prefill = d.prefill_workers[0].actor
-        ray.get(prefill.inject_fault.remote("slow_steps"))  # 29 chunks of 32 tokens, 200 ms each: pushing for ~6 s
+        # 29 chunks of 32 tokens, 200 ms each: pushing for ~6 s
+        ray.get(prefill.set_fault_plan.remote(FaultPlan(step_delay_s=0.2)))
         thread, outcome = disaggregated_in_background(client, LONG_PROMPT)
         with Client(d.address) as probe:
             wait_until(lambda: any(w.role == "prefill" and w.num_steps >= 3 for w in probe.stats()), 20, "pushes")
@@ -209,7 +211,7 @@ def test_a_decode_worker_dying_while_a_long_prefill_pushes_fails_fast_and_frees_
         assert outcome["code"] == grpc.StatusCode.UNAVAILABLE, outcome
         assert outcome["at"] - killed < 10, outcome["at"] - killed
         assert prefill_blocks_back_at(d, 10) - killed < 10
-        ray.get(prefill.inject_fault.remote(None))
+        ray.get(prefill.set_fault_plan.remote(NO_FAULTS))
         wait_until(lambda: client.health().status == "serving", 60, "the decode worker to rejoin", interval_s=0.5)
         for mode in ("disaggregated", "colocated"):  # the next requests in every mode succeed
             chunks = list(client.generate(PROMPT, GREEDY, mode=mode))
@@ -232,7 +234,7 @@ def test_a_hung_decode_worker_while_a_long_prefill_pushes_fails_fast_and_frees_t
     with deployment(**config) as d, Client(d.address) as client:
         prefill = d.prefill_workers[0].actor
         [decode_pid] = [info["pid"] for info in d.worker_info if info["worker_id"] == "decode-0"]
-        ray.get(prefill.inject_fault.remote("slow_steps"))  # 24 chunks of 128 tokens, 200 ms more each
+        ray.get(prefill.set_fault_plan.remote(FaultPlan(step_delay_s=0.2)))  # 24 chunks of 128 tokens, 200 ms more each
         thread, outcome = disaggregated_in_background(client, HUNG_PROMPT)
         try:
             with Client(d.address) as probe:
@@ -249,7 +251,7 @@ def test_a_hung_decode_worker_while_a_long_prefill_pushes_fails_fast_and_frees_t
         assert outcome["code"] in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), outcome
         assert outcome["at"] - stopped < 10, outcome["at"] - stopped
         assert blocks_back_s < 10, blocks_back_s
-        ray.get(prefill.inject_fault.remote(None))
+        ray.get(prefill.set_fault_plan.remote(NO_FAULTS))
         wait_until(lambda: client.health().status == "serving", 60, "the decode worker to serve again", interval_s=0.5)
         for mode in ("disaggregated", "colocated", "auto"):  # the next requests in every mode succeed
             chunks = list(client.generate(PROMPT, GREEDY, mode=mode))
@@ -280,3 +282,119 @@ def test_a_hung_decode_worker_mid_stream_fails_its_stream_and_the_other_keeps_se
         assert status_s < 10, status_s
         wait_until(lambda: client.health().status == "serving", 30, f"{victim} to serve again", interval_s=0.5)
         assert_no_leaks(d)
+
+
+# ---- hangs: a worker that stops answering, an engine that stops stepping, a router that goes away --------------
+
+
+def test_a_decode_worker_hung_before_its_reservation_fails_the_request_at_the_silence_timeout(ray_cluster, expected):
+    """The prefill worker's reservation call gets no answer: the client hears at the router's silence timeout
+    (5 s), not after the reservation calls' and the abort fences' bounds."""
+    with deployment() as d, Client(d.address) as client:
+        [pid] = [info["pid"] for info in d.worker_info if info["worker_id"] == "decode-0"]
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            thread, outcome = disaggregated_in_background(client, PROMPT)
+            thread.join(20)
+            assert not thread.is_alive(), "the client got no answer"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert outcome["code"] == grpc.StatusCode.UNAVAILABLE and "decode-0" in outcome["details"], outcome
+        assert outcome["at"] - stopped < 9, outcome["at"] - stopped
+        wait_until(lambda: client.health().status == "serving", 30, "decode-0 to serve again", interval_s=0.5)
+        assert tokens_of(client.generate(PROMPT, GREEDY, mode="disaggregated")) == expected
+        assert_no_leaks(d)
+
+
+def test_a_hung_prefill_worker_fails_its_prefill_naming_it_and_serves_again_once_resumed(ray_cluster, expected):
+    # a reservation deadline past the silence timeout: the router's probe, not the deadline, notices the hang
+    with deployment(reservation_ttl_s=30.0) as d, Client(d.address) as client:
+        prefill = d.prefill_workers[0].actor
+        [pid] = [info["pid"] for info in d.worker_info if info["worker_id"] == "prefill-0"]
+        ray.get(prefill.set_fault_plan.remote(FaultPlan(step_delay_s=0.2)))  # 29 chunks: about 6 s
+        thread, outcome = disaggregated_in_background(client, LONG_PROMPT)
+        with Client(d.address) as probe:
+            wait_until(lambda: any(w.role == "prefill" and w.num_steps >= 3 for w in probe.stats()), 20, "prefill")
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            thread.join(15)
+            assert not thread.is_alive(), "the client got no answer"
+            assert "prefill-0" in client.health().status  # named down
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert (
+            outcome["code"] == grpc.StatusCode.UNAVAILABLE and "prefill worker prefill-0 is hung" in outcome["details"]
+        ), outcome
+        assert outcome["at"] - stopped < 9, outcome["at"] - stopped
+        ray.get(prefill.set_fault_plan.remote(NO_FAULTS))
+
+        def disaggregated_again():
+            chunks = list(client.generate(PROMPT, GREEDY, mode="disaggregated"))
+            assert tokens_of(chunks) == expected
+            return chunks[-1].metadata.prefill_worker == "prefill-0"
+
+        wait_until(disaggregated_again, 30, "the resumed prefill worker to serve again", interval_s=0.5)
+        assert_no_leaks(d)
+
+
+def test_a_stalled_decode_engine_fails_its_stream_naming_it_and_the_other_serves(ray_cluster, expected):
+    """The engine thread blocks (a device hang) while the process, its event loop and its heartbeats run on."""
+    config = dict(mode="colocated", num_prefill_workers=0, num_decode_workers=2, engine_stall_timeout_s=2.0)
+    with deployment(**config) as d, Client(d.address) as client:
+        stream = client.generate(PROMPT, LONG, request_id="stalls")
+        next(stream)
+        [victim] = wait_until(
+            lambda: [w.worker_id for w in client.stats() if w.num_running > 0], 10, "the stream's decode worker"
+        )
+        actor = next(w.actor for w in d.decode_workers if w.worker_id == victim)
+        ray.get(actor.set_fault_plan.remote(FaultPlan(engine_hang_s=10.0)))
+        struck = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            list(stream)
+        status_s = time.monotonic() - struck
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert f"decode worker {victim} is hung" in err.value.details(), err.value.details()
+        assert status_s < 6, status_s
+        assert victim in client.health().status
+        for _ in range(2):  # the other worker serves meanwhile
+            assert tokens_of(client.generate(PROMPT, GREEDY)) == expected
+        wait_until(lambda: client.health().status == "serving", 30, f"{victim} to step again", interval_s=0.5)
+        assert_no_leaks(d)
+
+
+def test_a_dead_routers_queued_prefills_are_withdrawn_long_before_their_deadline(ray_cluster):
+    with deployment(reservation_ttl_s=30.0) as d:
+        ray.get(d.prefill_workers[0].actor.set_fault_plan.remote(FaultPlan(step_delay_s=0.3)))
+        clients = [Client(d.address, timeout_s=60) for _ in range(5)]
+        threads = []
+        for i, c in enumerate(clients):
+            prompt = [random.Random(100 + i).randrange(256) for _ in range(300)]
+            threads.append(threading.Thread(target=lambda c=c, p=prompt: list(_quietly(c.generate(p, GREEDY)))))
+            threads[-1].start()
+        wait_until(lambda: any(w.num_remote_pending for w in d.stats() if w.role == "decode"), 20, "reservations")
+        for router in d.routers:
+            ray.kill(router)
+        killed = time.monotonic()
+        d.routers = []
+
+        def all_back() -> bool:
+            return all(
+                w.blocks_free + w.blocks_cached == w.blocks_total and w.num_running + w.num_waiting == 0
+                for w in d.stats()
+            )
+
+        wait_until(all_back, 20, "every block back on both workers")
+        assert time.monotonic() - killed < 15  # the reservations' deadline is 30 s
+        for t in threads:
+            t.join(30)
+        for c in clients:
+            c.close()
+
+
+def _quietly(chunks):
+    try:
+        yield from chunks
+    except grpc.RpcError:
+        return

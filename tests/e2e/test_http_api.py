@@ -39,6 +39,7 @@ def deployment(ray_cluster):
         num_prefill_workers=1,
         num_decode_workers=1,
         transport="grpc",
+        verify_kv=True,
         num_routers=2,  # both serve HTTP on one port, as they do gRPC
         http_port=0,
         metrics_port=0,

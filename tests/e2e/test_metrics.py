@@ -202,6 +202,7 @@ def deployment(ray_cluster):
         num_prefill_workers=1,
         num_decode_workers=1,
         transport="grpc",
+        verify_kv=True,
         http_port=0,
         metrics_port=0,
     )

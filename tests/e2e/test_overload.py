@@ -165,6 +165,7 @@ def tight(ray_cluster):
         num_prefill_workers=1,
         num_decode_workers=1,
         transport="grpc",
+        verify_kv=True,
         router=RouterConfig(auto_min_remote_tokens=56),  # auto: the three longer prompts go remote
     )
     with Deployment(config) as d:

@@ -29,7 +29,7 @@ ENGINE = EngineConfig(model="tiny", device="cpu", num_kv_blocks=128, torch_threa
 def test_deployment_places_by_role_reports_nodes_and_fails_fast():
     ray.init(num_cpus=2, resources={"decode": 1, "prefill": 1}, include_dashboard=False, log_to_driver=False)
     try:
-        config = DeploymentConfig(engine=ENGINE, mode="disaggregated", num_prefill_workers=1, port=0)
+        config = DeploymentConfig(engine=ENGINE, mode="disaggregated", num_prefill_workers=1, port=0, verify_kv=True)
         with Deployment(config) as d:
             free = ray.available_resources()
             assert free.get("prefill", 0) == 0 and free.get("decode", 0) == 0  # each worker holds its unit

@@ -278,7 +278,7 @@ def test_grpc_receiver_checks_and_copies_under_its_write_lock() -> None:
         receiver.register_pool(dst := _pool())
         target = receiver.describe()
         reserved = {"req-1"}
-        receiver.set_push_filter(lambda rid, ids: rid in reserved)
+        receiver.set_push_filter(lambda rid, ids, sender: rid in reserved)
         with receiver.write_lock:  # a push arriving now waits: the check and copy hold this lock
             h = sender.push(target, [1], [2], _notif())
             time.sleep(0.5)
@@ -386,7 +386,8 @@ def test_grpc_receiver_validates_streams_from_the_generated_stub() -> None:
                 base.update(kw)
                 return pb.BlockPayload(**base)
 
-            ack = stub.PushBlocks(iter([msg(notification=notice)]), timeout=10)
+            std = [("x-pdserve-request-id", "std")]  # the request whose reservation it writes into
+            ack = stub.PushBlocks(iter([msg(notification=notice)]), timeout=10, metadata=std)
             assert ack.blocks_written == 1 and ack.bytes_written == bb
             assert torch.equal(pool_bytes_view(pool)[3], block)
             assert _poll_until(receiver, 1) == [ChunkNotification("std", 0, 4, True)]
@@ -400,7 +401,7 @@ def test_grpc_receiver_validates_streams_from_the_generated_stub() -> None:
             }
             for match, stream in bad_streams.items():
                 with pytest.raises(grpc.RpcError) as info:
-                    stub.PushBlocks(iter(stream), timeout=10)
+                    stub.PushBlocks(iter(stream), timeout=10, metadata=std)
                 assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert match in info.value.details()
             assert receiver.poll_notifications() == []  # failed pushes deliver nothing
@@ -418,7 +419,7 @@ def test_grpc_receiver_refuses_pushes_without_the_secret_or_outside_a_reservatio
     try:
         dst_pool = _pool()
         receiver.register_pool(dst_pool)
-        receiver.set_push_filter(lambda rid, ids: rid == "req-1" and set(ids) <= {3, 4})
+        receiver.set_push_filter(lambda rid, ids, sender: rid == "req-1" and set(ids) <= {3, 4})
         target = receiver.describe()
         for t in (strangers, insiders):
             t.register_pool(_pool().normal_())
@@ -436,3 +437,128 @@ def test_grpc_receiver_refuses_pushes_without_the_secret_or_outside_a_reservatio
     finally:
         for t in (receiver, strangers, insiders):
             t.close()
+
+
+def _landed(pool: torch.Tensor) -> int:
+    return int((pool_bytes_view(pool)[:, :64] == 7).all(dim=1).sum())
+
+
+@pytest.fixture
+def tcp_nixl_pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[KVTransport, KVTransport, torch.Tensor]]:
+    """Two real NIXL agents over UCX TCP: 64 blocks of 1 MiB, the sender's all 7s, the receiver's zeros. With
+    TCP a WRITE lands only while the receiver's agent makes progress (``poll_notifications``)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read when each agent's UCX context is created
+    sender, receiver = make_transport("nixl"), make_transport("nixl")
+    dst = torch.zeros((64, 1 << 20), dtype=torch.uint8)
+    try:
+        sender.register_pool(torch.full((64, 1 << 20), 7, dtype=torch.uint8))
+        receiver.register_pool(dst)
+        target = receiver.describe()
+        warm = sender.push(target, [0], [0], _notif(rid="warm"))  # connect before the test's push
+        deadline = time.monotonic() + 10
+        while not warm.done():
+            receiver.poll_notifications()
+            assert time.monotonic() < deadline, "the warm-up push did not land"
+        dst.zero_()
+        yield sender, receiver, dst
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_nixl_cancel_is_confirmed_only_once_no_byte_of_the_push_can_land(tcp_nixl_pair) -> None:
+    """NIXL cannot stop a posted WRITE (releasing it does not stop the bytes already queued): a cancel reports
+    success only once NIXL says the transfer is over, and after that success no byte of it lands."""
+    sender, receiver, dst = tcp_nixl_pair
+    target = receiver.describe()
+    h = sender.push(target, list(range(1, 64)), list(range(1, 64)), _notif(last=True, rid="cancelled"))
+    for _ in range(20):  # the sender drives its side; the receiver makes no progress
+        assert not h.done()
+    assert _landed(dst) == 0
+    for _ in range(50):  # the receiver stays silent (a stopped process): the cancel cannot be confirmed
+        assert not h.cancel(), "a cancel confirmed while the WRITE may still land"
+        time.sleep(0.002)
+    confirmed: tuple[int, float] | None = None  # (blocks landed, time) when the cancel was confirmed
+    deadline = time.monotonic() + 20
+    while confirmed is None or time.monotonic() < confirmed[1] + 0.5:
+        receiver.poll_notifications()  # the receiver runs again: the WRITE's bytes land as it progresses
+        landed = _landed(dst)
+        if confirmed is None:
+            assert time.monotonic() < deadline, "the cancel was never confirmed while the receiver progressed"
+            if h.cancel():
+                confirmed = (landed, time.monotonic())
+        else:
+            assert landed == confirmed[0], f"{landed - confirmed[0]} blocks landed after the cancel was confirmed"
+
+
+def test_grpc_pushes_prove_the_secret_without_sending_it() -> None:
+    """What travels is an HMAC of the push's ids: a receiver that records every push's metadata never sees the
+    secret, and a proof made for one request does not pass for another."""
+    import concurrent.futures as cf
+
+    from pdserve.kv_transfer.grpc_transport import push_proof
+
+    seen: list[dict[str, str]] = []
+
+    def record(request_iterator: Any, context: grpc.ServicerContext) -> pb.PushAck:
+        seen.append(dict(context.invocation_metadata()))
+        for _ in request_iterator:
+            pass
+        return pb.PushAck(blocks_written=1)
+
+    server = grpc.server(cf.ThreadPoolExecutor(2))
+    handler = grpc.stream_unary_rpc_method_handler(
+        record, request_deserializer=lambda b: b, response_serializer=pb.PushAck.SerializeToString
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("pdserve.kv.KVTransfer", {"PushBlocks": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    sender = make_transport("grpc", GrpcConfig(secret="deployment-secret"))
+    try:
+        sender.register_pool(_pool().normal_())
+        target = TransferTarget(
+            "grpc", "eavesdropper", NUM_BLOCKS, sender.layout.block_bytes, address=f"127.0.0.1:{port}"
+        )  # type: ignore[union-attr]
+        sender.push(target, [1], [3], _notif()).wait(10.0)
+        [metadata] = seen
+        assert not any("deployment-secret" in value for value in metadata.values())
+        proof = metadata["x-pdserve-kv-auth"]
+        assert proof == push_proof("deployment-secret", "eavesdropper", "req-1", sender.sender_id)
+        assert proof != push_proof("deployment-secret", "eavesdropper", "req-2", sender.sender_id)
+    finally:
+        sender.close()
+        server.stop(0)
+
+
+def test_grpc_kv_service_with_a_certificate_speaks_tls_only() -> None:
+    from support.certs import make_ca_and_server_cert
+
+    _, cert, key = make_ca_and_server_cert()
+    tls = GrpcConfig(host="127.0.0.1", secret="s", tls_cert_chain=cert, tls_private_key=key)
+    receiver, sender, plain = (
+        make_transport("grpc", tls),
+        make_transport("grpc", tls),
+        make_transport("grpc", GrpcConfig(secret="s")),
+    )
+    try:
+        receiver.register_pool(dst := _pool())
+        target = receiver.describe()
+        for t in (sender, plain):
+            t.register_pool(_pool().normal_())
+        sender.push(target, [1], [3], _notif()).wait(10.0)  # trusts the deployment's certificate
+        assert torch.equal(dst[3], sender._pool[1])  # type: ignore[index]
+        with pytest.raises(KVTransferError, match="UNAVAILABLE"):
+            plain.push(target, [2], [4], _notif(rid="req-2")).wait(10.0)  # plaintext is not served
+        assert not dst[4].any()
+    finally:
+        for t in (receiver, sender, plain):
+            t.close()
+
+
+@pytest.mark.parametrize("pair", KINDS, indirect=True)
+def test_notifications_name_their_sender(pair: Pair) -> None:
+    pair.sender.push(pair.target, [1], [2], _notif(last=True)).wait(10.0)
+    [note] = _poll_until(pair.receiver, 1)
+    assert note.sender == pair.sender.sender_id and note.sender

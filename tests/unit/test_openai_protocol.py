@@ -9,9 +9,11 @@ the fan-out of ``n`` and prompt lists, their indices, usage and streaming are ch
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import string
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncGenerator, Iterator
@@ -404,3 +406,30 @@ def test_a_json_body_without_its_content_type_is_read_as_json(app):
         urllib.request.urlopen(req, timeout=30)
     body = json.loads(err.value.read())
     assert err.value.code == 400 and "Content-Type: application/json" in body["error"]["message"], body
+
+
+def test_tokenizer_endpoints_need_the_token_and_do_not_stall_the_event_loop(app):
+    for path, body in (
+        ("/tokenize", {"prompt": "x"}),
+        ("/detokenize", {"tokens": [97]}),
+        ("/v1/tokenize", {"prompt": "x"}),
+    ):
+        status, _, answer = http(app, "POST", path, body, auth="")
+        assert status == 401 and answer["error"]["code"] == "invalid_api_key", path
+
+    class SlowTokenizer(ByteTokenizer):
+        def encode(self, text: str) -> list[int]:  # a long prompt: seconds of tokenizing
+            time.sleep(1.5)
+            return super().encode(text)
+
+    app.router.tokenizer = SlowTokenizer()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            tokenizing = pool.submit(http, app, "POST", "/tokenize", {"prompt": "a long prompt"})
+            time.sleep(0.3)
+            start = time.monotonic()
+            status, _, _ = http(app, "GET", "/health")
+            assert status == 200 and time.monotonic() - start < 0.5, "the event loop waited for the tokenizer"
+            assert tokenizing.result(10)[0] == 200
+    finally:
+        app.router.tokenizer = ByteTokenizer()
