@@ -17,6 +17,7 @@ from pdserve.deployment import Deployment, DeploymentConfig
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.model_runner import gather_kv
 from pdserve.faults import NO_FAULTS, FaultPlan
+from pdserve.messages import Mode
 from pdserve.router.client import AsyncClient, Client
 from pdserve.router.config import RouterConfig
 
@@ -90,7 +91,7 @@ def _run_concurrently(address: str, prompts: list[list[int]], mode: str | None, 
     return asyncio.run(main())
 
 
-@pytest.mark.parametrize("mode", ["colocated", "disaggregated", "auto"])
+@pytest.mark.parametrize("mode", list(Mode))
 def test_every_mode_gives_the_engines_greedy_tokens(deployment, client, expected, mode):
     results = _run_concurrently(deployment.address, _prompts(), mode)
     assert [tokens for tokens, _ in results] == expected
@@ -312,7 +313,7 @@ def test_two_routers_share_one_port_and_serve_the_same_tokens(ray_cluster, expec
                 break
         assert set(routers_seen) == {"router-0", "router-1"}
         assert all(tokens == expected[0] for runs in routers_seen.values() for tokens in runs)
-        for mode in ("colocated", "disaggregated", "auto"):
+        for mode in Mode:
             results = _run_concurrently(d.address, _prompts(), mode)
             assert [tokens for tokens, _ in results] == expected
         assert_no_leaks(d)

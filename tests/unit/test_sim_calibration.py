@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pdserve.cli.sim import main
-from pdserve.messages import StepStats
+from pdserve.messages import Mode, StepStats
 from pdserve.sim import cost_model
 from pdserve.sim.calibrate import (
     CalibrationGrid,
@@ -318,7 +318,7 @@ def test_the_simulator_slows_steps_while_other_instances_run_steps():
 def test_auto_decode_workers_are_fitted_apart_and_fall_back_to_decode():
     from pdserve.sim.calibrate import step_role
 
-    assert [step_role("decode-0", a) for a in ("colocated", "disaggregated", "auto")] == [
+    assert [step_role("decode-0", a) for a in Mode] == [
         "colocated",
         "decode",
         "auto-decode",
