@@ -34,6 +34,17 @@ class Mode(StrEnum):
             raise ValueError(f"{what} must be one of {', '.join(cls)}, got {value!r}") from None
 
 
+def worker_key(request_id: str, router_id: str, serial: int) -> str:
+    """The id the workers know a request by: the client's id, then the router and its serial number, so that
+    a client may reuse an id and two routers never collide (``request_id_of`` gives the client's id back)."""
+    return f"{request_id}@{router_id}.{serial}"
+
+
+def request_id_of(key: str) -> str:
+    """The client's request id in a worker's key (``worker_key``; a local retry's ``~local`` suffix too)."""
+    return key.rsplit("@", 1)[0]
+
+
 class StepStats(NamedTuple):
     """One engine step, as the worker that ran it measured it (or the simulator priced it): the only shape
     a step record has, for the engine, the simulator, the benchmarks, reports and plots.

@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from pdserve.deployment_config import DeploymentConfig
 from pdserve.engine import EngineConfig, SamplingParams
-from pdserve.messages import Mode, StepStats, WorkerStats
+from pdserve.messages import Mode, StepStats, WorkerStats, request_id_of
 from pdserve.options import (
     RawDescriptionHelpFormatter,
     add_config_arguments,
@@ -302,7 +302,7 @@ def measure(
 
 def admission_steps(stats: Sequence[WorkerStats]) -> dict[str, dict[str, int]]:
     """Per request, each worker's step count when it took the request in, from the workers' admission traces:
-    ``{request id: {"decode_queued_step": k, "decode_reserved_step": k, "prefill_queued_step": k}}``, ``k``
+    ``{client's request id: {"decode_queued_step": k, "decode_reserved_step": k, "prefill_queued_step": k}}``, ``k``
     counting that worker's steps in ``stats`` that started before the admission (the position of the first
     step it could join among them). A trace replay (``sim.replay``) reads them from the records' meta."""
     out: dict[str, dict[str, int]] = {}
@@ -310,7 +310,7 @@ def admission_steps(stats: Sequence[WorkerStats]) -> dict[str, dict[str, int]]:
         starts = sorted(s.started for s in w.steps)
         for event in w.admissions:
             name = f"{w.role}_{event.event}_step"
-            out.setdefault(event.request_id, {})[name] = bisect.bisect_left(starts, event.time)
+            out.setdefault(request_id_of(event.request_id), {})[name] = bisect.bisect_left(starts, event.time)
     return out
 
 

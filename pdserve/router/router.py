@@ -35,6 +35,7 @@ from pdserve.messages import (
     TokenUpdate,
     WorkerRequestStats,
     WorkerStats,
+    worker_key,
 )
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
@@ -274,7 +275,7 @@ class Router:
             raise
         request = InFlight(
             request_id,
-            f"{request_id}@{self.router_id}.{next(self._serial)}",
+            worker_key(request_id, self.router_id, next(self._serial)),
             route,
             route,
             received,

@@ -108,7 +108,7 @@ def test_the_work_limit_counts_instances():
     [
         ({"model": "bench", "prompt_len": 8192}, "prompt_len", "at most 8192 tokens"),
         ({"model": "Llama-3-70B", "tp": 1}, "tp", "does not fit"),
-        ({"model": "Llama-3-70B", "tp": 2}, "num_decodes", "KV cache holds"),
+        ({"model": "Llama-3-70B", "tp": 2, "prompt_len": 32768}, "num_decodes", "KV cache holds"),  # 41k tokens
     ],
 )
 def test_settings_the_profile_cannot_take(body: dict[str, Any], field: str, words: str):
@@ -537,7 +537,9 @@ def test_caption_definitions_and_assumptions_say_what_the_run_shows(page, sim_ur
     for definition in page.locator(".figure .def").all_text_contents():
         assert len(definition.split()) >= 8, definition
     said = page.text_content("#assumptions")
-    assert all(words in said for words in ("H100", "989 TFLOP/s", "55% MFU", "3.35 TB/s", "2.0 ms", "compute-bound"))
+    a = run_playground(PlaygroundSettings.parse({}))["assumptions"]  # the default run's cost model
+    mfu, overhead = f"{100 * a['mfu']:.0f}% MFU", f"{a['step_overhead_ms']:.1f} ms a step"
+    assert all(words in said for words in ("H100", "989 TFLOP/s", mfu, "3.35 TB/s", overhead, "compute-bound")), said
     assert displayed(page, "#lesson-note") and "toy cost model" in page.text_content("#lesson-note")
 
     page.locator("#chunk_size").fill("9")  # 512: the caption states what moved
@@ -549,10 +551,12 @@ def test_caption_definitions_and_assumptions_say_what_the_run_shows(page, sim_ur
     seq = ready_seq(page, seq)
     assert "steps went over the 50 ms ITL target" in page.text_content("#pg-caption")  # 2048: 4 of 4
 
-    h100 = figure(page, "stall")  # the prefill steps are compute-bound: more bandwidth, the same stall
+    h100 = figure(page, "stall")  # the prefill steps are compute-bound: more bandwidth, about the same stall
     page.select_option("#hardware", "H200")
     seq = ready_seq(page, seq)
-    assert figure(page, "stall") == pytest.approx(h100) and "H200" in page.text_content("#assumptions")
+    said = page.text_content("#assumptions")
+    assert 0.9 * h100 < figure(page, "stall") < h100 and "H200" in said  # the soft knee: a little shorter
+    assert "only a little" in said and "compute-bound (4 of 4)" in said, said
 
 
 def figure_of(page, selector: str) -> float:
@@ -734,7 +738,8 @@ def test_every_refusal_names_a_label_on_the_page(page, sim_url: str):
         page.press("#instances", "Tab")
 
     refused(lambda: page.select_option("#model", "Llama-3-70B"), "Tensor parallel", "does not fit")
-    refused(lambda: page.select_option("#tp", "2"), "Concurrent decodes", "KV cache holds")
+    refused(lambda: page.check("#long32k"), "Tensor parallel", "does not fit")  # a 32k prompt ...
+    refused(lambda: page.select_option("#tp", "2"), "Concurrent decodes", "KV cache holds")  # ... over 41k tokens
     refused(lambda: page.select_option("#model", "bench"), "Prompt length", "at most 8192 tokens")
     page.select_option("#model", "Llama-3-8B")
     page.select_option("#tp", "1")

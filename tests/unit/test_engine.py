@@ -85,32 +85,34 @@ def test_prefill_first_scheduling_runs_prompts_in_steps_of_their_own_with_the_sa
 
 def test_the_engine_traces_when_it_took_each_request_in_between_its_steps():
     from pdserve.bench.runner import admission_steps
-    from pdserve.messages import WorkerStats
+    from pdserve.messages import WorkerStats, worker_key
+
+    a, b, r = (worker_key(rid, "router-0", n) for n, rid in enumerate(["a", "b@client", "r"]))  # as routed
 
     engine = tiny(max_num_batched_tokens=64)
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    engine.add_request([5] * 100, params, request_id="a")
+    engine.add_request([5] * 100, params, request_id=a)
     engine.step()  # a's first chunk
     engine.step()
-    engine.add_request([6] * 20, params, request_id="b")  # before step 2
-    reservation = engine.reserve_remote([7] * 40, params, "r")
+    engine.add_request([6] * 20, params, request_id=b)  # before step 2
+    reservation = engine.reserve_remote([7] * 40, params, r)
     assert reservation is not None
     while engine.has_work():
         engine.step()
-    engine.admit_remote("r", 9)
+    engine.admit_remote(r, 9)
     while engine.has_unfinished_requests():
         engine.step()
     trace = list(engine.admission_trace)
     assert [(e.request_id, e.event) for e in trace] == [
-        ("a", "queued"),
-        ("b", "queued"),
-        ("r", "reserved"),
-        ("r", "queued"),
+        (a, "queued"),
+        (b, "queued"),
+        (r, "reserved"),
+        (r, "queued"),
     ]
     steps = list(engine.step_history)
     stats = WorkerStats("w", "decode", 0, 0, 0, 0, 0, 0, 0, 0, len(steps), 0, tuple(steps), admissions=tuple(trace))
-    counts = admission_steps([stats])
-    assert counts["a"] == {"decode_queued_step": 0} and counts["b"] == {"decode_queued_step": 2}
+    counts = admission_steps([stats])  # by the clients' request ids
+    assert counts["a"] == {"decode_queued_step": 0} and counts["b@client"] == {"decode_queued_step": 2}
     assert 2 <= counts["r"]["decode_reserved_step"] < counts["r"]["decode_queued_step"] < len(steps)
     # the step of that count is the first that could take the request, and on this engine it did
     assert steps[2].num_seqs == 2 and steps[counts["r"]["decode_queued_step"]].num_decode_tokens >= 1

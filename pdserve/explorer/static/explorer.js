@@ -679,7 +679,9 @@ function assumptions(data) {
     `In this run the steps with a chunk of the long prompt are compute-bound (${computeBound} of ${prefill.length}) and the decode-only steps memory-bound (${memoryBound} of ${decodeOnly.length}).`;
   if (prefill.length && computeBound === prefill.length) {
     text +=
-      " So a GPU with more memory bandwidth but the same FLOP/s (H200 against H100: both 989 TFLOP/s) cannot change the prefill steps, the worst stall or the TTFT; only the decode-only steps get shorter.";
+      a.combine === "max"
+        ? " So a GPU with more memory bandwidth but the same FLOP/s (H200 against H100: both 989 TFLOP/s) cannot change the prefill steps, the worst stall or the TTFT; only the decode-only steps get shorter."
+        : " So a GPU with more memory bandwidth but the same FLOP/s (H200 against H100: both 989 TFLOP/s) changes the prefill steps, the worst stall and the TTFT only a little (the soft knee still adds some of the memory time); the decode-only steps get shorter in proportion.";
   }
   return text;
 }
