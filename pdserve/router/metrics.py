@@ -81,7 +81,7 @@ class _Spec(NamedTuple):
 _MODE = ("mode",)
 _WORKER = ("worker", "role")
 
-# Registered in this order (the exposition's order); README, "Metrics", lists them.
+# Registered in this order (the exposition's order); docs/operations.md, "Metrics", lists them.
 _METRICS = (
     _Spec(
         "ttft",
@@ -266,7 +266,7 @@ _METRICS = (
 
 
 class RouterMetrics:
-    """The ``pdserve_*`` metrics of one router (names and labels: README, "Metrics"; declared in ``_METRICS``)."""
+    """The ``pdserve_*`` metrics of one router (names, labels: docs/operations.md, "Metrics"; in ``_METRICS``)."""
 
     ttft: Histogram
     itl: Histogram

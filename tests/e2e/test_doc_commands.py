@@ -138,13 +138,13 @@ def check_chat_answer(served: Served, command: str, shown: str) -> None:
     assert json.dumps(answer["usage"], separators=(",", ":")) in packed
 
 
-def test_the_openai_pages_chat_completion(served: Served):
-    page = block("docs/openai-api.md", "curl -s 127.0.0.1:8000/v1/chat/completions")
+def test_the_chat_completion_as_written(served: Served):
+    page = block("docs/serving.md", "curl -s 127.0.0.1:8000/v1/chat/completions")
     check_chat_answer(served, page.command, page.output)
 
 
 def test_tokenize_and_detokenize_as_written(served: Served):
-    page = block("docs/serving-api.md", "curl -s 127.0.0.1:8000/tokenize")
+    page = block("docs/serving.md", "curl -s 127.0.0.1:8000/tokenize")
     for command, output in console(page.command):
         result = served.run(command)
         assert result.returncode == 0 and result.stdout.strip() == output.strip(), (command, result.stdout)
@@ -153,7 +153,7 @@ def test_tokenize_and_detokenize_as_written(served: Served):
 def test_grpcurl_as_written(served: Served):
     """Reflection, a Generate call and the health check, as grpcurl shows them (the stream cut after its first
     message on the page)."""
-    page = block("docs/serving-api.md", "grpcurl -plaintext 127.0.0.1:50051 list")
+    page = block("docs/serving.md", "grpcurl -plaintext 127.0.0.1:50051 list")
     for command, output in console(page.command):
         result = served.run(command.replace("127.0.0.1:50051", f"127.0.0.1:{served.ports['50051']}"))
         assert result.returncode == 0, (command, result.stderr)

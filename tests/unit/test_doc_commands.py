@@ -39,7 +39,7 @@ def test_pdserve_sim_demo(tmp_path):
 
 
 def test_tokenizer_export(tmp_path):
-    page = block("docs/serving-api.md", "pdserve tokenizer export")
+    page = block("docs/serving.md", "pdserve tokenizer export")
     command, output = console(page.command)[0]
     folder = str(tmp_path / "smollm2-tokenizer")
     result = run(command.replace("/tmp/smollm2-tokenizer", folder), REPO)
@@ -49,7 +49,7 @@ def test_tokenizer_export(tmp_path):
 
 
 def test_a_token_off_loopback_without_tls_is_refused():
-    page = block("docs/front-doors.md", "pdserve serve --host 0.0.0.0 --http-port 8443 --auth-token")
+    page = block("docs/operations.md", "pdserve serve --host 0.0.0.0 --http-port 8443 --auth-token")
     [(command, output)] = console(page.command)
     result = run(command.replace('"$TOKEN"', "secret"), REPO)
     assert result.returncode == 2 and result.stdout == ""
