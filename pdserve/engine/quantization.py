@@ -23,7 +23,7 @@
   there it decodes one stream faster than ``float16`` in less memory (it reads about a quarter of the weights'
   bytes), while long prompts and large batches run as fast or slower (torch's int4 kernel can cost more per
   row than FBGEMM's beyond a few rows: ``float16`` is the choice for throughput on such a CPU; docs/engine.md
-  and docs/benchmarks.md have the figures). Else
+  has the figures). Else
   ``float16`` on a CPU where torch has FBGEMM, ``none`` elsewhere (there torch's int4/int8 kernels are
   slower than a float32 GEMM over the dequantised weights). A checkpoint that is not such a GGUF file is
   served as it is (``none``).
@@ -195,7 +195,7 @@ def auto_weight_format(device: torch.device, dtype: str = "auto") -> str:
     different input now and then, and a different token after it: it is the default only where the engine
     keeps every row's bits independent of its batch and chunking (the int4 kernel computes each row alone;
     attention needs the probe). There it decodes one stream faster than ``float16`` in less memory; long
-    prompts and large batches run as fast or slower (docs/engine.md, docs/benchmarks.md).
+    prompts and large batches run as fast or slower (docs/engine.md).
     """
     if device.type == "cuda":
         return "native"

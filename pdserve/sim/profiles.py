@@ -280,7 +280,7 @@ class LinearProfile:
 
     model: str
     roles: dict[str, RoleFit]
-    kv_link_bw: float = 2 * GB  # NIXL between two processes on one machine: its low end (docs/benchmarks.md)
+    kv_link_bw: float = 2 * GB  # below what NIXL moves between two processes on one machine (docs/benchmarks.md)
     kv_link_latency_s: float = 200e-6
     token_latency_s: float = 0.0
     control_latency_s: float = 0.0
