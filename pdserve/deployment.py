@@ -115,7 +115,7 @@ class Deployment:
             common: dict[str, Any] = {"max_concurrency": 10_000, "max_restarts": cfg.worker_max_restarts}
             if not (self._started_ray and cfg.address is None):
                 # libgomp reads it when the process starts: a cluster we did not start gets it per worker (merged
-                # with the job's runtime_env; Ray then keeps one more idle worker process, ~80 MB, for the others)
+                # with the job's runtime_env; Ray then keeps one more idle worker process for the others)
                 common["runtime_env"] = {"env_vars": {OMP_SPIN_COUNT_ENV: str(cfg.omp_spin_count)}}
             decode_cls, prefill_cls = ray.remote(DecodeWorker), ray.remote(PrefillWorker)
             decode_options = {**placement.actor_options(DECODE), **common}

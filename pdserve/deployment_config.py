@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 DEFAULT_PORT = 50051  # the command line's gRPC port (`pdserve serve --port`, `pdserve generate --target`)
 AUTH_TOKEN_ENV = "PDSERVE_AUTH_TOKEN"
 MIN_GPU_FRACTION = 0.0001  # Ray's resource precision
-# ~0.2 ms: longer than the gaps between the kernels of a step, far shorter than the gaps between steps
+# spins that outlast the gaps between the kernels of a step and end long before the gaps between steps
 DEFAULT_OMP_SPIN_COUNT = 20_000
 
 
@@ -75,7 +75,7 @@ class DeploymentConfig(TransportConfig):
     omp_spin_count: int = option(
         DEFAULT_OMP_SPIN_COUNT,
         "GOMP_SPINCOUNT of the engine workers: how long their OpenMP threads wait for the next parallel kernel "
-        "before they sleep (about 100,000 a millisecond; 0: sleep at once, a wake-up per kernel)",
+        "before they sleep, in spins of libgomp's busy-wait loop (0: sleep at once, a wake-up per kernel)",
     )
     # Named, detached workers outlive the process that started them: a router process that restarts
     # (`pdserve serve --address auto` again) finds the running workers instead of starting a second set.

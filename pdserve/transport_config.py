@@ -63,8 +63,9 @@ class GrpcConfig:
             senders on other nodes can reach it.
         port: server port; 0 binds any free port (reported by ``describe()``).
         message_bytes: senders pack whole blocks into messages of up to this many payload bytes
-            (at least one block per message). 1-4 MiB all work; 2 MiB measured best on the
-            2-core machine (benchmarks/kv_transfer_bench.py --grpc-message-mib).
+            (at least one block per message). Messages of a few MiB amortise gRPC's per-message
+            cost without holding a large buffer; ``benchmarks/kv_transfer_bench.py --grpc-message-mib``
+            compares sizes on the machine at hand.
         max_message_bytes: gRPC send/receive message limit on both sides (raised from gRPC's
             4 MiB default); a block must fit in one message.
         server_threads: receiver thread pool size (concurrent incoming pushes).

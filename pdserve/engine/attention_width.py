@@ -6,22 +6,21 @@ more or fewer keys, or more or fewer query rows: the CPU kernel (``scaled_dot_pr
 kernel) walks the keys in blocks of 512, and its matrix products choose how to cut a block's sums by the
 block's length and by the number of query rows. A prompt chunked differently, or a decode grouped with a
 longer request, would then get other bits, and where the next matrix product rounds its inputs to bfloat16
-(the ``native`` weights on a CPU) other tokens now and then. Measured on two 2-core VMs: on an Intel Xeon,
-spans of 272-399 keys cut the sums differently from shorter spans and from whole blocks of 512; on an AMD
-EPYC, spans of 208-368 keys do, and so do calls of 1-3 query rows against calls of more.
+(the ``native`` weights on a CPU) other tokens now and then. Which spans cut the sums differently depends on
+the CPU: spans of a few hundred keys, short of a whole block, do on the x86 CPUs tried, and on some of them
+so do calls of 1-3 query rows against calls of more.
 
 The kernel also walks the query rows in blocks (``query_block_rows``: 32 rows, 64 from 192 rows on, 256 from
-768 on), and on the AMD EPYC a block of 1-3 rows takes the other path: the last rows of a call whose last
-block is that short (a chunk of 22 tokens of a model with 3 query heads per KV head: 66 rows, a last block of
-2) get other bits than in any other call, which is what made a prompt's answer depend on whether 16 of its
-tokens came from the prefix cache.
+768 on), and on such a CPU a block of 1-3 rows takes the other path: the last rows of a call whose last block
+is that short (a chunk of 22 tokens of a model with 3 query heads per KV head: 66 rows, a last block of 2) get
+other bits than in any other call, so a prompt's answer could depend on how many of its tokens came from the
+prefix cache.
 
 The engine therefore attends over the visible keys in whole KV blocks, in pieces of at most ``KEY_PIECE``
-keys (192: cut-free on both CPUs) at fixed absolute offsets (0, 192, 384, ...): one call per piece, whose
-results are combined by their log-sum-exp, piece after piece in order; a piece whose keys a row cannot see
-weighs exactly zero, so a row gets the same bits whatever the call's span (a decode beside a longer request,
-a chunk of a longer prompt). Before, spans beyond 192 keys were padded to a multiple of 512 and attended in
-one call: a 240-key decode attended 512 keys, twice the work of its pieces. And ``attend`` gives every call
+keys at fixed absolute offsets (0, 192, 384, ...): one call per piece, whose results are combined by their
+log-sum-exp, piece after piece in order; a piece whose keys a row cannot see weighs exactly zero, so a row
+gets the same bits whatever the call's span (a decode beside a longer request, a chunk of a longer prompt),
+and a short span costs its own pieces, not a padded block of 512. And ``attend`` gives every call
 ``padded_query_rows`` query rows per head (repeating the last): at least ``MIN_QUERY_ROWS``, and a last block
 of the kernel's of none or at least ``MIN_QUERY_ROWS``. ``attention_is_width_invariant`` checks at start-up,
 on random data, that this device's kernel then gives every row the same bits at every span, alone or beside
@@ -36,8 +35,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-KEY_PIECE = 192  # keys per attention call: spans up to this are cut-free (any whole number of blocks)
-MIN_QUERY_ROWS = 4  # fewer query rows per head take another path through the kernel's products (AMD EPYC)
+KEY_PIECE = 192  # keys per attention call: spans up to this are cut-free on the CPUs tried (whole blocks)
+MIN_QUERY_ROWS = 4  # fewer query rows per head take another path through the kernel's products (on some CPUs)
 
 
 def query_block_rows(rows: int) -> int:
@@ -117,7 +116,7 @@ def attention_is_width_invariant(device_type: str = "cpu") -> bool:
     ``PROBE_MAX_KEYS`` keys (``PROBE_SPANS``): alone, beside other rows and as one request of a decode batch, in the
     engine's layouts (keys gathered as ``[span, kv_heads, head_dim]`` rows; a prefill chunk's query heads of one
     KV head as its rows, among them chunks whose last rows fall in a short last block of the kernel's; a decode
-    batch's as one request's). Under 2 s on a 2-core CPU."""
+    batch's as one request's). Cached: it runs once per process, at start-up."""
     generator = torch.Generator().manual_seed(0)
     kv_heads, group, dim = 3, 3, 64
     keys = torch.randn(PROBE_MAX_KEYS, kv_heads, dim, generator=generator).to(device_type)

@@ -21,9 +21,8 @@ ALL_PRESETS = PRESETS + tuple(CHECKPOINT_PRESETS)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_MODES = ("auto", "native", "float16", "none")  # see engine.quantization
 # Token budget per step unless one is given, the same for every command (with chunked prefill off, at least
-# max_model_len). On the `bench` preset on 2 CPU cores a 512-token step takes about 0.4 s and a 2048-token one
-# about 1.4 s, a stall every running decode waits out; the serving figures in the README are measured at 512.
-# On a GPU, 2048 or more is the usual choice.
+# max_model_len). A step is a stall every running decode waits out: on a CPU, 512 tokens keep it short at the
+# throughput of larger budgets (docs/engine.md has the step times); on a GPU, 2048 or more is the usual choice.
 DEFAULT_TOKEN_BUDGET = 512
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of a GPU for one engine
 
@@ -144,7 +143,7 @@ class ModelConfig:
                 max_position_embeddings=4096,
                 **common,
             )
-        if name == "bench":  # ~25M parameters: a 4k-token prefill takes seconds on a 2-core CPU
+        if name == "bench":  # ~25M parameters: big enough that a long prefill is a stall the decodes feel
             return ModelConfig(
                 hidden_size=512,
                 intermediate_size=1536,

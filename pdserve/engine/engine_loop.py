@@ -53,9 +53,8 @@ class EngineLoop:
     other threads, which nothing but the loop thread itself can keep fresh.
 
     Once the engine has had no work for ``trim_after_idle_s`` after some, the loop trims the heap once
-    (``release_freed_memory``): a burst's freed activations and masks otherwise stay resident (a served
-    SmolLM2 worker on a CPU: 58 MB after a 1000-token prompt among 63 short ones), and the trim takes ~10 ms.
-    None never trims.
+    (``release_freed_memory``): a burst's freed activations and masks otherwise stay resident (tens of MB
+    after a long prompt), and an idle engine has the time for the trim. None never trims.
     """
 
     def __init__(

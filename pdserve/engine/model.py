@@ -111,9 +111,9 @@ FEW_ROWS = 4  # up to this many rows, a float32 product on the CPU runs as a two
 class Linear(nn.Linear):
     """``nn.Linear`` whose products of a few float32 rows on the CPU run as a two-batch matrix product.
 
-    For one row ``F.linear`` ends in MKL's matrix-vector kernel, which on an AMD CPU streams the weights at
-    half the speed of MKL's matrix product with one column (8.5 against 18 GB/s on a 2-core AMD EPYC VM;
-    ``benchmarks/decode_speed.py --kernels``). Splitting the weight's rows into two halves and multiplying both by
+    For one row ``F.linear`` ends in MKL's matrix-vector kernel, which on AMD CPUs streams the weights far
+    slower than MKL's matrix product with one column (``benchmarks/decode_speed.py --kernels`` times both on
+    the machine at hand). Splitting the weight's rows into two halves and multiplying both by
     the same rows (a stride-0 batch) takes that faster path; the results agree with ``F.linear`` to float32
     rounding. A decode step of a small batch is one such product per layer, so this is most of its time.
     """
@@ -276,7 +276,7 @@ class Attention(nn.Module):
             q, k = rotation.apply(q, k)
 
         # the new keys and values: one index_copy_ each into the rows of this layer (index_put_ with a block and
-        # an offset index wakes every OpenMP thread, ~0.1 ms a call under a passive wait policy); rows past the
+        # an offset index wakes every OpenMP thread, a cost per call under a passive wait policy); rows past the
         # step's tokens (``LlamaForCausalLM.batch_rows``) are padding, neither stored nor attended
         cache = meta.caches[self.layer_index]
         n = meta.slot_rows.numel()
@@ -303,8 +303,8 @@ class Attention(nn.Module):
         keys = keys.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2).to(q.dtype)  # [n, kv_heads, S, D]
         values = values.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2).to(q.dtype)
         # The query heads that share a KV head are that head's query rows ([n, kv_heads, group, D]): one pass
-        # over each KV head's keys, where enable_gqa makes one per query head (on a CPU, SDPA's kernel alone
-        # takes about half the time). 4-D inputs keep SDPA on its fused CPU kernel (3-D ones fall back to the
+        # over each KV head's keys, where enable_gqa makes one per query head (on a CPU, a large share of
+        # SDPA's time). 4-D inputs keep SDPA on its fused CPU kernel (3-D ones fall back to the
         # slow math path).
         query = q.index_select(0, group.index).view(n, self.num_kv_heads, self.num_heads // self.num_kv_heads, -1)
         return attend(query, keys, values, group.mask).reshape(n, self.num_heads, self.head_dim)

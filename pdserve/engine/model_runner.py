@@ -99,11 +99,10 @@ def step_threads(num_tokens: int, device: torch.device, threads_spin: bool = Fal
     parallel regions (``threads_spin`` False), every other step on all of them.
 
     A step that small is a chain of a few hundred short kernels; where each parallel one has to wake the
-    other threads first, splitting it costs more than it saves (a SmolLM2 decode step of one stream on a
-    2-core AMD EPYC VM under ``OMP_WAIT_POLICY=PASSIVE``: 46-56 ms on one thread, 55-65 ms on two), and one
-    thread leaves the other cores to the router and the clients. Threads that spin between kernels make two
-    threads the faster (the same step on a 2-core Intel Xeon VM with ``GOMP_SPINCOUNT=20000``: 36 ms on two
-    threads, 44 on one)."""
+    other threads first, splitting it costs more than it saves (a one-stream decode step runs faster on one
+    thread under ``OMP_WAIT_POLICY=PASSIVE``), and one thread leaves the other cores to the router and the
+    clients. Where threads spin between kernels (``GOMP_SPINCOUNT``) there is no wake-up to pay, and all
+    threads are the faster."""
     threads = torch.get_num_threads()
     if device.type != "cpu" or threads == 1 or num_tokens > FEW_ROWS or threads_spin:
         yield

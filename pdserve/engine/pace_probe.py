@@ -1,8 +1,8 @@
 """The machine's pace, measured apart from the work: a fixed kernel timed every so often between steps.
 
-A step's CPU time moves with its shape and with the machine: on a shared VM the same step can cost 15 %
-more CPU time a few minutes later (another guest on the core's sibling thread, the host's caches and
-memory bandwidth). A kernel that never changes, timed on the stepping thread between steps, moves only
+A step's CPU time moves with its shape and with the machine: on a shared VM the same step can cost
+noticeably more CPU time a few minutes later (another guest on the core's sibling thread, the host's caches
+and memory bandwidth). A kernel that never changes, timed on the stepping thread between steps, moves only
 with the machine, so a benchmark can tell a step that cost more because of its shape from one that ran
 on a slower machine. Each step records the latest timing (``StepStats.pace_s``); the probe is off (0.0)
 unless ``EngineConfig.pace_probe_interval_s`` turns it on.
@@ -14,9 +14,8 @@ import time
 
 import torch
 
-# Two float32 products of an MLP's shape (8 rows: a small batch), repeated: about 2 ms of one core on a
-# 2-core x86 VM, short enough to take every half second (0.4 % of the engine's time), long enough that
-# the thread's CPU clock measures it to a few microseconds.
+# Two float32 products of an MLP's shape (8 rows: a small batch), repeated: short enough to take every half
+# second for a small share of the engine's time, long enough that the thread's CPU clock resolves it finely.
 PROBE_ROWS, PROBE_HIDDEN, PROBE_INTERMEDIATE, PROBE_REPEATS = 8, 512, 1536, 2
 
 

@@ -7,8 +7,8 @@
   and minimums (exact: ``w = d * q + m``), Q8_0 ones as int8 weight-only GEMM (one scale per row,
   re-derived from the per-32 ones); q/k/v and gate/up are joined into one GEMM each, as float ones are;
   other tensors are dequantised to the compute dtype. On a CPU under ``--dtype auto`` the model computes
-  in float32 and the GEMMs take bfloat16 inputs (``weight_only_input_dtype``; float32 inputs are 10-100x
-  slower), with a float16 KV cache and, on x86, a float16 output projection on FBGEMM (float32 logits);
+  in float32 and the GEMMs take bfloat16 inputs (``weight_only_input_dtype``; torch's kernels are far slower
+  with float32 inputs), with a float16 KV cache and, on x86, a float16 output projection on FBGEMM (float32 logits);
 - ``float16``: every weight (linears and the embedding) stored in float16, half float32's bytes, and
   computed in float32 (``Float16Linear``). On x86 builds of torch one kernel does every batch size:
   FBGEMM's float16-weight GEMM (weights converted to float32 in registers, float32 accumulation), with
@@ -20,10 +20,10 @@
   (float16 ones would tie a confident model's top tokens);
 - ``auto``: for a GGUF file with Q4/Q8 weights, ``native`` on CUDA and on a CPU torch runs at AVX-512 where
   attention keeps a row's bits independent of its company (probed at start-up, ``auto_weight_format``):
-  measured on AMD EPYC and Intel Xeon CPUs with AVX-512, it decodes one stream 1.25-1.6x faster than
-  ``float16`` in 300 MB less memory; it prefills and decodes large batches as fast on the AMD EPYC and
-  slower on the Intel Xeon (torch's int4 kernel costs about twice FBGEMM's per row beyond a few rows there;
-  docs/benchmarks.md has the figures: ``float16`` is the choice for throughput on such a CPU). Else
+  there it decodes one stream faster than ``float16`` in less memory (it reads about a quarter of the weights'
+  bytes), while long prompts and large batches run as fast or slower (torch's int4 kernel can cost more per
+  row than FBGEMM's beyond a few rows: ``float16`` is the choice for throughput on such a CPU; docs/engine.md
+  has the figures). Else
   ``float16`` on a CPU where torch has FBGEMM, ``none`` elsewhere (there torch's int4/int8 kernels are
   slower than a float32 GEMM over the dequantised weights). A checkpoint that is not such a GGUF file is
   served as it is (``none``).
@@ -194,8 +194,8 @@ def auto_weight_format(device: torch.device, dtype: str = "auto") -> str:
     ``native`` rounds its GEMMs' inputs to bfloat16, which turns any last-bit difference upstream into a
     different input now and then, and a different token after it: it is the default only where the engine
     keeps every row's bits independent of its batch and chunking (the int4 kernel computes each row alone;
-    attention needs the probe). On the AVX-512 CPUs measured it decodes one stream 1.25-1.6x faster than
-    ``float16`` in 300 MB less memory; long prompts and large batches run as fast or slower (docs/benchmarks.md).
+    attention needs the probe). There it decodes one stream faster than ``float16`` in less memory; long
+    prompts and large batches run as fast or slower (docs/engine.md).
     """
     if device.type == "cuda":
         return "native"
@@ -215,9 +215,9 @@ def quantized_compute_dtype(device: torch.device) -> torch.dtype:
 def weight_only_input_dtype(device: torch.device) -> torch.dtype:
     """The dtype the ``native`` path's int4/int8 GEMMs take their inputs in under ``--dtype auto``.
 
-    On a CPU, bfloat16 whatever the activations are kept in: torch's CPU kernels are 10-100x slower with
-    float32 inputs than with bfloat16 ones (measured on AVX2 and AVX-512 CPUs), while the norms, attention
-    and residual stream stay in float32. On CUDA, the compute dtype (bfloat16).
+    On a CPU, bfloat16 whatever the activations are kept in: torch's CPU kernels are an order of magnitude or
+    more slower with float32 inputs than with bfloat16 ones, while the norms, attention and residual stream
+    stay in float32. On CUDA, the compute dtype (bfloat16).
     """
     return torch.bfloat16 if device.type == "cpu" else quantized_compute_dtype(device)
 

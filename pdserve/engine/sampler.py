@@ -4,8 +4,8 @@ One pass over the batch: temperature, top-k and top-p as tensor operations over 
 once, then each row's token by inverse transform: the first token whose cumulative probability reaches
 the draw's uniform number, which is a hash of (request seed, token index) (``draw_uniform``). A seeded
 request gets the same tokens whichever batch it is in, without a generator per draw, and a draw costs one
-cumulative sum of its row (where an Exp(1) noise per vocabulary entry for an exponential race took ~50 ms
-for 64 rows of a 49,152-token vocabulary on two CPU cores).
+cumulative sum of its row (an exponential race would draw an Exp(1) noise for every vocabulary entry, many
+times the cost for a large vocabulary; docs/engine.md has the figures).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # the simulator is imported when a run is asked for, not with
     from pdserve.sim.demo import DemoResult
 
 MAX_CHUNKS = 1024  # prompt_len / chunk_size: more steps than this would keep the page waiting
-MAX_WORK = 150_000  # estimated_work's request-steps: at most about 1-3 s per change on a 2-core VM
+MAX_WORK = 150_000  # estimated_work's request-steps: a change on a small CPU answers within seconds
 STEP_WORK = 50  # one simulated step costs about as much as placing 50 requests in a step
 WARMUP_RERUNS = 4  # the streams' warm-up is simulated about this many times (the demo reruns to a horizon)
 BATCH_WORK = 64  # a step of n requests costs n x (1 + n / BATCH_WORK) request-steps

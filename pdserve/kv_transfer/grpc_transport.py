@@ -286,7 +286,7 @@ class _Servicer:
                             assert src is not None
                             src = src.to(view.device)
                             # one copy_ per block (index_copy_ would work too on accelerators; on CPU
-                            # it runs an element-wise kernel and is 10-100x slower than memcpy)
+                            # it runs an element-wise kernel, far slower than memcpy)
                             for k, d in enumerate(ids):
                                 view[d].copy_(src[k])
                             torch.accelerator.synchronize(view.device)  # written before the lock is let go

@@ -10,10 +10,10 @@ prepares the remote descriptor list once (cached per ``target_id``). Each push i
 polls ``check_xfer_state()`` and releases the request when done. The receiver sees the
 notification through ``get_new_notifs()`` once the data is in place.
 
-Settings that matter on a small CPU-only machine (see ``/work/shared/FACTS.md``): with the
-progress thread OFF the transfer advances inside ``transfer()``/``check_xfer_state()`` (so the
-sender must poll its handles, and a receiver must call ``poll_notifications`` regularly); a
-progress thread competing with busy polling halves the bandwidth on 2 cores. The UCX backend is
+Settings that matter on a small CPU-only machine: with the progress thread OFF the transfer advances
+inside ``transfer()``/``check_xfer_state()`` (so the sender must poll its handles, and a receiver must call
+``poll_notifications`` regularly); a progress thread competing with busy polling for few cores costs
+bandwidth. The UCX backend is
 created with ``ucx_error_handling_mode="none"`` by default (faster between Ray actors, and
 required for ``UCX_TLS=sm,self``). An empty ``UCX_TLS`` breaks UCX.
 """

@@ -1,7 +1,7 @@
 """A router process: one ``Router`` and its gRPC server in a Ray actor of its own.
 
 The decode workers hold a handle to it (they ask ``alive()`` to learn when it died), and Ray loads this
-module wherever a handle is deserialised: the HTTP API (FastAPI, ~16 MB) loads only when a server starts.
+module wherever a handle is deserialised: the HTTP API (FastAPI, a heavy import) loads only when a server starts.
 
 ``pdserve serve --routers N`` starts N of them in front of the same workers. They bind one port with
 ``SO_REUSEPORT`` (gRPC sets it by default on Linux), so the kernel spreads client *connections* over

@@ -9,11 +9,11 @@ Model per role (seconds; the regressors are ``cost_model.linear_features``)::
 Roles (``cost_model.ROLES``) are where a step ran: ``colocated`` (a decode worker of a deployment
 without prefill workers: mixed steps), ``prefill`` (a prefill worker: prompts only), ``decode`` (a
 decode worker of a disaggregated deployment: decode-only steps, every prompt's KV received) and
-``auto-decode`` (a decode worker under ``auto``: local prefills too, fewer KV transfers; measured
-decode-only steps there ran 12 % slower relative to the pooled fit than on disaggregated decode
-workers, so the two are fitted apart; without records of its own it takes ``decode``'s fit). The
-same engine does the same arithmetic everywhere; the roles differ in what else the 2 shared cores run
-at the time, which is what a per-role fit captures. ``all`` fits every record; a role that never
+``auto-decode`` (a decode worker under ``auto``: local prefills too, fewer KV transfers; its
+decode-only steps can run slower relative to the pooled fit than on disaggregated decode workers, so
+the two are fitted apart; without records of its own it takes ``decode``'s fit). The same engine does
+the same arithmetic everywhere; the roles differ in what else the machine's shared cores run at the
+time, which is what a per-role fit captures. ``all`` fits every record; a role that never
 exercises a term (a prefill worker never decodes) takes that coefficient from ``all``.
 
 ``fit_role`` is a median regression of the relative error with every coefficient >= 0, so the fit is

@@ -47,8 +47,8 @@ to three 100-token ones makes the step gather 4 x 1500 keys, not 1800: summed co
 under-price such a step and, fitted over many uniform ones, over-price the uniform steps.
 
 ``s[n]`` is a small step's own cost: a matrix product of a few rows does not cost a linear function of
-the rows. On a 2-core AMD EPYC VM a decode step of 2 or 3 sequences of the ``bench`` model took about
-as long as one of 4 (20 and 28 ms against 25), where a line through the sizes priced them 19-31 % low.
+the rows (a CPU kernel may multiply 2, 3 and 4 rows at one speed, so a line through the sizes would price
+the smaller steps low).
 """
 
 from __future__ import annotations

@@ -188,8 +188,8 @@ BASE_TERMS = (
     "per_decode_key_s",  # per key a decode token's attention reads, padded as the engine pads (its KV read included)
     "per_prefill_kv_read_token_s",  # per cached token a prefill chunk reads (gathers) before its own keys
 )
-# per step of exactly n tokens: the matrix kernels' cost is not linear in a few rows (on a 2-core AMD EPYC VM
-# a decode step of 2 or 3 sequences cost about as much as one of 4: MKL multiplies 2-4 rows at one speed)
+# per step of exactly n tokens: the matrix kernels' cost is not linear in a few rows (a CPU kernel may
+# multiply 2-4 rows at one speed, so a decode step of 2 or 3 sequences costs about as much as one of 4)
 SMALL_STEP_TERMS = tuple(f"step_of_{n}_tokens_s" for n in range(1, SMALL_STEP_TOKENS + 1))
 LINEAR_TERMS = BASE_TERMS + SMALL_STEP_TERMS
 RATIO_PERCENTILES = tuple(range(101))
@@ -280,7 +280,7 @@ class LinearProfile:
 
     model: str
     roles: dict[str, RoleFit]
-    kv_link_bw: float = 2 * GB  # NIXL between two processes on one machine: 2–8 GB/s (FACTS.md)
+    kv_link_bw: float = 2 * GB  # below what NIXL moves between two processes on one machine (docs/benchmarks.md)
     kv_link_latency_s: float = 200e-6
     token_latency_s: float = 0.0
     control_latency_s: float = 0.0
