@@ -103,6 +103,7 @@ def _plan(tiny, meter: FakeMeter | None, **overrides) -> KVCapacity:
     return plan_kv_capacity(config, model, model_config, torch.bfloat16, CPU, meter)
 
 
+@pytest.mark.slow
 def test_the_kv_pool_takes_what_the_gpus_share_leaves_after_weights_and_a_step(tiny):
     block_bytes = kv_block_bytes(tiny[0], 16, torch.bfloat16)
     h200 = FakeMeter(total=140 * GiB, free=120 * GiB, weights=16 * GiB, step=2 * GiB)

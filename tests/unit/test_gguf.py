@@ -87,6 +87,7 @@ def hf_tokenizer(smollm2_file):
     return transformers.AutoTokenizer.from_pretrained(smollm2_file.parent, gguf_file=smollm2_file.name)
 
 
+@pytest.mark.slow
 def test_smollm2_preset_reads_the_architecture_from_the_gguf_metadata(engine):
     config = ModelConfig.load("smollm2")
     assert config == engine.model_config
@@ -114,6 +115,7 @@ def _hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id=None)
 @pytest.mark.parametrize(
     "question, chat", [(QUESTIONS[0], True), (QUESTIONS[1], True), (QUESTIONS[1], False)], ids=["chat", "long", "raw"]
 )
+@pytest.mark.slow
 def test_logits_and_greedy_tokens_match_transformers(engine, hf_model, question, chat):
     text = engine.tokenizer.apply_chat_template([{"role": "user", "content": question}]) if chat else question
     prompt = engine.tokenizer.encode(text)
@@ -161,6 +163,7 @@ def test_cli_generate_offline_answers_with_the_chat_template(capsys):
     assert "finish reason: stop" in out.err
 
 
+@pytest.mark.slow
 def test_tokenizer_matches_transformers(engine, hf_tokenizer):
     for text in TEXTS:
         ids = engine.tokenizer.encode(text)

@@ -97,6 +97,7 @@ def test_int8_weight_keeps_every_value_within_half_a_step():
     assert bf16_head(x.bfloat16()).dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_stored_blocks_decode_like_the_gguf_package():
     checkpoint = read_gguf(checkpoint_preset_file("smollm2"))
     layer = "model.layers.0"
@@ -170,6 +171,7 @@ def _top1_agreement(engine: LLMEngine, reference: LLMEngine, near_ties: bool = F
     return agree / total
 
 
+@pytest.mark.slow
 def test_quantized_smollm2_agrees_with_the_float32_reference(reference_engine, quantized_engine):
     """The int4 kernels on bfloat16 inputs, the rest of the model in float32."""
     model = quantized_engine.runner.model
@@ -279,6 +281,7 @@ def test_float16_smollm2_agrees_with_the_float32_reference_and_answers(reference
     _assert_answers_the_demo_questions(float16_engine)
 
 
+@pytest.mark.slow
 def test_float16_smollm2_gives_a_request_the_same_tokens_alone_and_in_any_batch(float16_engine):
     """Decode batches of 1 to 5 rows and chunked prefills of several prompts: the rows' sizes that FBGEMM pads."""
     tokenizer = float16_engine.tokenizer
@@ -292,6 +295,7 @@ def test_float16_smollm2_gives_a_request_the_same_tokens_alone_and_in_any_batch(
 
 
 @pytest.mark.parametrize("quantization", ["native", "float16"])
+@pytest.mark.slow
 def test_a_prompts_logits_do_not_depend_on_how_it_is_chunked(quantization):
     """Bit for bit, across token budgets that cut a 700-token prompt in different places (its keys span more
     than one of the attention kernel's 512-key blocks), where this CPU's attention kernel passes the probe that
@@ -317,6 +321,7 @@ def _chat_ids(engine: LLMEngine, question: str) -> list[int]:
 
 
 @pytest.mark.parametrize("quantization", ["native", "float16"])
+@pytest.mark.slow
 def test_a_prompts_tokens_and_logits_do_not_depend_on_the_prefix_cache(quantization):
     """The haiku chat prompt (38 tokens) with 0, 16 and 32 of its tokens from the prefix cache: 16 after another
     chat prompt shares its first block (the system prompt), 32 after the prompt itself. Its prompt logits and
@@ -369,6 +374,7 @@ def _decode_logprobs(engine: LLMEngine, prompts: list[str], params: SamplingPara
     return seen
 
 
+@pytest.mark.slow
 def test_a_decode_gets_the_same_bits_beside_a_longer_request(quantized_engine):
     """A 300-token request decodes alone, then beside a 700-token one: its keys span 512 then 1024 positions in
     the shared decode call (padded, masked), and its tokens and log-probabilities must not change a bit."""

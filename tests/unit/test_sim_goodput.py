@@ -77,6 +77,7 @@ def _json_out(capsys, argv):
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow
 def test_cli_goodput_and_pd_search_as_json(tmp_path, capsys):
     common = ["--num-requests", "16", "--rate", "6", "--prompt-len-mean", "800", "--output-len-mean", "20"]
     common += ["--seed", "1", "--slo", "ttft=400,tpot=40", "--max-chunk-tokens", "512", "--pd-min-duration", "1"]

@@ -365,6 +365,7 @@ def test_chunk_sweep_knee_and_rate_search():
     )
 
 
+@pytest.mark.slow
 def test_pd_search_over_shapes_parallelism_gpu_counts_and_seeds():
     from pdserve.sim.experiments import SearchSpace, shape_goodputs
 

@@ -21,6 +21,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 
 @pytest.mark.parametrize("model", ["tiny", "smollm2"])
+@pytest.mark.slow
 def test_the_exported_folder_gives_the_same_ids_and_chat_prompt(tmp_path, capsys, model):
     out = tmp_path / "tok"
     assert main(["tokenizer", "export", str(out), "--model", model]) == 0
