@@ -251,8 +251,9 @@ class EngineConfig:
         "auto",
         "native: keep a GGUF file's Q4_0/Q4_1/Q8_0 weights as they ship (int4/int8 weight-only GEMM); float16: "
         "store every weight in float16 and compute in float32 (half the bytes per decode step); none: "
-        "dequantise every weight to --dtype; auto, for a GGUF file with Q4/Q8 weights: float16 on an x86 CPU "
-        "(torch's FBGEMM kernel), native on CUDA and on other AVX-512 CPUs, else none",
+        "dequantise every weight to --dtype; auto, for a GGUF file with Q4/Q8 weights: native on CUDA and on an "
+        "AVX-512 CPU whose attention passes the start-up width probe, else float16 on an x86 CPU (torch's FBGEMM "
+        "kernel), else native where the int4/int8 kernels run fast, else none",
         choices=QUANTIZATION_MODES,
     )
     kv_cache_dtype: str = option(
