@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 VLLM_VERSION = "0.32.0"
 UNWANTED_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
@@ -137,7 +138,9 @@ def token_id_mismatches(
     python: Path, folder: Path, checkpoint: str, texts: Sequence[str] = TOKEN_CHECK_TEXTS
 ) -> list[str]:
     """The texts that vLLM's ``transformers`` (``AutoTokenizer`` on ``folder``, in vLLM's venv) tokenizes
-    otherwise than pdserve's tokenizer of ``checkpoint``, each with both id lists; empty when all agree."""
+    otherwise than pdserve's tokenizer of ``checkpoint``, each with both id lists; empty when all agree. The
+    texts' own tokens are compared, without the BOS/EOS a tokenizer adds around them (transformers' generic
+    fast tokenizer ignores ``add_bos_token``; the benchmark sends token ids, so only the split matters)."""
     from pdserve.engine.tokenizer import load_tokenizer
 
     ours = load_tokenizer(checkpoint)
@@ -162,8 +165,18 @@ def token_id_mismatches(
     return [
         f"{text!r}: pdserve {mine} vs vLLM {other}"
         for text, other in zip(texts, theirs, strict=True)
-        if (mine := ours.encode(text)) != other
+        if (mine := content_ids(ours, text)) != other
     ]
+
+
+def content_ids(tokenizer: Any, text: str) -> list[int]:
+    """``tokenizer.encode(text)`` without the BOS and EOS it adds to every text."""
+    ids = tokenizer.encode(text)
+    if getattr(tokenizer, "add_bos_token", False) and ids[:1] == [tokenizer.bos_token_id]:
+        ids = ids[1:]
+    if getattr(tokenizer, "add_eos_token", False) and ids and ids[-1] in tokenizer.eos_token_ids:
+        ids = ids[:-1]
+    return ids
 
 
 def kv_tokens(kv_gib: float, kv_bytes_per_token: int) -> int:

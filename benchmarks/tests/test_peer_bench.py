@@ -281,3 +281,17 @@ def peer_bench_model_config():
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
         num_key_value_heads=3, head_dim=64,
     )  # fmt: skip
+
+
+def test_the_token_check_compares_a_texts_own_tokens_without_the_bos_and_eos_added_around_them():
+    from types import SimpleNamespace
+
+    import vllm_peer
+
+    adds_both = SimpleNamespace(
+        encode=lambda text: [1, *map(ord, text), 2], add_bos_token=True, bos_token_id=1, add_eos_token=True,
+        eos_token_ids=(2,),
+    )  # fmt: skip
+    assert vllm_peer.content_ids(adds_both, "ab") == [97, 98]
+    adds_none = SimpleNamespace(encode=lambda text: [1, *map(ord, text)], add_bos_token=False, eos_token_ids=())
+    assert vllm_peer.content_ids(adds_none, "ab") == [1, 97, 98]  # a 1 that the text itself gives stays
