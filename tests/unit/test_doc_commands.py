@@ -1,5 +1,6 @@
 """The commands README.md and docs/ show with their output, run as written (the cheap ones: no Ray, no server),
-and compared with what the page shows. The ones that need a deployment are in ``tests/e2e/test_doc_commands.py``."""
+and compared with what the page shows. The ones that need a deployment are in
+``tests/e2e/test_served_doc_commands.py``."""
 
 from __future__ import annotations
 
